@@ -1,0 +1,1 @@
+"""Generic helpers with no RL or Megatron domain logic."""

