@@ -1,0 +1,302 @@
+"""The PPO/GRPO controller: one training step as a short program over worker groups.
+
+``RayPPOTrainer.train_step`` is the data flow of DESIGN.md section 2, stage by stage::
+
+    prompts -> repeat n -> rollout -> reward -> old log-probs -> ref log-probs -> values
+            -> KL (in reward or not) -> advantages -> critic update -> actor update
+
+Weights never pass through the controller: the actor group's next ``generate_sequences``
+reshards the updated training weights into the rollout engine (the 3D-HybridEngine).
+Variants are table lookups (``KL_STAGES``), not branches in the step. What the controller
+needs from its worker groups is the small :class:`WorkerGroups` interface, so the loop is
+tested with fake workers as well as with real Megatron/vLLM groups.
+"""
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from megaflow.protocol import DataProto
+from megaflow.trainer.checkpoint import CheckpointManager
+from megaflow.trainer.stages import compute_advantage, compute_data_metrics, kl_in_reward, scores_as_rewards
+
+PROMPT_KEYS = ["input_ids", "attention_mask", "position_ids"]
+
+
+@dataclass
+class WorkerGroups:
+    """The worker groups a step talks to (None where the role is not configured).
+
+    ``actor`` must provide ``generate_sequences``, ``compute_log_prob``, ``update_actor``,
+    ``save_checkpoint(path)`` and ``load_checkpoint(path)``; ``ref`` provides
+    ``compute_ref_log_prob``; ``critic`` provides ``compute_values``, ``update_critic`` and
+    the checkpoint methods; ``reward_model`` provides ``compute_rm_score``.
+    """
+
+    actor: Any
+    ref: Any | None = None
+    critic: Any | None = None
+    reward_model: Any | None = None
+
+
+@contextmanager
+def _timer(name: str, timings: dict[str, float]) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    timings[f"timing_s/{name}"] = time.perf_counter() - start
+
+
+def _worker_metrics(out: DataProto) -> dict[str, float]:
+    return {k: float(v) for k, v in out.meta_info.get("metrics", {}).items()}
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Python, numpy and torch RNG states, for exact resume."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+class RayPPOTrainer:
+    """Drives PPO-family training from the controller process.
+
+    Args:
+        cfg: the run's :class:`megaflow.config.Config`.
+        groups: the worker groups.
+        reward_fn: ``DataProto -> DataProto`` adding ``token_level_scores`` ``[B, R]``
+            (rule rewards on the controller; the reward model's scores, when configured,
+            are added to them).
+        train_loader: resumable prompt loader: iterable of prompt DataProtos with
+            ``state_dict()`` / ``load_state_dict()``.
+        val_loader: optional iterable of validation prompt DataProtos.
+        tracker: metrics sink with ``log(metrics, step)`` (console/JSONL/TensorBoard).
+        checkpoints: where checkpoints go (None disables saving).
+        config_yaml: the resolved config as YAML, written into every checkpoint.
+    """
+
+    def __init__(self, cfg: Any, groups: WorkerGroups, reward_fn: Callable[[DataProto], DataProto],
+                 train_loader: Any, val_loader: Any = None, tracker: Any = None,
+                 checkpoints: CheckpointManager | None = None, config_yaml: str | None = None):
+        self.cfg = cfg
+        self.groups = groups
+        self.reward_fn = reward_fn
+        self.train_loader = train_loader
+        self.val_loader = val_loader
+        self.tracker = tracker
+        self.checkpoints = checkpoints
+        self.config_yaml = config_yaml
+        algo = cfg.algorithm
+        from megaflow.algorithms import build_kl_controller
+
+        self.kl_ctrl = build_kl_controller(algo.kl_ctrl.type, kl_coef=algo.kl_ctrl.kl_coef,
+                                           target_kl=algo.kl_ctrl.target_kl, horizon=algo.kl_ctrl.horizon)
+        self.global_step = 0
+        self._train_iter: Iterator[DataProto] | None = None
+
+    # ------------------------------------------------------------------ the step
+    def train_step(self, prompts: DataProto) -> dict[str, float]:
+        """One PPO/GRPO step on a batch of prompts; returns the step's metrics."""
+        g, algo, t = self.groups, self.cfg.algorithm, {}
+        with _timer("gen", t):
+            batch = self.rollout(prompts, self.cfg.rollout.n, greedy=False)
+        if algo.adv_estimator == "remax":
+            with _timer("gen_greedy", t):
+                batch = self.add_greedy_baseline(prompts, batch)
+        with _timer("reward", t):
+            batch = self.score(batch)
+        with _timer("old_log_prob", t):
+            batch = batch.union(g.actor.compute_log_prob(batch))
+        if g.ref is not None:
+            with _timer("ref", t):
+                batch = batch.union(g.ref.compute_ref_log_prob(batch))
+        if g.critic is not None:
+            with _timer("values", t):
+                batch = batch.union(g.critic.compute_values(batch))
+        with _timer("adv", t):
+            batch, metrics = KL_STAGES[bool(algo.use_kl_in_reward)](self, batch)
+            batch = compute_advantage(batch, algo.adv_estimator, gamma=algo.gamma, lam=algo.lam,
+                                      norm_adv_by_std=algo.norm_adv_by_std)
+        batch.meta_info["global_step"] = self.global_step
+        if g.critic is not None:
+            with _timer("update_critic", t):
+                metrics.update(_worker_metrics(g.critic.update_critic(batch)))
+        with _timer("update_actor", t):
+            metrics.update(_worker_metrics(g.actor.update_actor(batch)))
+        metrics.update(compute_data_metrics(batch, self.cfg.rollout.response_length))
+        metrics.update(t)
+        num_tokens = int(batch.batch["attention_mask"].sum())
+        metrics["perf/total_num_tokens"] = num_tokens
+        metrics["perf/throughput_tokens_per_s"] = num_tokens / max(sum(t.values()), 1e-9)
+        return metrics
+
+    def rollout(self, prompts: DataProto, n: int, *, greedy: bool) -> DataProto:
+        """Repeat each prompt ``n`` times (samples of one prompt share a ``uid``) and generate.
+
+        Returns the prompts' non-tensor fields joined with the rollout's outputs
+        (``prompts``, ``responses``, ``input_ids``, ``attention_mask``, ``position_ids``,
+        ``response_mask``, ``rollout_log_probs``).
+        """
+        prompts = prompts.union(DataProto.from_dict(
+            non_tensors={"uid": [uuid.uuid4().hex for _ in range(len(prompts))]})) \
+            if "uid" not in prompts.non_tensor_batch else prompts
+        gen_in = prompts.select(batch_keys=PROMPT_KEYS).repeat(n, interleave=True)
+        gen_in.meta_info.update(self.sampling_params(greedy=greedy))
+        out = self.groups.actor.generate_sequences(gen_in)
+        rest = prompts.select(batch_keys=[k for k in prompts.batch.keys() if k not in PROMPT_KEYS])
+        rest = rest.repeat(n, interleave=True)
+        if rest.batch is not None and len(rest.batch.keys()) == 0:
+            rest.batch = None
+        out.meta_info = {}
+        return rest.union(out)
+
+    def sampling_params(self, *, greedy: bool) -> dict[str, Any]:
+        """The rollout's sampling parameters for one call (``meta_info`` of the generate call).
+
+        The seed changes every step so samples differ across steps but are reproducible
+        (and identical on the ranks of one generation TP group) for a given run seed.
+        """
+        r = self.cfg.rollout
+        return {"temperature": 0.0 if greedy else r.temperature, "top_p": 1.0 if greedy else r.top_p,
+                "top_k": -1 if greedy else r.top_k, "response_length": r.response_length,
+                "do_sample": not greedy, "seed": self.cfg.trainer.seed * 100_003 + self.global_step}
+
+    def add_greedy_baseline(self, prompts: DataProto, batch: DataProto) -> DataProto:
+        """ReMax (Li et al. 2023): the reward of each prompt's greedy response is its baseline."""
+        greedy = self.score(self.rollout(prompts, 1, greedy=True))
+        baseline = greedy.batch["token_level_scores"].sum(-1).repeat_interleave(self.cfg.rollout.n)
+        return batch.union(DataProto.from_dict({"baseline_rewards": baseline}))
+
+    def score(self, batch: DataProto) -> DataProto:
+        """Add ``token_level_scores``: rule rewards, plus reward-model scores when configured."""
+        scored = self.reward_fn(batch)
+        if self.groups.reward_model is not None:
+            rm = self.groups.reward_model.compute_rm_score(batch)
+            scores = scored.batch["token_level_scores"] + rm.batch["rm_scores"]
+            scored = DataProto.from_dict({"token_level_scores": scores})
+        return batch.union(scored.select(batch_keys=["token_level_scores"]))
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict[str, float]:
+        """Train to ``trainer.total_steps``, validating and checkpointing on their cadence.
+
+        Returns the last step's metrics.
+        """
+        from tqdm import tqdm
+
+        tr = self.cfg.trainer
+        self.resume()
+        last: dict[str, float] = {}
+        if tr.test_freq > 0 and self.global_step == 0 and self.val_loader is not None:
+            self._log(self.validate(), self.global_step)
+        bar = tqdm(total=tr.total_steps, initial=self.global_step, desc="megaflow", unit="step",
+                   dynamic_ncols=True)
+        while self.global_step < tr.total_steps:
+            prompts = self.next_prompts()
+            step_start = time.perf_counter()
+            metrics = self.train_step(prompts)
+            self.global_step += 1
+            metrics["timing_s/step"] = time.perf_counter() - step_start
+            if self.val_loader is not None and tr.test_freq > 0 and \
+                    (self.global_step % tr.test_freq == 0 or self.global_step == tr.total_steps):
+                metrics.update(self.validate())
+            self._log(metrics, self.global_step)
+            if self.checkpoints is not None and tr.save_freq > 0 and \
+                    (self.global_step % tr.save_freq == 0 or self.global_step == tr.total_steps):
+                self.save_checkpoint()
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}",
+                            step_s=f"{metrics['timing_s/step']:.1f}")
+            last = metrics
+        bar.close()
+        return last
+
+    def next_prompts(self) -> DataProto:
+        """The next prompt batch; the loader's epoch advances (reshuffled) when it runs out."""
+        if self._train_iter is None:
+            self._train_iter = iter(self.train_loader)
+        try:
+            return next(self._train_iter)
+        except StopIteration:
+            self._train_iter = iter(self.train_loader)
+            return next(self._train_iter)
+
+    def validate(self) -> dict[str, float]:
+        """Score the validation prompts (greedy unless ``rollout.val_do_sample``)."""
+        scores, sources = [], []
+        greedy = not self.cfg.rollout.val_do_sample
+        for prompts in self.val_loader:
+            batch = self.score(self.rollout(prompts, 1, greedy=greedy))
+            scores.append(batch.batch["token_level_scores"].sum(-1))
+            sources.extend(batch.non_tensor_batch.get("data_source", ["val"] * len(batch)))
+        if not scores:
+            return {}
+        all_scores = torch.cat(scores).float()
+        metrics = {"val/score/mean": all_scores.mean().item()}
+        src = np.asarray(sources, dtype=object)
+        for s in np.unique(src):
+            metrics[f"val/score/{s}"] = all_scores[torch.as_tensor(src == s)].mean().item()
+        return metrics
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        if self.tracker is not None and metrics:
+            self.tracker.log(metrics, step=step)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        """Save every stateful part into one atomic checkpoint directory."""
+        pending = self.checkpoints.begin(self.global_step)
+        parts = ["trainer_state.pt", "actor"]
+        self.groups.actor.save_checkpoint(str(pending.path / "actor"))
+        if self.groups.critic is not None:
+            self.groups.critic.save_checkpoint(str(pending.path / "critic"))
+            parts.append("critic")
+        state = {"global_step": self.global_step, "kl_ctrl": self.kl_ctrl.state_dict(),
+                 "train_loader": self.train_loader.state_dict(), "rng": capture_rng_state()}
+        torch.save(state, pending.path / "trainer_state.pt")
+        if self.config_yaml is not None:
+            (pending.path / "config.yaml").write_text(self.config_yaml)
+        return self.checkpoints.commit(pending, required_parts=tuple(parts))
+
+    def resume(self) -> None:
+        """Restore from ``trainer.resume`` (``disable``, ``auto`` or a checkpoint path)."""
+        if self.checkpoints is None:
+            return
+        path = self.checkpoints.resolve(self.cfg.trainer.resume)
+        if path is None:
+            return
+        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        self.groups.actor.load_checkpoint(str(path / "actor"))
+        if self.groups.critic is not None:
+            self.groups.critic.load_checkpoint(str(path / "critic"))
+        self.global_step = state["global_step"]
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.train_loader.load_state_dict(state["train_loader"])
+        self._train_iter = None
+        restore_rng_state(state["rng"])
+        print(f"[megaflow] resumed from {path} at step {self.global_step}", flush=True)
+
+
+def _kl_in_reward_stage(trainer: RayPPOTrainer, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
+    return kl_in_reward(batch, trainer.kl_ctrl, trainer.cfg.algorithm.kl_penalty)
+
+
+def _no_kl_stage(trainer: RayPPOTrainer, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
+    return scores_as_rewards(batch)
+
+
+#: ``algorithm.use_kl_in_reward`` -> the stage that turns scores into rewards.
+KL_STAGES = {True: _kl_in_reward_stage, False: _no_kl_stage}
+
+__all__ = ["RayPPOTrainer", "WorkerGroups", "KL_STAGES", "capture_rng_state", "restore_rng_state"]

@@ -1,0 +1,110 @@
+"""The controller's light math on a step's batch: KL in the reward, advantages, batch metrics.
+
+These run on the controller between worker-group calls (DESIGN.md section 2). Each is a
+function of a :class:`~megaflow.protocol.DataProto` and plain settings, so the trainer's
+step reads as a list of stages and each stage is tested on its own.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from megaflow.algorithms import apply_kl_penalty, compute_advantages, masked_mean
+from megaflow.protocol import DataProto
+
+
+def kl_in_reward(batch: DataProto, kl_ctrl: Any, kind: str) -> tuple[DataProto, dict[str, float]]:
+    """``token_level_rewards = token_level_scores - beta * KL(old || ref)`` per valid token.
+
+    Needs ``token_level_scores``, ``old_log_probs``, ``ref_log_probs``, ``response_mask``
+    (all ``[B, R]``). Updates the KL controller with the batch's KL (Ziegler et al. 2019).
+    """
+    b = batch.batch
+    rewards, metrics = apply_kl_penalty(b["token_level_scores"], b["old_log_probs"], b["ref_log_probs"],
+                                        b["response_mask"], kl_ctrl.value, kind)
+    kl_ctrl.update(metrics["kl"], n_steps=len(batch))
+    out = DataProto.from_dict({"token_level_rewards": rewards})
+    return batch.union(out), {"actor/reward_kl_penalty": metrics["kl"],
+                              "actor/reward_kl_penalty_coeff": metrics["kl_coef"]}
+
+
+def scores_as_rewards(batch: DataProto) -> tuple[DataProto, dict[str, float]]:
+    """No KL in the reward: ``token_level_rewards = token_level_scores``."""
+    out = DataProto.from_dict({"token_level_rewards": batch.batch["token_level_scores"].clone()})
+    return batch.union(out), {}
+
+
+def compute_advantage(batch: DataProto, estimator: str, *, gamma: float, lam: float,
+                      norm_adv_by_std: bool) -> DataProto:
+    """Add ``advantages`` and ``returns`` ``[B, R]`` with the named estimator.
+
+    ``values`` (critic), ``uid`` (groups) and ``baseline_rewards`` (ReMax's greedy reward,
+    ``[B]``) are passed when present; the estimator decides which it needs and raises a
+    clear error for a missing one.
+    """
+    b = batch.batch
+    keys = b.keys()
+    advantages, returns = compute_advantages(
+        estimator,
+        token_level_rewards=b["token_level_rewards"],
+        response_mask=b["response_mask"],
+        values=b["values"] if "values" in keys else None,
+        group_ids=batch.non_tensor_batch.get("uid"),
+        baseline_rewards=b["baseline_rewards"] if "baseline_rewards" in keys else None,
+        gamma=gamma, lam=lam, norm_by_std=norm_adv_by_std)
+    return batch.union(DataProto.from_dict({"advantages": advantages, "returns": returns}))
+
+
+def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
+    if x.numel() == 0:
+        return {}
+    x = x.float()
+    return {f"{prefix}/mean": x.mean().item(), f"{prefix}/max": x.max().item(),
+            f"{prefix}/min": x.min().item()}
+
+
+def compute_data_metrics(batch: DataProto, max_response_length: int) -> dict[str, float]:
+    """Per-step metrics of the batch: scores, rewards, advantages, lengths, train/rollout gap.
+
+    ``response_length/clip_ratio`` is the fraction of responses that hit
+    ``max_response_length`` (no EOS). ``training/rollout_probs_diff_*`` compares the
+    trainer's recomputed ``old_log_probs`` with the engine's ``rollout_log_probs`` on valid
+    tokens (absolute difference of probabilities), the standard check that rollout and
+    training agree.
+    """
+    b = batch.batch
+    mask = b["response_mask"].bool()
+    seq_scores = b["token_level_scores"].sum(-1)
+    seq_rewards = b["token_level_rewards"].sum(-1) if "token_level_rewards" in b.keys() else seq_scores
+    lengths = mask.sum(-1).float()
+    metrics = {"critic/score/std": seq_scores.float().std().item() if len(batch) > 1 else 0.0}
+    metrics.update(_stats("critic/score", seq_scores))
+    metrics.update(_stats("critic/rewards", seq_rewards))
+    if "advantages" in b.keys():
+        metrics.update(_stats("critic/advantages", b["advantages"][mask]))
+        metrics.update(_stats("critic/returns", b["returns"][mask]))
+    if "values" in b.keys():
+        metrics.update(_stats("critic/values", b["values"][mask]))
+    metrics.update(_stats("response_length", lengths))
+    metrics["response_length/clip_ratio"] = (lengths >= max_response_length).float().mean().item()
+    if "prompts" in b.keys():
+        metrics.update(_stats("prompt_length", (b["prompts"] != 0).sum(-1).float()
+                              if "attention_mask" not in b.keys()
+                              else b["attention_mask"][:, : b["prompts"].shape[1]].sum(-1).float()))
+    if "rollout_log_probs" in b.keys() and "old_log_probs" in b.keys() and mask.any():
+        diff = (b["old_log_probs"].exp() - b["rollout_log_probs"].exp()).abs()[mask]
+        metrics["training/rollout_probs_diff_mean"] = diff.mean().item()
+        metrics["training/rollout_probs_diff_max"] = diff.max().item()
+    if "entropys" in b.keys():
+        metrics["actor/entropy"] = masked_mean(b["entropys"], mask).item()
+    if "data_source" in batch.non_tensor_batch:
+        sources = batch.non_tensor_batch["data_source"]
+        for src in np.unique(sources):
+            sel = torch.as_tensor(sources == src)
+            metrics[f"critic/score/{src}"] = seq_scores[sel].float().mean().item()
+    return metrics
+
+
+__all__ = ["kl_in_reward", "scores_as_rewards", "compute_advantage", "compute_data_metrics"]
