@@ -40,7 +40,8 @@ from megaflow.algorithms.masked import masked_whiten
 class AdvantageInputs:
     """Validated inputs of every estimator (see :func:`compute_advantages`).
 
-    ``response_mask`` is a 0/1 float tensor of the rewards' dtype, ``valid_rows`` is the
+    ``response_mask`` is a 0/1 float tensor of the rewards' dtype; rewards and values are
+    0 at masked positions (whatever the caller had there). ``valid_rows`` is the
     ``[batch]`` bool "has at least one valid token", ``group_index`` is the dense
     ``[batch]`` int64 group index (or None when no ``group_ids`` were given).
     """
@@ -119,8 +120,7 @@ def _broadcast(per_row: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def _gae(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO with a critic: GAE advantages (batch-whitened when ``norm_by_std``); returns = A + V."""
-    mask = inputs.response_mask
-    values = torch.where(mask != 0, inputs.values, torch.zeros_like(inputs.values))
+    mask, values = inputs.response_mask, inputs.values
     advantages = masked_gae(inputs.token_level_rewards, values, mask, inputs.gamma, inputs.lam)
     returns = (advantages + values) * mask
     if inputs.norm_by_std:
@@ -234,6 +234,10 @@ def _check_required(spec: AdvantageEstimator, provided: dict[str, Any]) -> None:
             raise ValueError(f"advantage estimator {spec.name!r} requires {name!r}, which was not given")
 
 
+def _zero_invalid(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return torch.where(valid, x.detach(), torch.zeros_like(x))
+
+
 def _check_rate(name: str, value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
         raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
@@ -290,21 +294,29 @@ def compute_advantages(
     if epsilon < 0:
         raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
     dtype = torch.promote_types(token_level_rewards.dtype, torch.float32)
-    rewards = token_level_rewards.detach().to(dtype)
-    batch = rewards.shape[0]
+    batch = token_level_rewards.shape[0]
+
+    # inputs the estimator does not need are ignored (neither validated nor passed on)
+    values = values if "values" in spec.requires else None
+    baseline_rewards = baseline_rewards if "baseline_rewards" in spec.requires else None
+    group_ids = group_ids if "group_ids" in spec.requires else None
 
     with torch.no_grad():
-        mask = (response_mask.to(rewards.device) != 0).to(dtype)
-        if values is not None and "values" in spec.requires:
+        valid = response_mask.to(token_level_rewards.device) != 0
+        mask = valid.to(dtype)
+        rewards = _zero_invalid(token_level_rewards.to(dtype), valid)
+        if values is not None:
             check_same_shape("token_level_rewards", token_level_rewards, values=values)
-            values = values.detach().to(dtype)
-        if baseline_rewards is not None and "baseline_rewards" in spec.requires:
+            values = _zero_invalid(values.to(device=rewards.device, dtype=dtype), valid)
+        if baseline_rewards is not None:
             check_tensor("baseline_rewards", baseline_rewards, ndim=1)
             if baseline_rewards.shape[0] != batch:
-                raise ValueError(f"baseline_rewards must have shape [{batch}], got {tuple(baseline_rewards.shape)}")
+                raise ValueError(
+                    f"baseline_rewards must have shape [{batch}], got {tuple(baseline_rewards.shape)}"
+                )
             baseline_rewards = baseline_rewards.detach().to(device=rewards.device, dtype=dtype)
         index = None
-        if group_ids is not None and "group_ids" in spec.requires:
+        if group_ids is not None:
             index = group_index(group_ids, batch).to(rewards.device)
         inputs = AdvantageInputs(
             token_level_rewards=rewards,

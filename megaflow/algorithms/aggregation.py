@@ -34,8 +34,11 @@ correct value for an unsplit batch.
 
 Note for the engine: the result of a micro-batch is a *partial sum*. Gradient
 accumulation must add micro-batch gradients (not average them) and the DP gradient
-reduction must sum; with an averaging reduction (Megatron DDP's default) multiply the
-loss by ``dp_size`` first.
+reduction must sum. megatron-core (0.16) does neither by default: its schedule divides
+a loss returned as ``(loss, reduced)`` by ``num_microbatches`` (and multiplies it by the
+CP size), and its DDP averages gradients over DP. So a loss callback multiplies the
+result by ``num_microbatches * dp_size`` (or the equivalent configuration) before
+handing it to Megatron.
 """
 from __future__ import annotations
 
