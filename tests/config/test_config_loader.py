@@ -1,0 +1,111 @@
+"""Recipes, command-line overrides, YAML round trips."""
+import pytest
+import yaml
+
+from megaflow.config import ConfigError, build_plan, config_from_dict, dump_config, format_plan, list_recipes, load_config
+from megaflow.config.loader import apply_override, parse_override
+
+SHIPPED = ["tiny_arith_grpo", "smollm2_gsm8k_grpo", "llama70b_ppo", "qwen25_7b_gsm8k_grpo", "llama3_8b_ppo"]
+
+
+def test_the_promised_recipes_are_shipped():
+    assert set(SHIPPED) <= set(list_recipes())
+
+
+@pytest.mark.parametrize("name", list_recipes())
+def test_every_recipe_loads_and_its_dry_run_fits(name):
+    cfg = load_config(name)
+    assert cfg.trainer.experiment_name == name
+    plan = build_plan(cfg)
+    text = format_plan(plan)
+    assert plan.fits, text
+    for fragment in (f"megaflow dry run: {name}", "pools", "actor (pool", "tp groups", "dp groups", "pp groups",
+                     "rollout (in the actor's processes)", "micro-dp groups", "memory per rank by phase", "fits"):
+        assert fragment in text, fragment
+
+
+def test_default_recipe_layout_is_the_promised_one():
+    cfg = load_config("tiny_arith_grpo")
+    assert cfg.model.hf_config["model_type"] == "llama" and cfg.model.tokenizer == "arith"
+    assert cfg.actor.tp * cfg.actor.pp == 2 and cfg.resources.procs_per_node == 2
+    assert cfg.rollout.engine == "vllm" and cfg.algorithm.adv_estimator == "grpo"
+    assert cfg.resources.use_gpu is False
+
+
+@pytest.mark.parametrize("item, key, value", [
+    ("trainer.total_steps=3", "trainer.total_steps", 3),
+    ("actor.optim.lr=1e-5", "actor.optim.lr", "1e-5"),       # YAML 1.1: a string, coerced later
+    ("actor.optim.lr=0.001", "actor.optim.lr", 0.001),
+    ("ref.enabled=true", "ref.enabled", True),
+    ("trainer.total_steps=null", "trainer.total_steps", None),
+    ("trainer.logger=[console,wandb]", "trainer.logger", ["console", "wandb"]),
+    ("model.path=/models/x", "model.path", "/models/x"),
+    ("data.val_batch_size=", "data.val_batch_size", None),
+])
+def test_override_values_are_typed_as_yaml(item, key, value):
+    assert parse_override(item) == (key, value)
+
+
+@pytest.mark.parametrize("item", ["trainer.total_steps", "=3", "trainer..x=1", "a b=1"])
+def test_malformed_override_is_rejected(item):
+    with pytest.raises(ConfigError, match="expected key.sub=value"):
+        parse_override(item)
+
+
+def test_overrides_apply_in_order_over_the_recipe():
+    cfg = load_config("tiny_arith_grpo", ["trainer.total_steps=3", "actor.optim.lr=1e-5",
+                                          "model.hf_config.num_hidden_layers=4", "trainer.total_steps=5"])
+    assert cfg.trainer.total_steps == 5 and cfg.actor.optim.lr == 1e-5
+    assert cfg.model.hf_config["num_hidden_layers"] == 4 and cfg.model.hf_config["hidden_size"] == 128
+
+
+def test_override_inside_a_scalar_is_rejected():
+    with pytest.raises(ConfigError, match=r"^actor\.tp: is 2, not a section"):
+        apply_override({"actor": {"tp": 2}}, "actor.tp.x", 1)
+
+
+def test_unknown_override_key_suggests_and_names_the_recipe():
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny_arith_grpo", ["trainer.total_step=3"])
+    msg = str(err.value)
+    assert msg.startswith("trainer.total_step: unknown key; did you mean trainer.total_steps")
+    assert "tiny_arith_grpo.yaml" in msg
+
+
+def test_wrong_type_override_names_key_type_and_value():
+    with pytest.raises(TypeError, match=r"^actor\.ppo_epochs: expected int, got str 'many'"):
+        load_config("tiny_arith_grpo", ["actor.ppo_epochs=many"])
+
+
+def test_unknown_recipe_suggests_a_shipped_one():
+    with pytest.raises(FileNotFoundError, match="did you mean tiny_arith_grpo"):
+        load_config("tiny_arith_grp")
+
+
+def test_recipe_path_and_invalid_yaml(tmp_path):
+    good = tmp_path / "mine.yaml"
+    good.write_text(yaml.safe_dump({"model": {"hf_config": {"model_type": "llama", "hidden_size": 64,
+                                                             "intermediate_size": 128, "num_hidden_layers": 2,
+                                                             "num_attention_heads": 4, "vocab_size": 16},
+                                              "tokenizer": "arith"},
+                                    "data": {"task": "arith"}, "resources": {"use_gpu": False}}))
+    assert load_config(good).trainer.experiment_name == "mine"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("actor: [unclosed\n")
+    with pytest.raises(ConfigError, match="bad.yaml: invalid YAML"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(listy)
+
+
+@pytest.mark.parametrize("name", ["tiny_arith_grpo", "llama70b_ppo"])
+def test_dump_and_reload_round_trip(tmp_path, name):
+    cfg = load_config(name, ["trainer.total_steps=7"])
+    path = tmp_path / "config.yaml"
+    text = dump_config(cfg, path)
+    assert yaml.safe_load(text)["trainer"]["total_steps"] == 7
+    again = load_config(path)
+    assert again == cfg
+    assert config_from_dict(yaml.safe_load(text)) == cfg
