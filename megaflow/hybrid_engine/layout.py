@@ -1,0 +1,400 @@
+"""Layout planning for the 3D-HybridEngine: pure functions, plain frozen data, no processes.
+
+The actor trains in layout p-t-d (pipeline, tensor, data parallel sizes) and generates in
+layout p_g-t_g-d_g-d, where ``d_g = (p*t) / (p_g*t_g)`` is the micro data-parallel size:
+every training replica becomes ``d_g`` generation replicas (HybridFlow, Sheng et al. 2024,
+section 5 and Table 2; megaflow DESIGN.md section 5).
+
+Rank order. Global ranks follow megatron-core 0.16.1's default order ``"tp-cp-ep-dp-pp"``
+with cp = ep = 1, i.e. ``rank = tp_rank + t * (dp_rank + d * pp_rank)``: a *training TP
+block* is ``t`` consecutive ranks.
+
+Generation layout (derived, never chosen freely, because it is what lets a rank's training
+shard sit inside its generation shard with zero redundancy). With ``m = t / t_g`` and
+``k = p / p_g``:
+
+* ``gen_tp_rank = tp_rank // m`` and ``micro_tp = tp_rank % m``: the generation TP group is
+  the ranks at stride ``m`` inside a training TP block; the ranks ``j*m .. j*m+m-1`` of the
+  block (consecutive) all hold generation shard ``j``, which is the concatenation of their
+  training shards;
+* ``gen_pp_rank = pp_rank // k`` and ``micro_pp = pp_rank % k``: a generation stage folds
+  ``k`` consecutive training stages;
+* micro-DP group: the ``d_g = m*k`` ranks of one training replica with the same
+  ``(gen_tp_rank, gen_pp_rank)``, ordered by global rank; ``micro_dp_rank = micro_pp*m +
+  micro_tp``. Execution splits it into a *gather group* (the ``m`` consecutive ranks of one
+  stage, all-gather along the partition dim) and a *fold group* (the ``k`` ranks with the
+  same ``tp_rank`` across the folded stages, broadcast of each stage's buffers);
+* generation replica (the generation mesh's dp rank): ``dp_rank * d_g + micro_dp_rank``;
+  ``is_collect`` on the generation mesh: ``gen_tp_rank == 0 and gen_pp_rank == p_g - 1``
+  (DESIGN.md section 4; the pp condition only matters when p_g > 1).
+
+vLLM. vLLM builds its TP groups from *consecutive* ranks (layout ExternalDP x DP x PP x TP,
+TP fastest), whereas the generation TP groups above are strided. The training side cannot
+adapt: megatron's TP block must be consecutive and rank ``tp_rank`` must hold generation
+shard ``tp_rank // m`` for the alias. So **the rollout side adapts**: it builds vLLM's
+groups from :attr:`HybridLayout.vllm_rank_order` (vLLM rank -> global rank) instead of
+``arange(world_size)``; equivalently each generation TP group is
+:attr:`HybridLayout.gen_tp_groups` ``[i]`` (global ranks in generation TP rank order).
+"""
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+from typing import Optional, Sequence
+
+__all__ = [
+    "RankPlacement",
+    "HybridLayout",
+    "plan_hybrid_layout",
+    "ParamSpec",
+    "SlicePiece",
+    "GenShardPlan",
+    "plan_param_slices",
+    "ReshardCost",
+    "reshard_cost",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPlacement:
+    """Where one global rank sits in the training and in the generation layout."""
+
+    rank: int
+    tp_rank: int          # training TP rank
+    pp_rank: int          # training PP stage
+    dp_rank: int          # training DP rank (training replica)
+    gen_tp_rank: int      # TP rank inside the generation replica (= tp_rank // m)
+    gen_pp_rank: int      # PP stage inside the generation replica (= pp_rank // k)
+    gen_dp_rank: int      # generation replica index (dp rank of the generation mesh)
+    micro_dp_rank: int    # position inside the micro-DP group (= micro_pp * m + micro_tp)
+    is_collect: bool      # collect flag on the generation mesh
+    vllm_rank: int        # rank vLLM must see for its consecutive TP groups to match
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridLayout:
+    """Training layout p-t-d, generation layout p_g-t_g-d_g-d, and all their rank groups.
+
+    Every ``*_groups`` field is a tuple of groups, each a tuple of global ranks (in the
+    order the group's collective uses); together the groups of one kind partition the
+    world. ``ranks[r]`` is the :class:`RankPlacement` of global rank ``r``.
+    """
+
+    tp: int
+    pp: int
+    dp: int
+    gen_tp: int
+    gen_pp: int
+    ranks: tuple[RankPlacement, ...]
+    train_tp_groups: tuple[tuple[int, ...], ...]
+    train_pp_groups: tuple[tuple[int, ...], ...]
+    gen_tp_groups: tuple[tuple[int, ...], ...]    # index = gen replica * gen_pp + gen pp stage
+    gen_pp_groups: tuple[tuple[int, ...], ...]
+    micro_dp_groups: tuple[tuple[int, ...], ...]  # size d_g, ordered by micro_dp_rank
+    gather_groups: tuple[tuple[int, ...], ...]    # size m: all-gather along the partition dim
+    fold_groups: tuple[tuple[int, ...], ...]      # size k: broadcast of folded stages
+    vllm_rank_order: tuple[int, ...]              # vLLM rank -> global rank
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def tp_ratio(self) -> int:
+        """``m = t / t_g``: training TP shards per generation TP shard."""
+        return self.tp // self.gen_tp
+
+    @property
+    def pp_ratio(self) -> int:
+        """``k = p / p_g``: training stages per generation stage."""
+        return self.pp // self.gen_pp
+
+    @property
+    def micro_dp(self) -> int:
+        """``d_g = (p*t) / (p_g*t_g)``: generation replicas per training replica."""
+        return self.tp_ratio * self.pp_ratio
+
+    @property
+    def gen_dp(self) -> int:
+        """Number of generation replicas, ``d * d_g``."""
+        return self.dp * self.micro_dp
+
+    def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
+        """Global rank of a training coordinate (megatron order tp-cp-ep-dp-pp)."""
+        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+    def training_stages_of(self, gen_pp_rank: int) -> range:
+        """Training stages folded into generation stage ``gen_pp_rank``."""
+        return range(gen_pp_rank * self.pp_ratio, (gen_pp_rank + 1) * self.pp_ratio)
+
+
+def _check_positive(**sizes: int) -> None:
+    for key, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{key} must be an int, got {type(value).__name__} ({value!r})")
+        if value < 1:
+            raise ValueError(f"{key} must be >= 1, got {value}")
+
+
+def _validate(tp: int, pp: int, dp: int, gen_tp: int, gen_pp: int,
+              num_attention_heads: Optional[int], num_query_groups: Optional[int]) -> None:
+    _check_positive(tp=tp, pp=pp, dp=dp, gen_tp=gen_tp, gen_pp=gen_pp)
+    if tp % gen_tp:
+        raise ValueError(f"generation tp={gen_tp} must divide training tp={tp} (t % t_g == 0)")
+    if pp % gen_pp:
+        raise ValueError(f"generation pp={gen_pp} must divide training pp={pp} (p % p_g == 0)")
+    for key, heads in (("num_attention_heads", num_attention_heads),
+                       ("num_query_groups", num_query_groups)):
+        if heads is None:
+            continue
+        _check_positive(**{key: heads})
+        if heads % gen_tp:
+            raise ValueError(f"{key}={heads} is not divisible by generation tp={gen_tp}")
+        if heads % tp:
+            # megatron-core 0.16.1 shards whole KV groups (attention.py: divide(groups, tp)),
+            # so tp > num_query_groups (KV-head replication) is not a trainable layout.
+            raise ValueError(f"{key}={heads} is not divisible by training tp={tp}: "
+                             "megatron-core requires whole heads and KV groups per TP rank")
+
+
+def plan_hybrid_layout(tp: int, pp: int, dp: int, gen_tp: int, gen_pp: int = 1, *,
+                       num_attention_heads: Optional[int] = None,
+                       num_query_groups: Optional[int] = None) -> HybridLayout:
+    """Plan the generation layout and every rank group of the 3D-HybridEngine.
+
+    Args:
+        tp, pp, dp: training tensor, pipeline and data parallel sizes (t, p, d); the
+            world is ``tp*pp*dp`` ranks in megatron-core order tp-cp-ep-dp-pp.
+        gen_tp, gen_pp: generation tensor and pipeline sizes (t_g, p_g).
+        num_attention_heads, num_query_groups: the model's query heads and KV heads; when
+            given, both must be divisible by ``tp`` (megatron) and by ``gen_tp``.
+
+    Returns:
+        The :class:`HybridLayout` (see the module docstring for the rank maps).
+
+    Raises:
+        TypeError: a size is not an int.
+        ValueError: a size < 1, ``tp % gen_tp``, ``pp % gen_pp``, or heads / KV heads not
+            divisible by ``tp`` or ``gen_tp``; the message names the offending value.
+    """
+    _validate(tp, pp, dp, gen_tp, gen_pp, num_attention_heads, num_query_groups)
+    m, k = tp // gen_tp, pp // gen_pp
+    d_g = m * k
+    placements = []
+    for rank in range(tp * pp * dp):
+        tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+        gen_tp_rank, gen_pp_rank = tp_rank // m, pp_rank // k
+        micro_dp_rank = (pp_rank % k) * m + tp_rank % m
+        gen_dp_rank = dp_rank * d_g + micro_dp_rank
+        placements.append(RankPlacement(
+            rank=rank, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
+            gen_tp_rank=gen_tp_rank, gen_pp_rank=gen_pp_rank, gen_dp_rank=gen_dp_rank,
+            micro_dp_rank=micro_dp_rank,
+            is_collect=gen_tp_rank == 0 and gen_pp_rank == gen_pp - 1,
+            vllm_rank=(gen_dp_rank * gen_pp + gen_pp_rank) * gen_tp + gen_tp_rank))
+
+    def groups(key, order) -> tuple[tuple[int, ...], ...]:
+        """Group ranks by ``key(placement)``, each group sorted by ``order(placement)``."""
+        buckets: dict = {}
+        for pl in placements:
+            buckets.setdefault(key(pl), []).append(pl)
+        return tuple(tuple(pl.rank for pl in sorted(members, key=order))
+                     for _, members in sorted(buckets.items()))
+
+    by_rank = lambda pl: pl.rank  # noqa: E731
+    vllm_order = sorted(placements, key=lambda pl: pl.vllm_rank)
+    return HybridLayout(
+        tp=tp, pp=pp, dp=dp, gen_tp=gen_tp, gen_pp=gen_pp, ranks=tuple(placements),
+        train_tp_groups=groups(lambda pl: (pl.pp_rank, pl.dp_rank), by_rank),
+        train_pp_groups=groups(lambda pl: (pl.dp_rank, pl.tp_rank), by_rank),
+        gen_tp_groups=groups(lambda pl: (pl.gen_dp_rank, pl.gen_pp_rank),
+                             lambda pl: pl.gen_tp_rank),
+        gen_pp_groups=groups(lambda pl: (pl.gen_dp_rank, pl.gen_tp_rank),
+                             lambda pl: pl.gen_pp_rank),
+        micro_dp_groups=groups(lambda pl: (pl.dp_rank, pl.gen_pp_rank, pl.gen_tp_rank),
+                               lambda pl: pl.micro_dp_rank),
+        gather_groups=groups(lambda pl: (pl.pp_rank, pl.dp_rank, pl.gen_tp_rank), by_rank),
+        fold_groups=groups(lambda pl: (pl.gen_pp_rank, pl.dp_rank, pl.tp_rank), by_rank),
+        vllm_rank_order=tuple(pl.rank for pl in vllm_order),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Per-parameter slice plans
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One model parameter as the planner sees it (global name, unsharded shape).
+
+    ``partition_dim`` is the TP partition dimension (None: replicated across TP).
+    ``stride`` is the number of interleaved blocks along it, megatron's
+    ``partition_stride``: 2 for SwiGLU ``linear_fc1`` (each TP shard is
+    ``[gate_chunk; up_chunk]``), 1 otherwise (megatron's ``linear_qkv`` rows are grouped
+    per KV group and every TP rank holds whole groups, so consecutive shards concatenate
+    into a valid shard). ``stage`` is the training pipeline stage that holds it.
+    """
+
+    name: str
+    full_shape: tuple[int, ...]
+    partition_dim: Optional[int]
+    stage: int
+    stride: int = 1
+
+    def __post_init__(self):
+        if self.partition_dim is not None and not 0 <= self.partition_dim < len(self.full_shape):
+            raise ValueError(f"{self.name}: partition_dim={self.partition_dim} out of range "
+                             f"for shape {self.full_shape}")
+        if self.stride < 1:
+            raise ValueError(f"{self.name}: stride must be >= 1, got {self.stride}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SlicePiece:
+    """A contiguous range along ``dim`` copied from a source rank's training shard.
+
+    ``full_start`` indexes the unsharded tensor, ``src_start`` the source rank's training
+    shard, ``dst_start`` the receiving rank's generation shard; all span ``length`` rows
+    of ``dim`` (every other dimension is taken whole).
+    """
+
+    src_rank: int
+    dim: int
+    full_start: int
+    src_start: int
+    dst_start: int
+    length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GenShardPlan:
+    """How one rank's generation shard of one parameter is assembled."""
+
+    name: str
+    rank: int
+    gen_shape: tuple[int, ...]
+    pieces: tuple[SlicePiece, ...]
+
+    def row_numel(self, dim: int) -> int:
+        """Elements in one row along ``dim`` (the product of the other dimensions)."""
+        return _numel(self.gen_shape) // self.gen_shape[dim] if self.gen_shape else 1
+
+    def numel_received(self) -> int:
+        """Elements of the generation shard that come from other ranks."""
+        return sum(p.length * self.row_numel(p.dim) for p in self.pieces if p.src_rank != self.rank)
+
+    def numel_local(self) -> int:
+        """Elements of the generation shard this rank already holds (its training shard)."""
+        return sum(p.length * self.row_numel(p.dim) for p in self.pieces if p.src_rank == self.rank)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def plan_param_slices(layout: HybridLayout, spec: ParamSpec, rank: int) -> Optional[GenShardPlan]:
+    """Which slices of which training shards make up ``rank``'s generation shard of ``spec``.
+
+    The generation shard is megatron's TP = t_g shard of the parameter: along
+    ``partition_dim`` the unsharded length ``L`` is split into ``stride`` blocks of
+    ``B = L/stride`` rows; training TP rank ``i`` holds rows ``[i*B/t, (i+1)*B/t)`` of
+    every block, generation TP rank ``j`` rows ``[j*B/t_g, (j+1)*B/t_g)`` of every block.
+    The sources are the ``m`` training ranks ``j*m .. j*m+m-1`` of the parameter's stage
+    in this rank's training replica (its micro-DP group). Replicated parameters come
+    whole from the rank of that stage with the same ``tp_rank``.
+
+    Returns:
+        The plan, or None when the parameter's stage is not folded into this rank's
+        generation stage (the rank does not hold it during generation).
+
+    Raises:
+        ValueError: ``spec.stage`` outside ``[0, pp)``, or the partitioned length not
+            divisible by ``stride * tp``.
+    """
+    if not 0 <= spec.stage < layout.pp:
+        raise ValueError(f"{spec.name}: stage {spec.stage} outside [0, {layout.pp})")
+    me = layout.ranks[rank]
+    if spec.stage // layout.pp_ratio != me.gen_pp_rank:
+        return None
+    if spec.partition_dim is None:
+        src = layout.rank_of(me.tp_rank, spec.stage, me.dp_rank)
+        length = spec.full_shape[0] if spec.full_shape else 1
+        piece = SlicePiece(src_rank=src, dim=0, full_start=0, src_start=0, dst_start=0,
+                           length=length)
+        return GenShardPlan(spec.name, rank, tuple(spec.full_shape), (piece,))
+    dim, stride = spec.partition_dim, spec.stride
+    full_len = spec.full_shape[dim]
+    if full_len % (stride * layout.tp):
+        raise ValueError(f"{spec.name}: length {full_len} of dim {dim} is not divisible by "
+                         f"stride {stride} x tp {layout.tp}")
+    block = full_len // stride
+    train_chunk, gen_chunk = block // layout.tp, block // layout.gen_tp
+    m, j = layout.tp_ratio, me.gen_tp_rank
+    pieces = []
+    for b in range(stride):
+        for micro in range(m):
+            tp_rank = j * m + micro
+            pieces.append(SlicePiece(
+                src_rank=layout.rank_of(tp_rank, spec.stage, me.dp_rank), dim=dim,
+                full_start=b * block + tp_rank * train_chunk,
+                src_start=b * train_chunk,
+                dst_start=b * gen_chunk + micro * train_chunk,
+                length=train_chunk))
+    gen_shape = list(spec.full_shape)
+    gen_shape[dim] = full_len // layout.gen_tp
+    return GenShardPlan(spec.name, rank, tuple(gen_shape), tuple(pieces))
+
+
+# ---------------------------------------------------------------------------------------
+# Cost model
+
+
+@dataclasses.dataclass(frozen=True)
+class ReshardCost:
+    """Per-rank cost of the train -> generate transition (HybridFlow Table 2).
+
+    All values in bytes. ``micro_dp_*``: the micro-DP all-gather of the 3D-HybridEngine,
+    communication ``(t*p - t_g*p_g) / (t_g*p_g*t*p) * M`` received per rank and peak
+    weight memory ``M / (t_g*p_g)``. ``naive_*``: gather the full model on every rank and
+    keep a slice, ``(t*p - 1) / (t*p) * M`` and peak ``M``. ``training_bytes`` is the
+    training shard ``M / (t*p)``, already on the rank.
+    """
+
+    model_bytes: int
+    training_bytes: float
+    micro_dp_bytes: float
+    micro_dp_peak_bytes: float
+    naive_bytes: float
+    naive_peak_bytes: float
+
+    @property
+    def communication_ratio(self) -> float:
+        """naive / micro-DP bytes per rank (inf when micro-DP moves nothing)."""
+        return self.naive_bytes / self.micro_dp_bytes if self.micro_dp_bytes else float("inf")
+
+
+def reshard_cost(layout: HybridLayout, model_bytes: int) -> ReshardCost:
+    """Closed-form per-rank costs of DESIGN.md section 5 for a model of ``model_bytes``.
+
+    Exact when every parameter is TP-partitioned and the stages are equal; replicated
+    parameters (norms) and uneven stages make the real figures differ slightly (see
+    :func:`plan_param_slices` for the exact per-parameter accounting).
+
+    Raises:
+        ValueError: ``model_bytes`` < 0.
+    """
+    if model_bytes < 0:
+        raise ValueError(f"model_bytes must be >= 0, got {model_bytes}")
+    tp_total, gen_total = layout.tp * layout.pp, layout.gen_tp * layout.gen_pp
+    mb = Fraction(model_bytes)
+    return ReshardCost(
+        model_bytes=model_bytes,
+        training_bytes=float(mb / tp_total),
+        micro_dp_bytes=float(Fraction(tp_total - gen_total, gen_total * tp_total) * mb),
+        micro_dp_peak_bytes=float(mb / gen_total),
+        naive_bytes=float(Fraction(tp_total - 1, tp_total) * mb),
+        naive_peak_bytes=float(mb),
+    )

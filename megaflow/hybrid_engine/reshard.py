@@ -1,0 +1,422 @@
+"""3D-HybridEngine execution: micro-DP all-gather resharding between training and generation.
+
+Train -> generate (:meth:`MicroDPResharder.to_generation`), HybridFlow section 5 and
+DESIGN.md section 5, with ``m = t/t_g`` and ``k = p/p_g``:
+
+1. For each TP-partitioned parameter of the rank's own stage, a flat generation buffer of
+   ``m`` slots is allocated; slot ``micro_tp`` receives the training shard and the
+   parameter's storage is *swapped* into it (``param.data`` becomes a view of the slot, the
+   old storage is released), then one in-place all-gather over the gather group (the ``m``
+   consecutive ranks of the training TP block that share a generation shard) fills the
+   other slots. The training shard is therefore never held twice ("aliased"). Parameters
+   whose storage is shared with something else (e.g. megatron DDP's contiguous
+   ``param_data`` buffer under the distributed optimizer) cannot be moved: their shard
+   is copied into the slot and the parameter keeps its storage ("copied").
+2. When ``p_g < p``, every buffer (and every replicated tensor) of a folded stage is
+   broadcast over the fold group (same ``tp_rank``, the ``k`` stages of one generation
+   stage), so each rank holds all layers of its generation stage. Names use global layer
+   indices (each stage's local indices offset by the layers of the stages before it,
+   exchanged at construction, so uneven stages work).
+
+The slot layout is the all-gather's natural one (``[m, *shard_shape]``). The megatron
+TP = t_g shard is a zero-copy view of it for dim-0 partitioned tensors with stride 1 —
+``linear_qkv`` (rows grouped per KV group, whole groups per rank, so consecutive shards
+concatenate into a valid shard; with replicated KV heads, tp > HF num_kv_heads, each
+replica is a megatron group like any other), embeddings, output layer — and is
+materialised on demand for the others: ``linear_fc1`` (shards ``[gate_i; up_i]``
+regrouped to ``[gate_all; up_all]`` of the generation shard) and row-parallel weights
+(concatenated along dim 1). :meth:`named_generation_tensors` yields one tensor at a time so
+the extra memory is at most one tensor. Treat the yielded tensors as read-only: views
+alias the training parameters.
+
+Generate -> train (:meth:`MicroDPResharder.to_training`): every aliased parameter gets a
+standalone copy of its slot (bit-identical), and all generation buffers are dropped.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Iterator, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from .layout import GenShardPlan, HybridLayout, ParamSpec, plan_param_slices
+from .params import LocalParam, count_local_layers, describe_local_params
+
+__all__ = ["ReshardGroups", "build_reshard_groups", "ReshardStats", "MicroDPResharder",
+           "gather_layout_to_shard"]
+
+# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class ReshardGroups:
+    """This rank's process groups of the HybridEngine (None where the group has 1 rank)."""
+
+    layout: HybridLayout
+    rank: int
+    gather: Optional[dist.ProcessGroup]   # m ranks: all-gather along the partition dim
+    fold: Optional[dist.ProcessGroup]     # k ranks: broadcast of folded pipeline stages
+    gen_tp: Optional[dist.ProcessGroup]   # t_g ranks: the generation TP group
+
+
+def build_reshard_groups(layout: HybridLayout, *, backend: Optional[str] = None) -> ReshardGroups:
+    """Create the gather, fold and generation-TP groups of ``layout`` (collective).
+
+    Every rank of the default process group must call this once, at the same point: every
+    rank creates every group in the same order (``torch.distributed.new_group``). Groups
+    of a single rank are not created.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: the world size differs from ``tp * pp * dp``.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("build_reshard_groups needs an initialised torch.distributed world")
+    if dist.get_world_size() != layout.world_size:
+        raise ValueError(f"world size {dist.get_world_size()} != tp*pp*dp = {layout.tp}*"
+                         f"{layout.pp}*{layout.dp} = {layout.world_size}")
+    rank = dist.get_rank()
+    mine: dict[str, Optional[dist.ProcessGroup]] = {}
+    for kind, groups in (("gather", layout.gather_groups), ("fold", layout.fold_groups),
+                         ("gen_tp", layout.gen_tp_groups)):
+        mine[kind] = None
+        for ranks in groups:
+            if len(ranks) > 1:
+                group = dist.new_group(list(ranks), backend=backend)
+                if rank in ranks:
+                    mine[kind] = group
+    return ReshardGroups(layout=layout, rank=rank, **mine)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReshardStats:
+    """What one train -> generate transition cost this rank (bytes, seconds).
+
+    ``bytes_received``: data this rank did not hold before (all-gather slots of its peers,
+    broadcast buffers of folded stages); equals DESIGN.md's
+    ``(t*p - t_g*p_g)/(t_g*p_g*t*p) * M`` when every parameter is TP-partitioned and the
+    stages are equal. ``bytes_sent``: this rank's data counted once per receiving peer
+    (summed over ranks it equals the total received). ``generation_bytes``: weights held
+    in the generation layout (the paper's peak weight memory ``M/(t_g*p_g)``).
+    ``peak_extra_bytes``: peak of allocated buffers minus training storage released by
+    aliasing, during the transition (materialised fc1/row-parallel tensors not included:
+    at most one tensor at a time).
+    """
+
+    bytes_sent: int
+    bytes_received: int
+    generation_bytes: int
+    peak_extra_bytes: int
+    num_aliased: int
+    num_copied: int
+    num_collectives: int
+    seconds: float
+
+
+def gather_layout_to_shard(buffer: torch.Tensor, shard_shape: tuple[int, ...], dim: int,
+                           stride: int, num_slots: int) -> torch.Tensor:
+    """Regroup ``num_slots`` consecutive TP shards into the shard of the coarser TP.
+
+    Args:
+        buffer: flat ``[num_slots * prod(shard_shape)]``, slot ``i`` = TP shard ``i`` of
+            the group (the all-gather output).
+        shard_shape: one training shard's shape; ``dim`` its partition dim, ``stride`` the
+            number of interleaved blocks along it (2 for SwiGLU ``linear_fc1``).
+
+    Returns:
+        ``shard_shape`` with ``dim`` multiplied by ``num_slots``: per block, the slots'
+        chunks in slot order. A view when ``dim == 0 and stride == 1`` (or one slot),
+        otherwise a new tensor.
+    """
+    shape = list(shard_shape)
+    chunk = shape[dim] // stride
+    x = buffer.view(num_slots, *shape[:dim], stride, chunk, *shape[dim + 1:])
+    x = x.movedim(0, dim + 1)  # [*shape[:dim], stride, num_slots, chunk, *shape[dim+1:]]
+    shape[dim] *= num_slots
+    return x.reshape(shape)
+
+
+def _owns_storage(tensor: torch.Tensor) -> bool:
+    """True when ``tensor`` is the whole of its storage (so swapping it out frees memory)."""
+    return (tensor.is_contiguous() and tensor.storage_offset() == 0
+            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+
+
+@dataclasses.dataclass
+class _GenEntry:
+    meta: LocalParam       # metadata of the source stage's rank with this rank's tp_rank
+    buffer: torch.Tensor   # flat, gather layout
+    num_slots: int
+
+
+class _Accounting:
+    def __init__(self):
+        self.sent = self.received = self.collectives = 0
+        self.current = self.peak = 0
+
+    def alloc(self, nbytes: int) -> None:
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def release(self, nbytes: int) -> None:
+        self.current -= nbytes
+
+
+class MicroDPResharder:
+    """Reshard one rank's actor parameters between the training and generation layouts.
+
+    Construction is collective over the actor's world (it exchanges per-stage layer
+    counts and, across folded stages, parameter metadata). Use as::
+
+        layout = plan_hybrid_layout(tp, pp, dp, gen_tp, gen_pp, ...)
+        resharder = MicroDPResharder(build_reshard_groups(layout), dict(model.named_parameters()))
+        with resharder.generation() as stats:       # train -> generate
+            for name, tensor in resharder.named_generation_tensors():
+                ...                                 # push into the rollout engine
+        # generate -> train: training parameters restored, buffers freed
+
+    Args:
+        groups: from :func:`build_reshard_groups`.
+        named_params: this rank's parameters (megatron-core GPTModel names, local layer
+            indices, e.g. ``dict(model.named_parameters())``); plain tensors work too.
+        gated_linear_unit: SwiGLU ``linear_fc1`` (``[gate; up]`` per rank) when the
+            tensors carry no megatron attributes.
+        share_embeddings_and_output_weights: tied embeddings; with p_g == 1 the
+            last stage's ``output_layer.weight`` copy is not part of the generation shard.
+
+    Raises:
+        ValueError: inconsistent parameter lists within a gather group or per stage,
+            a fused layout that contradicts megatron's attributes (see ``params.py``).
+    """
+
+    def __init__(self, groups: ReshardGroups, named_params: Mapping[str, torch.Tensor], *,
+                 gated_linear_unit: bool = True,
+                 share_embeddings_and_output_weights: bool = False):
+        self.groups = groups
+        self.layout = layout = groups.layout
+        self.placement = me = layout.ranks[groups.rank]
+        self._params = dict(named_params)
+        self.layers_per_stage = self._exchange_layer_counts()
+        offset = sum(self.layers_per_stage[: me.pp_rank])
+        local = describe_local_params(self._params, tp=layout.tp, layer_offset=offset,
+                                      gated_linear_unit=gated_linear_unit)
+        self._check_gather_group_agrees(local)
+        stage_params = self._exchange_fold_metadata(local)
+        tied_skip = share_embeddings_and_output_weights and layout.gen_pp == 1
+        self._stage_params: dict[int, list[LocalParam]] = {
+            s: [p for p in params if not (tied_skip and p.name == "output_layer.weight")]
+            for s, params in sorted(stage_params.items())}
+        self.plans: dict[str, GenShardPlan] = {}
+        for stage, params in self._stage_params.items():
+            for p in params:
+                spec = ParamSpec(p.name, p.full_shape, p.partition_dim, stage, p.stride)
+                self.plans[p.name] = plan_param_slices(layout, spec, groups.rank)
+        self._entries: Optional[dict[str, _GenEntry]] = None
+        self._aliased: list[torch.Tensor] = []
+        self.last_stats: Optional[ReshardStats] = None
+
+    # -- construction helpers -----------------------------------------------------------
+
+    def _exchange_layer_counts(self) -> tuple[int, ...]:
+        counts: list = [None] * self.layout.world_size
+        dist.all_gather_object(counts, (self.placement.pp_rank, count_local_layers(self._params)))
+        per_stage: dict[int, int] = {}
+        for rank, (stage, num) in enumerate(counts):
+            if per_stage.setdefault(stage, num) != num:
+                raise ValueError(f"ranks of pipeline stage {stage} disagree on their number of "
+                                 f"layers ({per_stage[stage]} vs {num} on rank {rank})")
+        return tuple(per_stage[s] for s in range(self.layout.pp))
+
+    def _check_gather_group_agrees(self, local: list[LocalParam]) -> None:
+        if self.groups.gather is None:
+            return
+        mine = [(p.name, p.shard_shape, p.dtype, p.partition_dim, p.stride) for p in local]
+        theirs: list = [None] * self.layout.tp_ratio
+        dist.all_gather_object(theirs, mine, group=self.groups.gather)
+        for other in theirs:
+            if other != mine:
+                diff = sorted(set(map(str, other)) ^ set(map(str, mine)))[:4]
+                raise ValueError("ranks of one gather group (same stage, same generation "
+                                 f"shard) hold different parameter lists, e.g. {diff}")
+
+    def _exchange_fold_metadata(self, local: list[LocalParam]) -> dict[int, list[LocalParam]]:
+        stage = self.placement.pp_rank
+        if self.groups.fold is None:
+            return {stage: local}
+        gathered: list = [None] * self.layout.pp_ratio
+        dist.all_gather_object(gathered, (stage, local), group=self.groups.fold)
+        out = dict(gathered)
+        names = [p.name for params in out.values() for p in params]
+        if len(names) != len(set(names)):
+            dup = sorted({n for n in names if names.count(n) > 1})[:4]
+            raise ValueError(f"folded pipeline stages share parameter names {dup}")
+        return out
+
+    # -- transitions --------------------------------------------------------------------
+
+    @property
+    def in_generation(self) -> bool:
+        """True between :meth:`to_generation` and :meth:`to_training`."""
+        return self._entries is not None
+
+    @property
+    def planned_bytes_received(self) -> int:
+        """Bytes this rank receives according to the slice plans (pure accounting)."""
+        itemsize = {p.name: torch.empty((), dtype=p.dtype).element_size()
+                    for params in self._stage_params.values() for p in params}
+        return sum(plan.numel_received() * itemsize[name] for name, plan in self.plans.items())
+
+    def to_generation(self) -> ReshardStats:
+        """Train -> generate: gather and fold the generation shard (collective).
+
+        Returns:
+            The :class:`ReshardStats` of this transition (also in ``last_stats``).
+
+        Raises:
+            RuntimeError: already in the generation layout.
+        """
+        if self._entries is not None:
+            raise RuntimeError("to_generation called twice without to_training in between")
+        start = time.perf_counter()
+        acc = _Accounting()
+        self._entries = entries = {}
+        try:
+            num_aliased = self._gather_own_stage(entries, acc)
+            self._fold_stages(entries, acc)
+            self._synchronize()
+        except BaseException:
+            self.to_training()  # give aliased parameters their storage back before raising
+            raise
+        held = sum(e.buffer.numel() * e.buffer.element_size() for e in entries.values())
+        num_partitioned_own = sum(p.partition_dim is not None and self.layout.tp_ratio > 1
+                                  for p in self._stage_params[self.placement.pp_rank])
+        self.last_stats = ReshardStats(
+            bytes_sent=acc.sent, bytes_received=acc.received, generation_bytes=held,
+            peak_extra_bytes=acc.peak, num_aliased=num_aliased,
+            num_copied=num_partitioned_own - num_aliased, num_collectives=acc.collectives,
+            seconds=time.perf_counter() - start)
+        return self.last_stats
+
+    def _gather_own_stage(self, entries: dict[str, _GenEntry], acc: _Accounting) -> int:
+        m, micro = self.layout.tp_ratio, self.placement.tp_rank % self.layout.tp_ratio
+        works, num_aliased = [], 0
+        for meta in self._stage_params[self.placement.pp_rank]:
+            param = self._params[meta.local_name]
+            if meta.partition_dim is None or m == 1:
+                entries[meta.name] = _GenEntry(meta, _flat_view(param.data, acc), 1)
+                continue
+            n, nbytes = meta.shard_numel, meta.shard_nbytes
+            buffer = torch.empty(m * n, dtype=param.dtype, device=param.device)
+            acc.alloc(m * nbytes)
+            slot = buffer[micro * n:(micro + 1) * n]
+            slot.copy_(param.data.reshape(-1))
+            if _owns_storage(param.data):
+                param.data = slot.view(meta.shard_shape)
+                self._aliased.append(param)
+                acc.release(nbytes)
+                num_aliased += 1
+            works.append(_all_gather_flat(buffer, slot, group=self.groups.gather, async_op=True))
+            acc.sent += (m - 1) * nbytes
+            acc.received += (m - 1) * nbytes
+            acc.collectives += 1
+            entries[meta.name] = _GenEntry(meta, buffer, m)
+        for work in works:
+            work.wait()
+        return num_aliased
+
+    def _fold_stages(self, entries: dict[str, _GenEntry], acc: _Accounting) -> None:
+        if self.groups.fold is None:
+            return
+        me, layout, works = self.placement, self.layout, []
+        device = next(iter(self._params.values())).device if self._params else "cpu"
+        for stage in layout.training_stages_of(me.gen_pp_rank):
+            src = layout.rank_of(me.tp_rank, stage, me.dp_rank)
+            for meta in self._stage_params[stage]:
+                slots = layout.tp_ratio if meta.partition_dim is not None else 1
+                nbytes = slots * meta.shard_nbytes
+                if stage == me.pp_rank:
+                    buffer = entries[meta.name].buffer
+                    acc.sent += (layout.pp_ratio - 1) * nbytes
+                else:
+                    buffer = torch.empty(slots * meta.shard_numel, dtype=meta.dtype, device=device)
+                    acc.alloc(nbytes)
+                    acc.received += nbytes
+                    entries[meta.name] = _GenEntry(meta, buffer, slots)
+                works.append(dist.broadcast(buffer, src=src, group=self.groups.fold,
+                                            async_op=True))
+                acc.collectives += 1
+        for work in works:
+            work.wait()
+
+    def _synchronize(self) -> None:
+        if any(p.is_cuda for p in self._params.values()):
+            torch.cuda.synchronize()
+
+    def to_training(self) -> None:
+        """Generate -> train: give aliased parameters their own storage, free the buffers.
+
+        Raises:
+            RuntimeError: not in the generation layout.
+        """
+        if self._entries is None:
+            raise RuntimeError("to_training called while not in the generation layout")
+        for param in self._aliased:
+            param.data = param.data.clone(memory_format=torch.contiguous_format)
+        self._aliased = []
+        self._entries = None
+
+    @contextlib.contextmanager
+    def generation(self) -> Iterator[ReshardStats]:
+        """``with resharder.generation() as stats:`` train -> generate ... -> train."""
+        stats = self.to_generation()
+        try:
+            yield stats
+        finally:
+            self.to_training()
+
+    # -- the generation shard -----------------------------------------------------------
+
+    def generation_names(self) -> list[str]:
+        """Global megatron names of this rank's generation shard, in stage/param order."""
+        return [p.name for params in self._stage_params.values() for p in params]
+
+    def generation_tensor(self, name: str) -> torch.Tensor:
+        """The megatron TP = t_g shard of parameter ``name`` (global layer index).
+
+        Raises:
+            RuntimeError: not in the generation layout.
+            KeyError: ``name`` is not in this rank's generation shard.
+        """
+        if self._entries is None:
+            raise RuntimeError("generation tensors exist only between to_generation and "
+                               "to_training")
+        if name not in self._entries:
+            raise KeyError(f"{name!r} is not in this rank's generation shard; it holds "
+                           f"{len(self._entries)} tensors, e.g. {list(self._entries)[:3]}")
+        entry = self._entries[name]
+        meta = entry.meta
+        if meta.partition_dim is None:
+            return entry.buffer.view(meta.shard_shape)
+        return gather_layout_to_shard(entry.buffer, meta.shard_shape, meta.partition_dim,
+                                      meta.stride, entry.num_slots)
+
+    def named_generation_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(global megatron name, TP = t_g shard)`` for the whole generation shard.
+
+        Names are megatron-core GPTModel names with global layer indices (E's converter
+        maps them to vLLM/HF names). Regrouped tensors are built one per step.
+        """
+        for name in self.generation_names():
+            yield name, self.generation_tensor(name)
+
+
+def _flat_view(tensor: torch.Tensor, acc: _Accounting) -> torch.Tensor:
+    """A flat view of ``tensor`` (a contiguous copy, counted as allocated, if it has none)."""
+    if tensor.is_contiguous():
+        return tensor.view(-1)
+    acc.alloc(tensor.numel() * tensor.element_size())
+    return tensor.contiguous().view(-1)
