@@ -14,7 +14,7 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=True,
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=True,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield ray
     ray.shutdown()

@@ -81,7 +81,8 @@ class RayPPOTrainer:
         train_loader: resumable prompt loader: iterable of prompt DataProtos with
             ``state_dict()`` / ``load_state_dict()``.
         val_loader: optional iterable of validation prompt DataProtos.
-        tracker: metrics sink with ``log(metrics, step)`` (console/JSONL/TensorBoard).
+        tracker: metrics sink with ``log(metrics, step)`` (console/JSONL/TensorBoard and the
+            progress bar: :class:`megaflow.utils.tracking.Tracking`).
         checkpoints: where checkpoints go (None disables saving).
         config_yaml: the resolved config as YAML, written into every checkpoint.
     """
@@ -188,38 +189,31 @@ class RayPPOTrainer:
         return batch.union(scored.select(batch_keys=["token_level_scores"]))
 
     # ------------------------------------------------------------------ the loop
-    def fit(self) -> dict[str, float]:
-        """Train to ``trainer.total_steps``, validating and checkpointing on their cadence.
+    def fit(self, total_steps: int | None = None) -> dict[str, float]:
+        """Train to ``total_steps`` (default ``trainer.total_steps``), validating and
+        checkpointing on the cadence of ``trainer.test_freq`` / ``trainer.save_freq``.
 
         Returns the last step's metrics.
         """
-        from tqdm import tqdm
-
         tr = self.cfg.trainer
+        total = total_steps if total_steps is not None else tr.total_steps
         self.resume()
         last: dict[str, float] = {}
-        if tr.test_freq > 0 and self.global_step == 0 and self.val_loader is not None:
+        if getattr(tr, "val_before_train", False) and self.global_step == 0 and self.val_loader is not None:
             self._log(self.validate(), self.global_step)
-        bar = tqdm(total=tr.total_steps, initial=self.global_step, desc="megaflow", unit="step",
-                   dynamic_ncols=True)
-        while self.global_step < tr.total_steps:
+        while self.global_step < total:
             prompts = self.next_prompts()
             step_start = time.perf_counter()
             metrics = self.train_step(prompts)
             self.global_step += 1
             metrics["timing_s/step"] = time.perf_counter() - step_start
-            if self.val_loader is not None and tr.test_freq > 0 and \
-                    (self.global_step % tr.test_freq == 0 or self.global_step == tr.total_steps):
+            is_last = self.global_step == total
+            if self.val_loader is not None and _due(tr.test_freq, self.global_step, is_last, at_end_when_zero=False):
                 metrics.update(self.validate())
             self._log(metrics, self.global_step)
-            if self.checkpoints is not None and tr.save_freq > 0 and \
-                    (self.global_step % tr.save_freq == 0 or self.global_step == tr.total_steps):
+            if self.checkpoints is not None and _due(tr.save_freq, self.global_step, is_last, at_end_when_zero=True):
                 self.save_checkpoint()
-            bar.update(1)
-            bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}",
-                            step_s=f"{metrics['timing_s/step']:.1f}")
             last = metrics
-        bar.close()
         return last
 
     def next_prompts(self) -> DataProto:
@@ -286,6 +280,14 @@ class RayPPOTrainer:
         self._train_iter = None
         restore_rng_state(state["rng"])
         print(f"[megaflow] resumed from {path} at step {self.global_step}", flush=True)
+
+
+def _due(freq: int, step: int, is_last: bool, *, at_end_when_zero: bool) -> bool:
+    """Cadence rule: every ``freq`` steps and after the last; 0: only after the last when
+    ``at_end_when_zero`` (checkpoints) else never (validation); negative: never."""
+    if freq < 0 or (freq == 0 and not at_end_when_zero):
+        return False
+    return is_last or (freq > 0 and step % freq == 0)
 
 
 def _kl_in_reward_stage(trainer: RayPPOTrainer, batch: DataProto) -> tuple[DataProto, dict[str, float]]:

@@ -1,0 +1,100 @@
+"""The Ray actor behind one rank of a worker group: it hosts the role objects of that rank.
+
+One :class:`WorkerHost` process per rank holds one role object (a plain group) or several
+(colocated roles: actor + rollout + reference, say), composed side by side, not merged by
+inheritance. The controller calls :meth:`WorkerHost.execute` with the role and method
+name; the host resolves future arguments, runs the method and turns any exception into
+a :class:`~megaflow.single_controller.errors.WorkerError` naming role, rank and node.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import ray
+
+from megaflow.single_controller.dispatch import ChunkOutput
+from megaflow.single_controller.errors import WorkerError
+from megaflow.single_controller.futures import resolve_arguments
+from megaflow.single_controller.worker import WorkerMetadata
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class WorkerHost:
+    """Process of one rank: sets the rank's environment, builds and serves its role objects.
+
+    Args:
+        rank / world_size: the rank's place in the group.
+        local_rank: index among the group's ranks on this node.
+        node_index: index of the node in the resource pool.
+    """
+
+    def __init__(self, rank: int, world_size: int, local_rank: int, node_index: int) -> None:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
+        self._rank, self._world_size = rank, world_size
+        self._local_rank, self._node_index = local_rank, node_index
+        self._node_ip = ray.util.get_node_ip_address()
+        self._roles: dict[str, Any] = {}
+
+    def metadata(self, with_port: bool) -> tuple[WorkerMetadata, int | None]:
+        """This rank's :class:`WorkerMetadata`, and a free port on this node when asked."""
+        ctx = ray.get_runtime_context()
+        meta = WorkerMetadata(rank=self._rank, world_size=self._world_size, local_rank=self._local_rank,
+                              node_index=self._node_index, node_id=ctx.get_node_id(), node_ip=self._node_ip,
+                              hostname=socket.gethostname(), pid=os.getpid(),
+                              gpu_ids=tuple(str(g) for g in ctx.get_accelerator_ids().get("GPU", [])))
+        return meta, (_free_port(self._node_ip) if with_port else None)
+
+    def _where(self, role: str) -> str:
+        cls = type(self._roles[role]).__name__ if role in self._roles else "?"
+        return f"role {role!r} ({cls}) rank {self._rank} (node {self._node_ip}, pid {os.getpid()})"
+
+    def _fail(self, role: str, method: str) -> WorkerError:
+        return WorkerError(self._where(role), method, traceback.format_exc(), role, self._rank)
+
+    def init_roles(self, master_addr: str, master_port: int, roles: dict[str, Any]) -> None:
+        """Set the rendezvous address, then build each role from its ``ClassWithInitArgs``.
+
+        Raises:
+            WorkerError: a role's constructor raised.
+        """
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        for role, spec in roles.items():
+            try:
+                self._roles[role] = spec.build()
+            except Exception:
+                err = self._fail(role, f"{spec.cls.__name__}.__init__")
+                raise err from None
+
+    def execute(self, role: str, method: str, keep_output: bool, /, *args: Any, **kwargs: Any) -> Any:
+        """Run ``role.method(*args, **kwargs)`` after resolving future arguments.
+
+        Arguments travel at the top level of the Ray call, so Ray itself resolves
+        ``ObjectRef`` arguments (DataProto chunks) before the method starts.
+
+        Returns the output, wrapped in :class:`ChunkOutput` when the worker cut its chunk
+        from a future, or None when ``keep_output`` is False (non-collect ranks).
+
+        Raises:
+            WorkerError: the method (or resolving an argument) raised.
+        """
+        try:
+            fn: Callable[..., Any] = getattr(self._roles[role], method)
+            args, kwargs, report = resolve_arguments(args, kwargs)
+            output = fn(*args, **kwargs)
+        except Exception:
+            err = self._fail(role, method)
+            raise err from None
+        if not keep_output:
+            return None
+        return ChunkOutput(output, *report) if report is not None else output
+
+
+__all__ = ["WorkerHost"]

@@ -1,0 +1,162 @@
+"""``make train``: load a recipe, check it, start the worker groups and run the controller.
+
+    python -m megaflow.trainer.main --recipe tiny_arith_grpo trainer.total_steps=5
+    python -m megaflow.trainer.main --recipe llama70b_ppo --dry-run
+
+Exit codes: 0 success; 1 a dry run whose layout does not fit; 2 a config or input error
+(the message names the dotted key, file or value).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="megaflow.trainer.main", description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipe", required=True, help="recipe name in recipes/ or a YAML path")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate and print the placement/parallel/memory plan without starting processes")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides of the recipe")
+    return p.parse_args(argv)
+
+
+def run_dir_of(cfg) -> Path:
+    """``<output_dir>/<project_name>/<experiment_name>``."""
+    tr = cfg.trainer
+    return Path(tr.output_dir) / tr.project_name / tr.experiment_name
+
+
+def seed_everything(seed: int) -> None:
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def data_files(cfg, run_dir: Path) -> tuple[list[str], list[str]]:
+    """Training and validation files: the recipe's, or generated for a built-in task."""
+    d = cfg.data
+    if d.task == "arith":
+        from megaflow.data import ArithTaskConfig, write_arith_dataset
+
+        files = write_arith_dataset(run_dir / "data", ArithTaskConfig(**dict(d.task_args)))
+        return [str(files["train"])], [str(files["val"])]
+    return list(d.train_files), list(d.val_files)
+
+
+def build_loaders(cfg, tokenizer, run_dir: Path):
+    """(train_loader, val_loader or None, number of training prompts)."""
+    from megaflow.data import PromptDataLoader, RLHFDataset, collate_fn
+
+    d = cfg.data
+    train_files, val_files = data_files(cfg, run_dir)
+
+    def dataset(files):
+        return RLHFDataset(files, tokenizer, max_prompt_length=d.max_prompt_length, prompt_key=d.prompt_key,
+                           overlong_prompts="filter" if d.filter_overlong_prompts else "error",
+                           use_chat_template=d.apply_chat_template)
+
+    train = dataset(train_files)
+    train_loader = PromptDataLoader(train, d.train_batch_size, shuffle=d.shuffle, seed=d.seed, drop_last=True,
+                                    collate_fn=collate_fn)
+    val_loader = None
+    if val_files and cfg.trainer.test_freq != 0 or (val_files and cfg.trainer.val_before_train):
+        val = dataset(val_files)
+        val_loader = PromptDataLoader(val, d.val_batch_size or len(val), shuffle=False, drop_last=False,
+                                      collate_fn=collate_fn)
+    return train_loader, val_loader, len(train)
+
+
+def build_reward_fn(cfg, tokenizer):
+    """The rule reward of each data source (custom scorers from ``reward.functions``)."""
+    import importlib
+
+    from megaflow.rewards import RuleRewardManager, register_reward
+
+    for source, target in cfg.reward.functions.items():
+        module, _, name = target.partition(":")
+        fn = getattr(importlib.import_module(module), name)
+        register_reward(source, override=True)(fn)
+    return RuleRewardManager(tokenizer, reward_kwargs=cfg.reward.reward_kwargs)
+
+
+def init_ray(cfg) -> None:
+    """Connect to ``ray.address`` or start a local Ray bound to localhost."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    r = cfg.ray
+    kwargs = dict(namespace=r.namespace, include_dashboard=r.include_dashboard,
+                  runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}})
+    if r.address:
+        ray.init(address=r.address, **kwargs)
+    else:
+        # address="local": never join a cluster that happens to run on this machine
+        ray.init(address="local", num_cpus=r.num_cpus, dashboard_host=r.dashboard_host, **kwargs)
+
+
+def train(cfg) -> dict[str, float]:
+    """Run training for a loaded, validated config; returns the last step's metrics."""
+    from megaflow.config import config_to_dict, dump_config, num_training_steps
+    from megaflow.data import get_tokenizer
+    from megaflow.trainer.checkpoint import CheckpointManager
+    from megaflow.trainer.ppo_trainer import RayPPOTrainer
+    from megaflow.trainer.roles import build_worker_groups, shutdown_worker_groups
+    from megaflow.utils.tracking import Tracking
+
+    run_dir = run_dir_of(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    seed_everything(cfg.trainer.seed)
+    tokenizer = get_tokenizer(cfg.model.tokenizer or cfg.model.path)
+    train_loader, val_loader, num_prompts = build_loaders(cfg, tokenizer, run_dir)
+    total_steps = num_training_steps(cfg, num_prompts)
+    reward_fn = build_reward_fn(cfg, tokenizer)
+    init_ray(cfg)
+    groups = build_worker_groups(cfg, tokenizer)
+    checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.trainer.max_ckpt_to_keep)
+    try:
+        with Tracking(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger, log_dir=run_dir,
+                      config=config_to_dict(cfg), total_steps=total_steps) as tracker:
+            trainer = RayPPOTrainer(cfg, groups, reward_fn, train_loader, val_loader, tracker, checkpoints,
+                                    config_yaml=dump_config(cfg))
+            metrics = trainer.fit(total_steps)
+            if cfg.trainer.export_hf:
+                groups.actor.export_hf(str(run_dir / "hf"))
+    finally:
+        shutdown_worker_groups(groups)
+    print(f"[megaflow] run directory: {run_dir}", flush=True)
+    return metrics
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    from megaflow.config import ConfigError, build_plan, format_plan, load_config
+
+    try:
+        cfg = load_config(args.recipe, args.overrides)
+        plan = build_plan(cfg)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        print(f"megaflow: config error: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(format_plan(plan))
+        return 0 if plan.fits else 1
+    if not plan.fits:
+        print(format_plan(plan), file=sys.stderr)
+        print("megaflow: this layout does not fit the configured resources (see the plan above)", file=sys.stderr)
+        return 1
+    train(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
