@@ -21,6 +21,7 @@ CORE = [
     "tensorboard==2.21.0",
     "pyarrow==26.0.1",
     "gguf==0.19.0",
+    "matplotlib==3.11.2",  # tools/plot_metrics.py
 ]
 
 EXTRAS = {
@@ -39,6 +40,7 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["megaflow", "megaflow.*"]),
     include_package_data=True,
+    package_data={"megaflow.data": ["gsm8k/*"]},
     install_requires=CORE,
     extras_require=EXTRAS,
 )

@@ -79,13 +79,21 @@ def build_reward_fn(cfg, tokenizer):
     """The rule reward of each data source (custom scorers from ``reward.functions``)."""
     import importlib
 
-    from megaflow.rewards import RuleRewardManager, register_reward
+    from megaflow.rewards import RuleRewardManager, get_reward_spec, known_data_sources, register_reward
+    from megaflow.rewards.format import THINK_ANSWER_PATTERN, with_format_reward
 
-    for source, target in cfg.reward.functions.items():
+    rc = cfg.reward
+    for source, target in rc.functions.items():
         module, _, name = target.partition(":")
         fn = getattr(importlib.import_module(module), name)
         register_reward(source, override=True)(fn)
-    return RuleRewardManager(tokenizer, reward_kwargs=cfg.reward.reward_kwargs)
+    if rc.format_weight > 0:
+        pattern = rc.format_pattern or THINK_ANSWER_PATTERN
+        for source in known_data_sources():
+            spec = get_reward_spec(source)
+            register_reward(source, override=True, skip_special_tokens=spec.skip_special_tokens)(
+                with_format_reward(spec.fn, pattern, format_weight=rc.format_weight))
+    return RuleRewardManager(tokenizer, reward_kwargs=rc.reward_kwargs)
 
 
 def init_ray(cfg) -> None:

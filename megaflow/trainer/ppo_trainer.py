@@ -179,14 +179,18 @@ class RayPPOTrainer:
         baseline = greedy.batch["token_level_scores"].sum(-1).repeat_interleave(self.cfg.rollout.n)
         return batch.union(DataProto.from_dict({"baseline_rewards": baseline}))
 
-    def score(self, batch: DataProto) -> DataProto:
-        """Add ``token_level_scores``: rule rewards, plus reward-model scores when configured."""
+    def score(self, batch: DataProto, keep_reward_fields: bool = False) -> DataProto:
+        """Add ``token_level_scores``: rule rewards, plus reward-model scores when configured.
+
+        ``keep_reward_fields`` also keeps the reward function's per-sample non-tensor fields
+        (``reward_score``, ``reward_acc``, ...).
+        """
         scored = self.reward_fn(batch)
+        extra = [k for k in scored.non_tensor_batch if k.startswith("reward_")] if keep_reward_fields else []
         if self.groups.reward_model is not None:
             rm = self.groups.reward_model.compute_rm_score(batch)
-            scores = scored.batch["token_level_scores"] + rm.batch["rm_scores"]
-            scored = DataProto.from_dict({"token_level_scores": scores})
-        return batch.union(scored.select(batch_keys=["token_level_scores"]))
+            scored.batch["token_level_scores"] = scored.batch["token_level_scores"] + rm.batch["rm_scores"]
+        return batch.union(scored.select(batch_keys=["token_level_scores"], non_tensor_keys=extra))
 
     # ------------------------------------------------------------------ the loop
     def fit(self, total_steps: int | None = None) -> dict[str, float]:
@@ -227,20 +231,28 @@ class RayPPOTrainer:
             return next(self._train_iter)
 
     def validate(self) -> dict[str, float]:
-        """Score the validation prompts (greedy unless ``rollout.val_do_sample``)."""
-        scores, sources = [], []
+        """Score the validation prompts (greedy unless ``rollout.val_do_sample``).
+
+        Reports the mean score overall and per data source, and the mean accuracy
+        (``val/acc/...``) where the reward function returns one (GSM8K, arith).
+        """
         greedy = not self.cfg.rollout.val_do_sample
-        for prompts in self.val_loader:
-            batch = self.score(self.rollout(prompts, 1, greedy=greedy))
-            scores.append(batch.batch["token_level_scores"].sum(-1))
-            sources.extend(batch.non_tensor_batch.get("data_source", ["val"] * len(batch)))
-        if not scores:
+        scored = [self.score(self.rollout(prompts, 1, greedy=greedy), keep_reward_fields=True)
+                  for prompts in self.val_loader]
+        if not scored:
             return {}
-        all_scores = torch.cat(scores).float()
-        metrics = {"val/score/mean": all_scores.mean().item()}
-        src = np.asarray(sources, dtype=object)
-        for s in np.unique(src):
-            metrics[f"val/score/{s}"] = all_scores[torch.as_tensor(src == s)].mean().item()
+        batch = DataProto.concat(scored)
+        scores = batch.batch["token_level_scores"].sum(-1).float()
+        sources = batch.non_tensor_batch.get("data_source", np.array(["val"] * len(batch), dtype=object))
+        acc = batch.non_tensor_batch.get("reward_acc")
+        metrics = {"val/score/mean": scores.mean().item()}
+        if acc is not None:
+            metrics["val/acc/mean"] = float(np.nanmean(acc.astype(float)))
+        for s in np.unique(sources):
+            sel = sources == s
+            metrics[f"val/score/{s}"] = scores[torch.as_tensor(sel)].mean().item()
+            if acc is not None:
+                metrics[f"val/acc/{s}"] = float(np.nanmean(acc[sel].astype(float)))
         return metrics
 
     def _log(self, metrics: dict[str, float], step: int) -> None:

@@ -1,0 +1,110 @@
+"""Rule rewards keyed by the dataset's ``data_source`` column.
+
+A scorer has the signature of verl's ``default_compute_score``::
+
+    fn(solution_str, ground_truth, extra_info=None, **kwargs) -> float | dict
+
+and a dict result carries at least ``"score"``; its other keys (``acc``, ``format``...)
+are reported per sample. Built-in data sources:
+
+================================  ==========================================  ================
+data_source                       scorer                                      special tokens
+================================  ==========================================  ================
+``openai/gsm8k``, ``gsm8k``       :func:`megaflow.rewards.gsm8k.compute_score`  skipped
+``arith``                         :func:`megaflow.rewards.arith.compute_score`  kept (EOS counts)
+``countdown``                     :func:`megaflow.rewards.countdown.compute_score`  skipped
+================================  ==========================================  ================
+
+"special tokens" says how :class:`~megaflow.rewards.manager.RuleRewardManager` decodes the
+response for that source. Add sources with :func:`register_reward`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from megaflow.rewards import arith, countdown, gsm8k
+
+ScoreFn = Callable[..., "float | dict[str, Any]"]
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """A registered scorer and how its responses are decoded."""
+
+    fn: ScoreFn
+    skip_special_tokens: bool = True
+
+
+_REGISTRY: dict[str, RewardSpec] = {
+    "openai/gsm8k": RewardSpec(gsm8k.compute_score),
+    "gsm8k": RewardSpec(gsm8k.compute_score),
+    "arith": RewardSpec(arith.compute_score, skip_special_tokens=False),
+    "countdown": RewardSpec(countdown.compute_score),
+}
+
+
+def register_reward(
+    *data_sources: str, skip_special_tokens: bool = True, override: bool = False
+) -> Callable[[ScoreFn], ScoreFn]:
+    """Decorator registering a scorer for one or more data sources.
+
+    Example::
+
+        @register_reward("my_task")
+        def my_score(solution_str, ground_truth, extra_info=None): ...
+
+    Raises:
+        ValueError: no data source given, or one is already registered and
+            ``override`` is False.
+    """
+    if not data_sources:
+        raise ValueError("register_reward needs at least one data source name")
+
+    def decorator(fn: ScoreFn) -> ScoreFn:
+        taken = [s for s in data_sources if s in _REGISTRY and not override]
+        if taken:
+            raise ValueError(f"data source(s) {taken} already have a reward; pass override=True to replace")
+        for source in data_sources:
+            _REGISTRY[source] = RewardSpec(fn, skip_special_tokens=skip_special_tokens)
+        return fn
+
+    return decorator
+
+
+def unregister_reward(data_source: str) -> None:
+    """Remove a registered data source (KeyError if unknown)."""
+    del _REGISTRY[data_source]
+
+
+def known_data_sources() -> list[str]:
+    """Sorted names of the registered data sources."""
+    return sorted(_REGISTRY)
+
+
+def get_reward_spec(data_source: str) -> RewardSpec:
+    """The :class:`RewardSpec` of ``data_source``.
+
+    Raises:
+        ValueError: unknown data source; the message lists the known ones.
+    """
+    try:
+        return _REGISTRY[data_source]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"no rule reward registered for data_source {data_source!r}; known data sources: "
+            f"{', '.join(known_data_sources())} (add one with megaflow.rewards.register_reward)"
+        ) from None
+
+
+def compute_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, **kwargs
+) -> float | dict[str, Any]:
+    """Score ``solution_str`` with the scorer registered for ``data_source``.
+
+    ``kwargs`` are passed to the scorer (e.g. ``method="flexible"`` for GSM8K).
+
+    Raises:
+        ValueError: unknown data source (listing the known ones); whatever the scorer raises.
+    """
+    return get_reward_spec(data_source).fn(solution_str, ground_truth, extra_info, **kwargs)

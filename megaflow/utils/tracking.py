@@ -1,0 +1,284 @@
+"""Metrics tracking: console, JSONL, TensorBoard and (optionally) wandb, plus a progress bar.
+
+``Tracking(...).log(metrics, step)`` sends one step's metrics to every configured backend:
+
+* ``console``: one line per step (numeric metrics, sorted), printed through the
+  progress bar so the bar stays at the bottom;
+* ``jsonl``: ``<log_dir>/metrics.jsonl``, one JSON object ``{"step": s, ...}`` per step,
+  flushed after every step; opened in append mode, so a resumed run continues the same
+  file (readers merge the records of a step, see :func:`read_metrics_jsonl`);
+* ``tensorboard``: ``torch.utils.tensorboard.SummaryWriter`` in ``<log_dir>/tensorboard``,
+  one scalar per numeric metric, flushed every step;
+* ``wandb``: imported lazily; requesting it without the package installed is an error.
+
+A ``tqdm`` bar over ``total_steps`` shows the reward and the step time
+(``reward_key``/``step_time_key``). ``reduce_metrics`` and ``Timer`` are small helpers
+for the trainer's per-phase numbers.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import numbers
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
+METRICS_FILE = "metrics.jsonl"
+
+
+def _scalar(value: Any) -> float | None:
+    """A Python float for real numbers, bools, numpy scalars and one-element tensors/arrays."""
+    if isinstance(value, (bool, numbers.Real)):
+        return float(value)
+    numel = getattr(value, "numel", None)  # torch.Tensor
+    if callable(numel) and numel() == 1:
+        return float(value.item())
+    size = getattr(value, "size", None)  # numpy.ndarray
+    if isinstance(size, int) and size == 1 and hasattr(value, "item"):
+        return float(value.item())
+    return None
+
+
+class _ConsoleBackend:
+    def __init__(self, write):
+        self.write = write
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        body = "  ".join(f"{k}={_fmt(v)}" for k, v in sorted(metrics.items()))
+        self.write(f"[step {step}] {body}")
+
+    def close(self) -> None:
+        pass
+
+
+class _JsonlBackend:
+    def __init__(self, log_dir: Path):
+        self.path = log_dir / METRICS_FILE
+        self.file = self.path.open("a", encoding="utf-8")
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        record = {"step": step}
+        record.update({k: (v if math.isfinite(v) else None) for k, v in metrics.items()})
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class _TensorBoardBackend:
+    def __init__(self, log_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir / "tensorboard"))
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _WandbBackend:
+    def __init__(self, project: str, experiment: str, config: Mapping[str, Any] | None, log_dir: Path):
+        try:
+            import wandb
+        except ImportError as exc:
+            raise ImportError(
+                "the 'wandb' logger backend was requested but the wandb package is not installed; "
+                "install it (pip install 'megaflow[wandb]') or remove 'wandb' from the logger backends"
+            ) from exc
+        self.wandb = wandb
+        self.run = wandb.init(project=project, name=experiment, config=dict(config or {}),
+                              dir=str(log_dir), resume="allow")
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        self.run.log(dict(metrics), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Tracking:
+    """Send per-step metrics to several backends and drive a progress bar.
+
+    Args:
+        project: project name (the wandb project).
+        experiment: run name (the wandb run name and the bar's label).
+        backends: subset of :data:`BACKENDS` (a single name is accepted too).
+        log_dir: directory for ``metrics.jsonl`` and ``tensorboard/`` (created).
+        config: the run's resolved config (a dict), recorded by wandb.
+        total_steps: length of the progress bar; None disables the bar.
+        initial_step: where the bar starts (the resumed step).
+        reward_key, step_time_key: metrics shown on the bar.
+
+    Metric values that are not numeric scalars are dropped (logged at debug level);
+    NaN/inf are written to JSONL as ``null``.
+
+    Raises:
+        ValueError: unknown backend names (the valid ones are listed).
+        ImportError: ``wandb`` requested but not installed.
+    """
+
+    def __init__(self, project: str, experiment: str, backends: Sequence[str] = ("console", "jsonl"), *,
+                 log_dir: str | Path = "outputs/run", config: Mapping[str, Any] | None = None,
+                 total_steps: int | None = None, initial_step: int = 0,
+                 reward_key: str = "critic/score/mean", step_time_key: str = "timing_s/step"):
+        backends = [backends] if isinstance(backends, str) else list(backends)
+        unknown = [b for b in backends if b not in BACKENDS]
+        if unknown:
+            raise ValueError(f"unknown logger backend(s) {unknown}; valid backends: {', '.join(BACKENDS)}")
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.reward_key, self.step_time_key = reward_key, step_time_key
+        self.bar = None
+        if total_steps is not None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=initial_step, desc=experiment, unit="step",
+                            dynamic_ncols=True)
+        self._last_step = initial_step
+        factories = {
+            "console": lambda: _ConsoleBackend(self._write),
+            "jsonl": lambda: _JsonlBackend(self.log_dir),
+            "tensorboard": lambda: _TensorBoardBackend(self.log_dir),
+            "wandb": lambda: _WandbBackend(project, experiment, config, self.log_dir),
+        }
+        self.backends = {}
+        try:
+            for name in dict.fromkeys(backends):
+                self.backends[name] = factories[name]()
+        except BaseException:
+            self.close()
+            raise
+
+    def _write(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Log one step. Values that are not numeric scalars are dropped."""
+        scalars = {}
+        for key, value in metrics.items():
+            number = _scalar(value)
+            if number is None:
+                logger.debug("dropping non-numeric metric %r=%r", key, value)
+            else:
+                scalars[str(key)] = number
+        for backend in self.backends.values():
+            backend.log(scalars, step)
+        self._advance_bar(scalars, step)
+
+    def _advance_bar(self, scalars: Mapping[str, float], step: int) -> None:
+        if self.bar is None:
+            return
+        if step > self._last_step:
+            self.bar.update(step - self._last_step)
+            self._last_step = step
+        postfix = {}
+        if self.reward_key in scalars:
+            postfix["reward"] = f"{scalars[self.reward_key]:.3f}"
+        if self.step_time_key in scalars:
+            postfix["step_s"] = f"{scalars[self.step_time_key]:.2f}"
+        if postfix:
+            self.bar.set_postfix(postfix, refresh=True)
+
+    def close(self) -> None:
+        """Flush and close every backend and the bar (idempotent)."""
+        for backend in self.backends.values():
+            backend.close()
+        self.backends = {}
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def __enter__(self) -> "Tracking":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def read_metrics_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a ``metrics.jsonl``, one per step in step order.
+
+    Records of the same step are merged, later values winning key by key: a step
+    logged in several calls keeps all its metrics, and a run resumed from an earlier
+    checkpoint (which logs the steps after it again) replaces the stale values. A
+    truncated last line (a crash mid-write) is skipped with a warning; a malformed line
+    elsewhere raises ValueError naming the line.
+    """
+    path = Path(path)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    by_step: dict[int, dict[str, Any]] = {}
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            step = int(record["step"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            if lineno == len(lines):
+                logger.warning("%s: skipping truncated last line %d", path, lineno)
+                continue
+            raise ValueError(f"{path}, line {lineno}: not a metrics record ({exc})") from exc
+        by_step.setdefault(step, {}).update(record)
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def reduce_metrics(metrics: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """Mean of each key over a list of metric dicts (e.g. one per micro-batch or rank).
+
+    A key missing from some dicts is averaged over the dicts that have it; non-numeric
+    values raise TypeError naming the key.
+    """
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for m in metrics:
+        for key, value in m.items():
+            number = _scalar(value)
+            if number is None:
+                raise TypeError(f"metric {key!r} is not a numeric scalar: {value!r}")
+            sums[key] = sums.get(key, 0.0) + number
+            counts[key] = counts.get(key, 0) + 1
+    return {k: sums[k] / counts[k] for k in sums}
+
+
+class Timer:
+    """Wall-clock timing of a block, in seconds (``time.perf_counter``).
+
+    ``with Timer("gen", timings): ...`` adds the elapsed seconds to ``timings["gen"]``
+    (accumulating over repeated blocks); ``Timer().elapsed`` is available after exit
+    without a dict.
+    """
+
+    def __init__(self, name: str | None = None, timings: dict[str, float] | None = None):
+        if timings is not None and name is None:
+            raise ValueError("Timer needs a name to record into a timings dict")
+        self.name, self.timings = name, timings
+        self.elapsed = 0.0
+        self._start = 0.0
+
+    def __enter__(self) -> "Timer":
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.elapsed = time.perf_counter() - self._start
+        if self.timings is not None:
+            self.timings[self.name] = self.timings.get(self.name, 0.0) + self.elapsed
+
+
+def _fmt(value: float) -> str:
+    if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
+        return f"{value:.3e}"
+    return f"{value:.4f}".rstrip("0").rstrip(".") if not float(value).is_integer() else str(int(value))

@@ -1,0 +1,111 @@
+"""Tracking backends (JSONL, TensorBoard, console, wandb), reduce_metrics, Timer."""
+import json
+import sys
+import time
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from megaflow.utils.tracking import Timer, Tracking, read_metrics_jsonl, reduce_metrics
+
+
+def test_jsonl_one_object_per_step_flushed_and_appended(tmp_path):
+    tracker = Tracking("p", "e", backends=["jsonl"], log_dir=tmp_path)
+    tracker.log({"critic/score/mean": 0.5, "n": np.int64(3), "t": torch.tensor(2.5), "note": "skipped"}, step=1)
+    # flushed before close: another reader sees the step already
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x) for x in lines] == [{"step": 1, "critic/score/mean": 0.5, "n": 3.0, "t": 2.5}]
+    tracker.log({"critic/score/mean": float("nan")}, step=2)
+    tracker.close()
+    # a resumed run appends to the same file
+    with Tracking("p", "e", backends=["jsonl"], log_dir=tmp_path) as resumed:
+        resumed.log({"critic/score/mean": 0.7}, step=2)
+        resumed.log({"critic/score/mean": 0.9}, step=3)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 4 and json.loads(lines[1]) == {"step": 2, "critic/score/mean": None}
+    records = read_metrics_jsonl(tmp_path / "metrics.jsonl")  # later values of a step win
+    assert [(r["step"], r["critic/score/mean"]) for r in records] == [(1, 0.5), (2, 0.7), (3, 0.9)]
+
+
+def test_read_metrics_skips_a_truncated_last_line_only(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n{"step": 3, "a"')
+    assert [r["step"] for r in read_metrics_jsonl(path)] == [1, 2]
+    path.write_text('{"step": 1, "a": 1}\nnot json\n{"step": 3, "a": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 2: not a metrics record"):
+        read_metrics_jsonl(path)
+
+
+def test_tensorboard_scalars_read_back(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with Tracking("p", "e", backends=["tensorboard"], log_dir=tmp_path) as tracker:
+        for step in range(1, 4):
+            tracker.log({"critic/score/mean": 0.1 * step, "timing_s/step": float(step)}, step=step)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert set(acc.Tags()["scalars"]) == {"critic/score/mean", "timing_s/step"}
+    events = acc.Scalars("critic/score/mean")
+    assert [e.step for e in events] == [1, 2, 3]
+    assert [e.value for e in events] == pytest.approx([0.1, 0.2, 0.3])
+
+
+def test_console_lines_and_progress_bar(tmp_path, capsys):
+    with Tracking("p", "run", backends=["console"], log_dir=tmp_path, total_steps=4) as tracker:
+        tracker.log({"critic/score/mean": 0.25, "timing_s/step": 1.5, "lr": 1e-6}, step=1)
+        tracker.log({"critic/score/mean": 0.5, "timing_s/step": 1.25}, step=2)
+        bar = tracker.bar
+        assert bar.n == 2 and bar.total == 4
+        assert bar.postfix == "reward=0.500, step_s=1.25"
+    captured = capsys.readouterr()
+    assert "[step 1] critic/score/mean=0.25  lr=1.000e-06  timing_s/step=1.5" in captured.out
+    assert "[step 2]" in captured.out
+
+
+def test_unknown_backend_and_missing_wandb(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"unknown logger backend\(s\) \['mlflow'\]; valid backends: console"):
+        Tracking("p", "e", backends=["jsonl", "mlflow"], log_dir=tmp_path)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    with pytest.raises(ImportError, match="'wandb' logger backend was requested but the wandb package is not"):
+        Tracking("p", "e", backends=["jsonl", "wandb"], log_dir=tmp_path)
+
+
+def test_wandb_backend_calls(tmp_path, monkeypatch):
+    calls = []
+
+    class Run:
+        def log(self, metrics, step):
+            calls.append(("log", metrics, step))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: calls.append(("init", kw)) or Run()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    with Tracking("proj", "exp", backends=["wandb"], log_dir=tmp_path, config={"lr": 1e-6}) as tracker:
+        tracker.log({"a": 1}, step=7)
+    assert calls[0][0] == "init" and calls[0][1]["project"] == "proj" and calls[0][1]["name"] == "exp"
+    assert calls[0][1]["config"] == {"lr": 1e-6}
+    assert calls[1:] == [("log", {"a": 1.0}, 7), ("finish",)]
+
+
+def test_reduce_metrics_means_per_key():
+    out = reduce_metrics([{"loss": 1.0, "kl": 0.5}, {"loss": 3.0}, {"loss": torch.tensor(5.0), "kl": np.float32(1.5)}])
+    assert out == {"loss": 3.0, "kl": 1.0}
+    assert reduce_metrics([]) == {}
+    with pytest.raises(TypeError, match="metric 'x' is not a numeric scalar"):
+        reduce_metrics([{"x": [1, 2]}])
+
+
+def test_timer_accumulates():
+    timings = {}
+    with Timer("gen", timings):
+        time.sleep(0.02)
+    with Timer("gen", timings) as t:
+        time.sleep(0.01)
+    assert t.elapsed >= 0.01 and timings["gen"] >= 0.03 and timings["gen"] < 1.0
+    with pytest.raises(ValueError, match="needs a name"):
+        Timer(timings={})
