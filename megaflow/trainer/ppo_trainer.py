@@ -112,6 +112,7 @@ class RayPPOTrainer:
         g, algo, t = self.groups, self.cfg.algorithm, {}
         with _timer("gen", t):
             batch = self.rollout(prompts, self.cfg.rollout.n, greedy=False)
+        rollout_metrics = batch.meta_info.pop("rollout_metrics", {})
         if algo.adv_estimator == "remax":
             with _timer("gen_greedy", t):
                 batch = self.add_greedy_baseline(prompts, batch)
@@ -136,6 +137,7 @@ class RayPPOTrainer:
         with _timer("update_actor", t):
             metrics.update(_worker_metrics(g.actor.update_actor(batch)))
         metrics.update(compute_data_metrics(batch, self.cfg.rollout.response_length))
+        metrics.update(rollout_metrics)
         metrics.update(t)
         num_tokens = int(batch.batch["attention_mask"].sum())
         metrics["perf/total_num_tokens"] = num_tokens
@@ -155,12 +157,15 @@ class RayPPOTrainer:
         gen_in = prompts.select(batch_keys=PROMPT_KEYS).repeat(n, interleave=True)
         gen_in.meta_info.update(self.sampling_params(greedy=greedy))
         out = self.groups.actor.generate_sequences(gen_in)
+        rollout_metrics = dict(out.meta_info.get("metrics", {}))
         rest = prompts.select(batch_keys=[k for k in prompts.batch.keys() if k not in PROMPT_KEYS])
         rest = rest.repeat(n, interleave=True)
         if rest.batch is not None and len(rest.batch.keys()) == 0:
             rest.batch = None
         out.meta_info = {}
-        return rest.union(out)
+        batch = rest.union(out)
+        batch.meta_info["rollout_metrics"] = rollout_metrics
+        return batch
 
     def sampling_params(self, *, greedy: bool) -> dict[str, Any]:
         """The rollout's sampling parameters for one call (``meta_info`` of the generate call).

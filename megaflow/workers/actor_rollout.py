@@ -1,0 +1,188 @@
+"""The actor with its colocated rollout engine: the 3D-HybridEngine in one worker.
+
+Each rank holds its Megatron training shard (layout p-t-d) and one vLLM engine shard of
+the generation layout (p_g-t_g-d_g-d). ``generate_sequences`` first makes sure the
+engine serves the actor's current weights: when the actor has changed since the last
+sync (an update, a checkpoint load, start-up), the
+:class:`~megaflow.hybrid_engine.reshard.MicroDPResharder` all-gathers each parameter
+inside its micro-DP group into the generation layout, the shard is converted to vLLM's
+names and layouts (:mod:`megaflow.hybrid_engine.rollout_weights`) and pushed into the
+engine, and the generation buffers are released again (train -> generate -> train). The
+engine's weight version increments and its prefix cache is reset on every sync.
+
+Dispatch: ``generate_sequences`` is registered on the ``rollout`` mesh
+(``dp_rank`` = generation replica, collected from generation TP rank 0), the actor's
+other methods on the ``actor`` mesh (Megatron DP rank, collected from tp 0 / last stage).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megaflow.protocol import DataProto
+from megaflow.single_controller import Dispatch, nd_compute, register
+from megaflow.workers.config import MegatronWorkerConfig
+from megaflow.workers.megatron_workers import ActorWorker
+
+#: Offset between the sampling seeds of two generation replicas (distinct request seeds).
+_REPLICA_SEED_STRIDE = 1_000_003
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSettings:
+    """The rollout side of the actor worker.
+
+    Attributes:
+        gen_tp, gen_pp: generation layout t_g, p_g (t % t_g == 0, p % p_g == 0).
+        response_length: maximum new tokens (the response dimension of outputs).
+        max_prompt_length: longest prompt in tokens (with response_length: the engine's
+            ``max_model_len``).
+        eos_token_ids, pad_token_id: stop ids and the right-padding id of responses.
+        kv_cache_bytes: vLLM KV-cache size (CPU); None: vLLM's default for the platform.
+        gpu_memory_utilization: GPU share for the engine (GPU only).
+        seed: engine seed.
+    """
+
+    gen_tp: int = 1
+    gen_pp: int = 1
+    response_length: int = 64
+    max_prompt_length: int = 512
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
+    kv_cache_bytes: Optional[int] = None
+    gpu_memory_utilization: float = 0.5
+    seed: int = 0
+
+
+class ActorRolloutWorker(ActorWorker):
+    """:class:`ActorWorker` plus a vLLM engine fed by the micro-DP resharder."""
+
+    def __init__(self, config: MegatronWorkerConfig, rollout: RolloutSettings) -> None:
+        super().__init__(config)
+        self.rollout_settings = rollout
+        self.rollout = None
+        self.resharder = None
+        self._actor_version = 0
+        self._synced_version = -1
+        self.last_reshard_stats = None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        """Build the Megatron actor, the reshard groups and the vLLM engine (collective)."""
+        from megaflow.hybrid_engine import MicroDPResharder, build_reshard_groups, plan_hybrid_layout
+        from megaflow.models.hf_mapping import ModelSpec
+
+        super().init_model()
+        rs, info = self.rollout_settings, self.info
+        hf_config = self.config.resolve_hf_config()
+        self.spec = ModelSpec.from_hf_config(hf_config)
+        self.layout = plan_hybrid_layout(info.tp_size, info.pp_size, info.dp_size, rs.gen_tp, rs.gen_pp,
+                                         num_attention_heads=self.spec.num_heads,
+                                         num_query_groups=self.spec.num_kv_heads)
+        self.reshard_groups = build_reshard_groups(self.layout)
+        self.resharder = MicroDPResharder(self.reshard_groups, dict(self.engine.module.named_parameters()),
+                                          share_embeddings_and_output_weights=self.spec.tie_word_embeddings)
+        placement = self.layout.ranks[self.rank]
+        self.register_dp_info("rollout", dp_rank=placement.gen_dp_rank, is_collect=placement.is_collect)
+        self._gen_tp_rank = placement.gen_tp_rank
+        self._gen_replica = placement.gen_dp_rank
+        self.rollout = self._build_engine(hf_config)
+
+    def _build_engine(self, hf_config):
+        from megaflow.rollout.sampling import SamplingConfig
+        from megaflow.rollout.vllm_rollout import VLLMRollout, VLLMRolloutConfig
+
+        rs = self.rollout_settings
+        model_dir = self._engine_model_dir(hf_config)
+        engine_cfg = VLLMRolloutConfig(
+            model_path=model_dir, tp_size=rs.gen_tp, tp_group_ranks=self.layout.gen_tp_groups,
+            dtype=self.config.dtype, load_format="dummy",
+            max_model_len=rs.max_prompt_length + rs.response_length, kv_cache_bytes=rs.kv_cache_bytes,
+            gpu_memory_utilization=rs.gpu_memory_utilization, seed=rs.seed)
+        sampling = SamplingConfig(response_length=rs.response_length, eos_token_ids=rs.eos_token_ids,
+                                  pad_token_id=rs.pad_token_id)
+        return VLLMRollout(engine_cfg, sampling)
+
+    def _engine_model_dir(self, hf_config) -> str:
+        """A directory with the model's ``config.json`` for vLLM (weights come from the actor)."""
+        cfg = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+        path = tempfile.mkdtemp(prefix=f"megaflow_rollout_rank{self.rank}_")
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        return path
+
+    # ------------------------------------------------------------------ weight sync
+    def _sync_rollout_weights(self) -> None:
+        """train -> generate -> train: push the actor's current weights into the engine."""
+        if self._synced_version == self._actor_version:
+            return
+        from megaflow.hybrid_engine.rollout_weights import hf_full_tensors, vllm_sharded_tensors
+
+        self._before_phase()
+        with self.resharder.generation() as stats:
+            named = self.resharder.named_generation_tensors()
+            if self.rollout_settings.gen_tp == 1:
+                self.rollout.update_weights(hf_full_tensors(named, self.spec), format="hf_full")
+            else:
+                tensors = vllm_sharded_tensors(
+                    named, self.spec, gen_tp=self.rollout_settings.gen_tp, gen_tp_rank=self._gen_tp_rank,
+                    vllm_shapes=self.rollout.sharded_param_shapes(), gather_vocab=self._gather_gen_tp)
+                self.rollout.update_weights(list(tensors), format="sharded")
+        self.last_reshard_stats = stats
+        self._synced_version = self._actor_version
+
+    def _gather_gen_tp(self, shard: torch.Tensor) -> torch.Tensor:
+        group = self.reshard_groups.gen_tp
+        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, shard.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    # ------------------------------------------------------------------ registered methods
+    @register(nd_compute("rollout"))
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Rollout on this rank's generation replica (all ranks of a replica in lockstep).
+
+        ``meta_info`` carries the sampling parameters (:mod:`megaflow.rollout.sampling`);
+        its ``seed`` is offset by the replica index so that replicas draw distinct samples.
+        Adds ``meta_info["metrics"]`` with the reshard's bytes and time of this call's sync.
+        """
+        synced = self._synced_version != self._actor_version
+        self._sync_rollout_weights()
+        meta = dict(prompts.meta_info)
+        if meta.get("seed") is not None:
+            meta["seed"] = int(meta["seed"]) + self._gen_replica * _REPLICA_SEED_STRIDE
+        out = self.rollout.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch, meta))
+        metrics = {"rollout/weight_version": float(self.rollout.weight_version)}
+        if synced and self.last_reshard_stats is not None:
+            s = self.last_reshard_stats
+            metrics.update({"timing_s/reshard": s.seconds, "reshard/bytes_received": float(s.bytes_received),
+                            "reshard/bytes_sent": float(s.bytes_sent)})
+        out.meta_info["metrics"] = metrics
+        return out
+
+    @register(nd_compute("actor"))
+    def update_actor(self, data: DataProto) -> DataProto:
+        """PPO update (see :class:`ActorWorker`); the rollout re-syncs before its next use."""
+        out = super().update_actor(data)
+        self._actor_version += 1
+        return out
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        """Restore the actor (see :class:`ActorWorker`); the rollout re-syncs before its next use."""
+        super().load_checkpoint(path)
+        self._actor_version += 1
+
+    @register(Dispatch.ONE_TO_ALL)
+    def rollout_weight_version(self) -> int:
+        """Number of weight syncs the engine has received."""
+        return self.rollout.weight_version
+
+
+__all__ = ["ActorRolloutWorker", "RolloutSettings"]
