@@ -1,0 +1,164 @@
+"""Validation and left-aligned packing of verl-layout batches for Megatron (pure, no processes).
+
+Input layout (same as verl; ``S = P + R``):
+
+* ``input_ids``, ``attention_mask`` ``[batch, S]``: a left-padded prompt followed by a
+  right-padded response; the real tokens of a row form one contiguous span.
+* ``position_ids`` ``[batch, S]`` (optional): ``cumsum(attention_mask) - 1`` on real tokens.
+* ``responses`` ``[batch, R]``: equal to ``input_ids[:, -R:]``.
+
+Megatron's GPTModel applies RoPE at positions ``0..L-1`` of its input, ignoring
+``position_ids``, so each row is moved to the left (real tokens first, padding after) and
+the batch is trimmed to the longest row. With a causal mask, trailing padding can never be
+attended to by a real token, so results do not depend on padding or on which rows share a
+micro-batch. The log-prob of response token ``t`` comes from the logits at ``t - 1``;
+:attr:`PackedBatch.response_index` holds, per response position, the packed index of
+those logits.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Optional
+
+import torch
+
+REQUIRED_KEYS = ("input_ids", "attention_mask", "responses")
+
+
+@dataclasses.dataclass
+class PackedBatch:
+    """A batch in Megatron's left-aligned layout (see module docstring).
+
+    Attributes:
+        input_ids: ``[batch, L]`` real tokens first, then zeros; ``L`` = longest row.
+        lengths: ``[batch]`` real tokens per row.
+        response_index: ``[batch, R]`` packed position of the logits that predict response
+            token ``r`` (clamped into range where the response token is padding).
+        response_valid: ``[batch, R]`` bool, True where the response token is real.
+        fields: the other ``[batch, ...]`` tensors of the input (e.g. ``response_mask``,
+            ``old_log_probs``, ``advantages``), row-aligned, for the loss callback.
+    """
+
+    input_ids: torch.Tensor
+    lengths: torch.Tensor
+    response_index: torch.Tensor
+    response_valid: torch.Tensor
+    fields: dict[str, torch.Tensor]
+
+    @property
+    def num_rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.input_ids.shape[1]
+
+    def rows(self, start: int, stop: int) -> "PackedBatch":
+        """Rows ``[start, stop)`` (views)."""
+        return PackedBatch(self.input_ids[start:stop], self.lengths[start:stop],
+                           self.response_index[start:stop], self.response_valid[start:stop],
+                           {k: v[start:stop] for k, v in self.fields.items()})
+
+    def pad_rows(self, multiple: int, zero_keys: tuple[str, ...] = ()) -> tuple["PackedBatch", int]:
+        """Append copies of row 0 until the row count divides ``multiple``.
+
+        The copies' ``fields[k]`` for ``k`` in ``zero_keys`` (loss masks) are zeroed so they
+        weigh nothing in a loss. Returns ``(padded batch, number of rows added)``.
+        """
+        num_pad = -self.num_rows % multiple
+        if num_pad == 0:
+            return self, 0
+
+        def extend(t: torch.Tensor, zero: bool = False) -> torch.Tensor:
+            extra = t[:1].expand(num_pad, *t.shape[1:])
+            return torch.cat([t, torch.zeros_like(extra) if zero else extra])
+
+        return PackedBatch(extend(self.input_ids), extend(self.lengths),
+                           extend(self.response_index), extend(self.response_valid),
+                           {k: extend(v, k in zero_keys) for k, v in self.fields.items()}), num_pad
+
+
+def _check_shapes(batch: Mapping[str, torch.Tensor]) -> tuple[int, int, int]:
+    missing = [k for k in REQUIRED_KEYS if k not in batch]
+    if missing:
+        raise ValueError(f"batch is missing {missing}; it has {sorted(batch)}")
+    input_ids, mask, responses = (batch[k] for k in REQUIRED_KEYS)
+    if input_ids.ndim != 2 or mask.shape != input_ids.shape:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "
+                         f"{tuple(mask.shape)} must both be [batch, seq]")
+    num_rows, seq = input_ids.shape
+    if responses.ndim != 2 or responses.shape[0] != num_rows or not 0 < responses.shape[1] < seq:
+        raise ValueError(f"responses {tuple(responses.shape)} must be [batch={num_rows}, R] "
+                         f"with 0 < R < seq={seq}")
+    for key, value in batch.items():
+        if torch.is_tensor(value) and (value.ndim == 0 or value.shape[0] != num_rows):
+            raise ValueError(f"batch field {key!r} has shape {tuple(value.shape)}; expected "
+                             f"a leading batch dimension of {num_rows}")
+    return num_rows, seq, responses.shape[1]
+
+
+def _check_mask(mask: torch.Tensor, first: torch.Tensor, lengths: torch.Tensor, prompt_len: int):
+    if not torch.all((mask == 0) | (mask == 1)):
+        raise ValueError("attention_mask must contain only 0 and 1")
+    positions = torch.arange(mask.shape[1])
+    span = (positions >= first[:, None]) & (positions < (first + lengths)[:, None])
+    bad = (span != mask.bool()).any(dim=1).nonzero().flatten()
+    if len(bad):
+        raise ValueError(f"attention_mask rows {bad.tolist()[:8]} are not one contiguous span of "
+                         f"real tokens (left-padded prompt + right-padded response expected)")
+    no_prompt = (mask[:, prompt_len - 1] == 0).nonzero().flatten()
+    if len(no_prompt):
+        raise ValueError(f"rows {no_prompt.tolist()[:8]} have no prompt token at position "
+                         f"{prompt_len - 1}; every row needs >= 1 real prompt token")
+
+
+def pack_batch(batch: Mapping[str, torch.Tensor], *, max_seq_len: int,
+               vocab_size: Optional[int] = None) -> PackedBatch:
+    """Validate a verl-layout batch (module docstring) and left-align it for Megatron.
+
+    Args:
+        batch: ``input_ids``, ``attention_mask``, ``responses`` (+ optional ``position_ids``
+            and any row-aligned fields, passed through in :attr:`PackedBatch.fields`).
+        max_seq_len: the longest allowed sequence (real tokens per row).
+        vocab_size: when given, real token ids must lie in ``[0, vocab_size)``.
+
+    Raises:
+        ValueError: missing keys or wrong shapes (naming the field), a non-contiguous mask,
+            a row without a prompt token, a sequence longer than ``max_seq_len``, token
+            ids out of range, ``responses`` not equal to the end of ``input_ids``, or
+            ``position_ids`` other than ``cumsum(attention_mask) - 1``.
+    """
+    num_rows, seq, resp_len = _check_shapes(batch)
+    input_ids = batch["input_ids"].cpu().long()
+    mask = batch["attention_mask"].cpu().long()
+    lengths = mask.sum(dim=1)
+    first = (mask.cumsum(dim=1) == 0).sum(dim=1)  # number of left-padding tokens
+    _check_mask(mask, first, lengths, seq - resp_len)
+    too_long = (lengths > max_seq_len).nonzero().flatten()
+    if len(too_long):
+        row = int(too_long[0])
+        raise ValueError(f"sequence {row} has {int(lengths[row])} tokens, longer than the "
+                         f"configured maximum max_seq_len={max_seq_len}")
+    real = mask.bool()
+    if vocab_size is not None and torch.any(real & ((input_ids < 0) | (input_ids >= vocab_size))):
+        raise ValueError(f"input_ids contain token ids outside [0, {vocab_size})")
+    resp_real = real[:, seq - resp_len:]
+    if torch.any(resp_real & (batch["responses"].cpu().long() != input_ids[:, seq - resp_len:])):
+        raise ValueError(f"responses must equal input_ids[:, -{resp_len}:] on real tokens")
+    if "position_ids" in batch:
+        expected = mask.cumsum(dim=1) - 1
+        if torch.any(real & (batch["position_ids"].cpu().long() != expected)):
+            raise ValueError("position_ids must be cumsum(attention_mask) - 1 on real tokens "
+                             "(Megatron's RoPE uses positions 0..len-1 of each sequence)")
+    width = int(lengths.max())
+    index = (first[:, None] + torch.arange(width)).clamp_max(seq - 1)
+    inside = torch.arange(width) < lengths[:, None]
+    packed = torch.where(inside, input_ids.gather(1, index), torch.zeros_like(index))
+    response_index = (seq - resp_len - 1 + torch.arange(resp_len)) - first[:, None]
+    response_index = response_index.clamp(0, width - 1)
+    skip = set(REQUIRED_KEYS) | {"position_ids"}
+    fields = {k: v for k, v in batch.items() if k not in skip and torch.is_tensor(v)}
+    return PackedBatch(packed, lengths, response_index, resp_real, fields)
+
+
+__all__ = ["PackedBatch", "pack_batch", "REQUIRED_KEYS"]

@@ -1,0 +1,258 @@
+"""CPU accommodations for megatron-core 0.16.1: the ONE place where megaflow bends Megatron.
+
+megatron-core assumes CUDA in a few places that the CPU path (development, CI, laptops;
+gloo instead of NCCL) reaches. Each accommodation below names the Megatron functions it
+covers and why. :func:`apply_cpu_accommodations` installs them once per process and is
+a no-op when CUDA is available, so none of this is ever on the GPU path.
+
+The accommodations, all minimal and none a copy of Megatron code:
+
+1. **"cuda" devices in a handful of Megatron modules** (``_DEVICE_MODULES``): those modules
+   allocate buffers with ``device="cuda"`` or ``device=torch.cuda.current_device()``.
+   Their module-global name ``torch`` is rebound to :class:`_CpuTorch`, a thin view of
+   ``torch`` whose tensor factories turn a CUDA device into ``cpu`` and whose
+   ``torch.cuda.current_device()`` answers ``"cpu"`` and ``torch.cuda.synchronize()``
+   does nothing. Every other attribute is the real ``torch``; no other module sees it.
+2. **CUDA tensor type names** (``_CUDA_TYPE_NAME_FUNCTIONS``): Megatron's optimizers and
+   gradient clipping check ``tensor.type()`` against ``'torch.cuda.FloatTensor'`` (and the
+   half/bf16 names). While exactly those functions run, ``Tensor.type()`` without
+   arguments reports a CPU tensor under its CUDA name.
+3. **The CUDA RNG tracker**: ``model_parallel_cuda_manual_seed`` stores CUDA generator
+   states (``torch.cuda.get_rng_state`` fails on a CPU build) and every attention layer
+   enters ``get_cuda_rng_tracker().fork()``. :func:`model_parallel_manual_seed` seeds
+   torch's CPU generator and installs Megatron's own pass-through tracker
+   (``inference_rng_tracker=True``), so forks are no-ops and all randomness (CPU
+   initialisation, dropout) draws from the CPU generator. (So on CPU, dropout inside
+   TP regions is not decorrelated across TP ranks; megaflow's models use dropout 0 for
+   hidden states and the HF config's attention dropout, 0 for Llama/Qwen2.) On CUDA it
+   is exactly ``model_parallel_cuda_manual_seed(seed)``.
+4. **The default causal mask** (``megatron.core.transformer.utils.get_default_causal_mask``,
+   built on ``"cuda"``) is not patched: megaflow always passes an explicit mask
+   (:func:`megaflow.megatron.engine.causal_attention_mask`).
+
+Also required on CPU, and set by :mod:`megaflow.megatron.model` rather than patched:
+``use_cpu_initialization=True``, ``gradient_accumulation_fusion=False``, every fusion
+off, ``sequence_parallel=False``.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import threading
+import types
+from typing import Any, Callable, Iterator
+
+import torch
+
+# Module -> the Megatron functions in it that allocate on a CUDA device.
+_DEVICE_MODULES: dict[str, str] = {
+    "megatron.core.models.common.embeddings.rotary_pos_embedding":
+        "RotaryEmbedding.get_emb moves inv_freq to torch.cuda.current_device() on first use",
+    "megatron.core.pipeline_parallel.schedules":
+        "forward_backward_no_pipelining / forward_backward_pipelining_* allocate "
+        "total_num_tokens with device='cuda'",
+    "megatron.core.pipeline_parallel.p2p_communication":
+        "P2PCommunicator._communicate / _communicate_shapes allocate receive buffers on "
+        "torch.cuda.current_device(); _batched_p2p_ops calls torch.cuda.synchronize()",
+    "megatron.core.distributed.param_and_grad_buffer":
+        "_ParamAndGradBuffer.__init__ allocates the contiguous param/grad buffers on "
+        "torch.cuda.current_device()",
+    "megatron.core.optimizer.clip_grads":
+        "get_grad_norm_fp32 / clip_grad_by_total_norm_fp32 / count_zeros_fp32 allocate "
+        "norm and overflow buffers with device='cuda'",
+    "megatron.core.optimizer.optimizer":
+        "FP32Optimizer.get_loss_scale and MixedPrecisionOptimizer.__init__ allocate on "
+        "torch.cuda.current_device() / device='cuda'",
+    "megatron.core.optimizer.distrib_optimizer":
+        "DistributedOptimizer allocates shard buffers on torch.cuda.current_device()",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async":
+        "FileSystemWriterAsync.preload_tensors calls torch.cuda.synchronize() after its "
+        "device-to-host copies (dist_checkpointing.save)",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver":
+        "save_state_dict_async_finalize / verify_global_md_reuse allocate their agreement "
+        "flags on torch.cuda.current_device() / device='cuda'",
+    "megatron.core.dist_checkpointing.strategies.async_utils":
+        "AsyncRequest.execute_sync and the async-call queue synchronise CUDA and allocate "
+        "flags on torch.cuda.current_device()",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel":
+        "FullyParallelSaveStrategyWrapper / FullyParallelLoadStrategyWrapper call "
+        "torch.cuda.synchronize()",
+    "megatron.core.utils":
+        "GlobalMemoryBuffer.get_tensor (DotProductAttention.forward's score buffer) "
+        "allocates on torch.cuda.current_device()",
+    "megatron.core.tensor_parallel.mappings":
+        "_gather_along_last_dim / _gather_along_first_dim / _reduce_scatter_along_first_dim "
+        "allocate outputs on torch.cuda.current_device()",
+}
+
+# (module, attribute path, why): functions run with CUDA type names for CPU tensors.
+_CUDA_TYPE_NAME_FUNCTIONS: tuple[tuple[str, str, str], ...] = (
+    ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32",
+     "asserts param.grad.type() == 'torch.cuda.FloatTensor' (called by "
+     "MegatronOptimizer.clip_grad_norm)"),
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__",
+     "accepts only torch.cuda.{Float,Half,BFloat16}Tensor parameters"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__",
+     "accepts only torch.cuda.{Float,Half,BFloat16}Tensor parameters (in __init__ and in "
+     "_build_model_and_main_param_groups, which __init__ calls)"),
+)
+
+_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn")
+_applied = False
+_apply_lock = threading.Lock()
+_type_names_depth = threading.local()
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, int):  # an index as returned by torch.cuda.current_device()
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _cpu_factory(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def factory(*args, **kwargs):
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return fn(*args, **kwargs)
+    return factory
+
+
+class _CpuCuda(types.ModuleType):
+    """``torch.cuda`` as seen by a patched Megatron module on a machine without CUDA."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.cuda")
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+class _CpuTorch(types.ModuleType):
+    """``torch`` as seen by a patched Megatron module: CUDA devices become ``cpu``."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _CpuCuda()
+        for name in _FACTORIES:
+            setattr(self, name, _cpu_factory(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _cuda_type_name(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        name = original(self, dtype, non_blocking, **kwargs)
+        if dtype is None and isinstance(name, str) and not self.is_cuda:
+            return name.replace("torch.", "torch.cuda.", 1)
+        return name
+    return type_
+
+
+@contextlib.contextmanager
+def _cuda_type_names() -> Iterator[None]:
+    """While active, ``Tensor.type()`` names CPU tensors as CUDA ones (re-entrant)."""
+    depth = getattr(_type_names_depth, "value", 0)
+    original = torch.Tensor.type
+    if depth == 0:
+        torch.Tensor.type = _cuda_type_name(original)
+    _type_names_depth.value = depth + 1
+    try:
+        yield
+    finally:
+        _type_names_depth.value = depth
+        if depth == 0:
+            torch.Tensor.type = original
+
+
+def _with_cuda_type_names(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _cuda_type_names():
+            return fn(*args, **kwargs)
+    wrapper.__megaflow_cpu_compat__ = True
+    return wrapper
+
+
+def _patch_type_name_function(module_name: str, path: str) -> None:
+    owner: Any = importlib.import_module(module_name)
+    *parents, attr = path.split(".")
+    for parent in parents:
+        owner = getattr(owner, parent)
+    fn = inspect.getattr_static(owner, attr)
+    if isinstance(fn, (staticmethod, classmethod)):
+        raise TypeError(f"{module_name}.{path} is a {type(fn).__name__}; wrap its caller")
+    if not getattr(fn, "__megaflow_cpu_compat__", False):
+        setattr(owner, attr, _with_cuda_type_names(fn))
+
+
+def cpu_accommodations_needed() -> bool:
+    """True when this process has no usable CUDA device (the accommodations apply)."""
+    return not torch.cuda.is_available()
+
+
+def apply_cpu_accommodations() -> bool:
+    """Install the CPU accommodations for megatron-core (module docstring); idempotent.
+
+    Call it before building Megatron models or optimizers. Does nothing when CUDA is
+    available.
+
+    Returns:
+        True when the accommodations are active in this process, False on CUDA.
+    """
+    global _applied
+    if not cpu_accommodations_needed():
+        return False
+    with _apply_lock:
+        if _applied:
+            return True
+        proxy = _CpuTorch()
+        for module_name in _DEVICE_MODULES:
+            importlib.import_module(module_name).torch = proxy
+        for module_name, path, _why in _CUDA_TYPE_NAME_FUNCTIONS:
+            _patch_type_name_function(module_name, path)
+        _applied = True
+    return True
+
+
+def model_parallel_manual_seed(seed: int) -> None:
+    """Seed Megatron's model-parallel RNG (``model_parallel_cuda_manual_seed``) on any device.
+
+    On CUDA this is ``model_parallel_cuda_manual_seed(seed)``: per-TP-rank CUDA RNG
+    streams. On CPU (accommodation 3 in the module docstring): ``torch.manual_seed(seed)``
+    and Megatron's pass-through RNG tracker, so ``get_cuda_rng_tracker().fork()`` is a no-op.
+
+    Args:
+        seed: the base seed (same on every rank; Megatron offsets it per TP rank on CUDA).
+
+    Raises:
+        ValueError: if ``seed`` is negative.
+    """
+    from megatron.core import tensor_parallel
+
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    if not cpu_accommodations_needed():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+        return
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        seed, inference_rng_tracker=True, force_reset_rng=True)
+
+
+__all__ = ["apply_cpu_accommodations", "cpu_accommodations_needed",
+           "model_parallel_manual_seed"]

@@ -1,0 +1,338 @@
+"""MegatronEngine: forward and training passes through megatron-core's pipeline schedules.
+
+All model passes go through ``get_forward_backward_func`` in micro-batches using Megatron's
+``forward_step(data_iterator, model) -> (output, loss_func)`` contract. The engine owns the
+plumbing (packing, micro-batches, heads -> log-probs/values, DDP, optimizer, LR schedule,
+offload); the RL loss is a callback (:data:`LossFn`) so PPO math never lives here.
+
+Loss scaling. Megatron divides each micro-batch loss by the number of micro-batches and
+Megatron DDP averages gradients over DP. Loss callbacks return *shares of the mini-batch
+loss* computed with global denominators (``megaflow.algorithms.aggregate_loss``), whose sum
+over micro-batches and DP ranks is the mini-batch loss, so the engine multiplies each share
+by ``num_microbatches * dp_size`` before handing it to Megatron: the resulting gradient is
+exactly the gradient of the mini-batch loss, independent of the split.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from megaflow.megatron.batch import PackedBatch, pack_batch
+from megaflow.megatron.engine_config import EngineConfig, GlobalDenominators
+from megaflow.megatron.logprobs import vocab_parallel_log_probs
+from megaflow.megatron.parallel import ParallelInfo
+
+#: ``loss_fn(outputs, micro_batch, denominators) -> (loss share, metric shares)``.
+#: ``outputs``: ``log_probs`` (and ``entropy`` when requested) ``[mb, R]`` for an actor, or
+#: ``values`` ``[mb, R]`` for a critic; ``micro_batch``: the batch's other fields for these rows.
+LossFn = Callable[[dict, dict, GlobalDenominators], tuple[torch.Tensor, dict]]
+
+
+def causal_attention_mask(seq_len: int, device: torch.device | str) -> torch.Tensor:
+    """Megatron attention mask ``[1, 1, seq, seq]`` (True = masked): causal attention.
+
+    Passed explicitly because megatron-core's default causal mask is built on ``"cuda"``.
+    """
+    return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(1)[None, None]
+
+
+class MegatronEngine:
+    """Runs one role's GPTModel shard: forward-only heads and optimizer steps.
+
+    Args:
+        model: this rank's ``GPTModel`` from :func:`megaflow.megatron.model.build_gpt_model`.
+        info: this rank's :class:`~megaflow.megatron.parallel.ParallelInfo`.
+        config: :class:`EngineConfig`.
+        vocab_size: the real (unpadded) vocabulary size; padded ids get no probability.
+        role: ``"actor"`` (log-probs/entropy) or ``"critic"``/``"reward"`` (values).
+        train: build Megatron DDP, the optimizer (distributed when dp > 1) and the LR
+            schedule; False for reference and reward models.
+
+    Raises:
+        ValueError: unknown role.
+        NotImplementedError: context parallelism (cp > 1) or virtual pipeline stages.
+    """
+
+    def __init__(self, model: torch.nn.Module, info: ParallelInfo, config: EngineConfig, *,
+                 vocab_size: int, role: str = "actor", train: bool = True) -> None:
+        if role not in ("actor", "critic", "reward"):
+            raise ValueError(f"role must be actor, critic or reward, got {role!r}")
+        if info.cp_size > 1 or info.vpp_size is not None:
+            raise NotImplementedError("MegatronEngine supports cp=1 and no virtual pipeline")
+        self.info, self.config, self.role = info, config, role
+        self.vocab_size = vocab_size
+        self.model = model
+        self.optimizer = self.scheduler = None
+        self.device = next(model.parameters()).device
+        self._offloaded: set[str] = set()
+        if train:
+            self._setup_training()
+
+    # ------------------------------------------------------------------ set-up
+    def _setup_training(self) -> None:
+        from megatron.core.distributed import (DistributedDataParallel,
+                                               DistributedDataParallelConfig, finalize_model_grads)
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        cfg, tc = self.config, self.model.config
+        distributed = cfg.resolve_distributed_optimizer(self.info.dp_size)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.overlap_grad_reduce,
+            use_distributed_optimizer=distributed, check_for_nan_in_grad=cfg.check_for_nan_in_grad)
+        self.model = DistributedDataParallel(config=tc, ddp_config=ddp_config, module=self.model)
+        self.optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+            clip_grad=cfg.clip_grad, bf16=tc.bf16, fp16=tc.fp16, params_dtype=tc.params_dtype,
+            use_distributed_optimizer=distributed), [self.model])
+        decay_steps = cfg.lr_decay_steps or cfg.lr_warmup_steps + 1
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=cfg.lr_warmup_init, max_lr=cfg.lr, min_lr=cfg.min_lr,
+            lr_warmup_steps=cfg.lr_warmup_steps, lr_decay_steps=decay_steps,
+            lr_decay_style=cfg.lr_decay_style, start_wd=cfg.weight_decay,
+            end_wd=cfg.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant")
+        tc.grad_scale_func = self.optimizer.scale_loss
+        tc.no_sync_func = self.model.no_sync
+        tc.finalize_model_grads_func = finalize_model_grads
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The unwrapped GPTModel (parameter names as documented in megaflow.megatron.model)."""
+        return getattr(self.model, "module", self.model)
+
+    @property
+    def lr(self) -> Optional[float]:
+        return None if self.optimizer is None else self.optimizer.param_groups[0]["lr"]
+
+    # ------------------------------------------------------------------ micro-batches
+    def _micro_batches(self, packed: PackedBatch, micro_batch_size: int):
+        padded, num_pad = packed.pad_rows(micro_batch_size, zero_keys=self.config.loss_mask_keys)
+        chunks = [padded.rows(i, i + micro_batch_size)
+                  for i in range(0, padded.num_rows, micro_batch_size)]
+        return chunks, num_pad
+
+    def _forward_step(self, mask: torch.Tensor, head: Callable, data_iterator, model):
+        mb: PackedBatch = next(data_iterator)
+        ids = mb.input_ids.to(self.device, non_blocking=True)
+        positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
+        output = model(ids, positions, mask)
+        return output, partial(head, mb)
+
+    def _head_outputs(self, mb: PackedBatch, output: torch.Tensor, temperature: float,
+                      with_entropy: bool) -> dict[str, torch.Tensor]:
+        """Model output on packed positions -> per-response-token tensors ``[mb, R]``."""
+        index = mb.response_index.to(self.device)
+        valid = mb.response_valid.to(self.device)
+        if self.role == "critic":  # value of the state before response token t: head(h_{t-1})
+            return {"values": output.squeeze(-1).gather(1, index).float() * valid}
+        if self.role == "reward":  # score after reading token t: head(h_t)
+            at_token = (index + 1).clamp_max(mb.seq_len - 1)
+            return {"scores": output.squeeze(-1).gather(1, at_token).float() * valid}
+        logits = output.gather(1, index.unsqueeze(-1).expand(-1, -1, output.shape[-1]))
+        labels = mb.input_ids.to(self.device).gather(1, (index + 1).clamp_max(mb.seq_len - 1))
+        log_probs, entropy = vocab_parallel_log_probs(
+            logits, torch.where(valid, labels, torch.zeros_like(labels)),
+            tp_group=self.info.tp_group, vocab_size=self.vocab_size, temperature=temperature,
+            with_entropy=with_entropy)
+        out = {"log_probs": log_probs * valid}
+        if entropy is not None:
+            out["entropy"] = entropy * valid
+        return out
+
+    def _run(self, chunks: list, forward_only: bool, head: Callable, seq_len: int,
+             micro_batch_size: int) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        mask = causal_attention_mask(seq_len, self.device)
+        return get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, mask, head),
+            data_iterator=iter(chunks), model=self.model, num_microbatches=len(chunks),
+            seq_length=seq_len, micro_batch_size=micro_batch_size, forward_only=forward_only)
+
+    def _pack(self, batch: Mapping[str, torch.Tensor]) -> PackedBatch:
+        """Validate and pack; every rank raises if any rank's batch is invalid.
+
+        The ranks agree (one all-reduce of a flag) before any collective of the pass, so a
+        bad batch on one DP rank is an error everywhere instead of a hang.
+        """
+        error: Optional[ValueError] = None
+        try:
+            packed = pack_batch(batch, max_seq_len=self.config.max_seq_len,
+                                vocab_size=self.vocab_size)
+        except ValueError as exc:
+            error = exc
+        flag = torch.tensor([0.0 if error is None else 1.0], device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if error is not None:
+            raise error
+        if flag.item():
+            raise ValueError("another rank rejected its part of the batch (see its error)")
+        return packed
+
+    # ------------------------------------------------------------------ forward
+    @torch.no_grad()
+    def forward(self, batch: Mapping[str, torch.Tensor], *, temperature: float = 1.0,
+                with_entropy: bool = False, micro_batch_size: Optional[int] = None
+                ) -> Optional[dict[str, torch.Tensor]]:
+        """Forward-only per-response-token outputs, in micro-batches.
+
+        Args:
+            batch: verl-layout tensors (:mod:`megaflow.megatron.batch`): ``input_ids``,
+                ``attention_mask``, ``responses`` ``[batch, ...]`` (+ ``position_ids``).
+            temperature: the rollout's sampling temperature (log-probs of
+                ``softmax(logits / temperature)``); actor only.
+            with_entropy: also return ``entropy``; actor only.
+            micro_batch_size: rows per micro-batch (default ``config.forward_micro_batch_size``).
+
+        Returns:
+            On the last pipeline stage, a dict of float32 CPU tensors ``[batch, R]``:
+            ``log_probs`` (+ ``entropy``) for an actor; ``values`` for a critic (head of the
+            hidden state before each response token, aligned like log-probs); ``scores`` for
+            a reward model (head of the hidden state at each response token; the sequence
+            score is the entry of the last real token). Zero on response padding. None on
+            other stages.
+
+        Raises:
+            ValueError: invalid batch (see :func:`megaflow.megatron.batch.pack_batch`),
+                e.g. a sequence longer than ``config.max_seq_len``.
+        """
+        self._require_loaded("params")
+        mbs = micro_batch_size or self.config.forward_micro_batch_size
+        packed = self._pack(batch)
+        chunks, num_pad = self._micro_batches(packed, mbs)
+        head = partial(self._forward_head, temperature, with_entropy)
+        self.model.eval()
+        store = self._run(chunks, True, head, packed.seq_len, mbs)
+        if not self.info.is_last_pp_stage:
+            return None
+        outputs = {k: torch.cat([d[k] for d in store]) for k in store[0]}
+        return {k: v[: packed.num_rows].cpu() for k, v in outputs.items()}
+
+    def _forward_head(self, temperature, with_entropy, mb, output):
+        outputs = self._head_outputs(mb, output, temperature, with_entropy)
+        return torch.zeros((), device=self.device), outputs
+
+    # ------------------------------------------------------------------ training
+    def global_denominators(self, batch: Mapping[str, torch.Tensor]) -> GlobalDenominators:
+        """Valid tokens and sequences (>= 1 valid token) of the mini-batch over all DP ranks.
+
+        Counted on ``batch[config.loss_mask_keys[0]]`` ``[batch, R]``, all-reduced over DP.
+        """
+        key = self.config.loss_mask_keys[0]
+        if key not in batch:
+            raise ValueError(f"batch has no loss mask {key!r}; it has {sorted(batch)}")
+        valid = batch[key] != 0
+        counts = torch.tensor([float(valid.sum()), float(valid.any(dim=-1).sum())],
+                              dtype=torch.float64, device=self.device)
+        if self.info.dp_size > 1:
+            dist.all_reduce(counts, group=self.info.dp_group)
+        return GlobalDenominators(num_tokens=int(counts[0]), num_seqs=int(counts[1]))
+
+    def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *,
+                   temperature: float = 1.0, with_entropy: bool = False,
+                   micro_batch_size: Optional[int] = None) -> dict[str, float]:
+        """One optimizer step on this rank's part of a mini-batch (gradient accumulation).
+
+        Args:
+            batch: verl-layout tensors plus the loss inputs (``response_mask``,
+                ``old_log_probs``, ``advantages``, ``returns``...) ``[batch, ...]``.
+            loss_fn: :data:`LossFn`; returns this micro-batch's share of the mini-batch loss
+                (global denominators) and additive metric shares (summed over micro-batches
+                and DP ranks to give the mini-batch value).
+            temperature, with_entropy: as in :meth:`forward` (actor).
+            micro_batch_size: rows per micro-batch (default ``config.micro_batch_size``).
+
+        Returns:
+            Metrics: the summed loss (``loss``) and the callback's metrics on the last
+            pipeline stage, and on every rank ``grad_norm``, ``lr`` and ``update_successful``.
+
+        Raises:
+            RuntimeError: the engine was built with ``train=False`` or is offloaded.
+            ValueError: invalid batch.
+        """
+        if self.optimizer is None:
+            raise RuntimeError("train_step needs an engine built with train=True")
+        self._require_loaded("params", "grads", "optimizer")
+        mbs = micro_batch_size or self.config.micro_batch_size
+        packed = self._pack(batch)
+        denominators = self.global_denominators(batch)
+        chunks, _ = self._micro_batches(packed, mbs)
+        scale = len(chunks) * self.info.dp_size
+        head = partial(self._loss_head, loss_fn, denominators, scale, temperature, with_entropy)
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.scheduler.step(1)  # the k-th update uses the LR of step k (warm-up starts > 0)
+        store = self._run(chunks, False, head, packed.seq_len, mbs)
+        update_successful, grad_norm, _ = self.optimizer.step()
+        metrics = self._reduce_metrics(store)
+        metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                       lr=self.lr, update_successful=float(bool(update_successful)))
+        return metrics
+
+    def _loss_head(self, loss_fn, denominators, scale, temperature, with_entropy, mb, output):
+        outputs = self._head_outputs(mb, output, temperature, with_entropy)
+        fields = {k: v.to(self.device, non_blocking=True) for k, v in mb.fields.items()}
+        loss, metrics = loss_fn(outputs, fields, denominators)
+        shares = {k: torch.as_tensor(v, dtype=torch.float64).detach().reshape(())
+                  for k, v in metrics.items()}
+        shares["loss"] = loss.detach().double()
+        return loss * scale, shares
+
+    def _reduce_metrics(self, store: list) -> dict[str, float]:
+        if not self.info.is_last_pp_stage or not store:
+            return {}
+        keys = sorted(store[0])
+        totals = torch.stack([sum(d[k].cpu() for d in store) for k in keys]).to(self.device)
+        if self.info.dp_size > 1:
+            dist.all_reduce(totals, group=self.info.dp_group)
+        return {k: float(v) for k, v in zip(keys, totals.tolist())}
+
+    # ------------------------------------------------------------------ offload
+    def offload(self, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
+        """Move parameters, gradient buffers and optimizer state to host memory between phases.
+
+        A no-op for tensors already in host memory (CPU runs walk the same path). Use
+        :meth:`reload` before the next forward/train step.
+        """
+        from megaflow.megatron import offload as off
+
+        if params and "params" not in self._offloaded:
+            off.offload_params(self.model)
+            self._offloaded.add("params")
+        if grads and self.optimizer is not None and "grads" not in self._offloaded:
+            off.offload_grads(self.model)
+            self._offloaded.add("grads")
+        if optimizer and self.optimizer is not None and "optimizer" not in self._offloaded:
+            off.offload_optimizer(self.optimizer)
+            self._offloaded.add("optimizer")
+
+    def reload(self) -> None:
+        """Bring everything :meth:`offload` moved back to the accelerator."""
+        from megaflow.megatron import offload as off
+
+        if "params" in self._offloaded:
+            off.reload_params(self.model)
+        if "grads" in self._offloaded:
+            off.reload_grads(self.model)
+        if "optimizer" in self._offloaded:
+            off.reload_optimizer(self.optimizer)
+        self._offloaded.clear()
+
+    @property
+    def offloaded(self) -> frozenset[str]:
+        return frozenset(self._offloaded)
+
+    def _require_loaded(self, *parts: str) -> None:
+        missing = sorted(self._offloaded.intersection(parts))
+        if missing:
+            raise RuntimeError(f"engine state {missing} is offloaded; call reload() first")
+
+
+__all__ = ["MegatronEngine", "EngineConfig", "GlobalDenominators", "LossFn",
+           "causal_attention_mask"]

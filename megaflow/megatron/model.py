@@ -1,0 +1,347 @@
+"""Build megatron-core GPT models from Llama/Qwen2-family Hugging Face configs.
+
+:func:`transformer_config_from_hf` maps HF ``config.json`` fields to a megatron-core
+``TransformerConfig`` and refuses features megaflow cannot reproduce exactly;
+:func:`build_gpt_model` builds this rank's TP shard / PP stage of a ``GPTModel`` for a role.
+
+Parameter names of the built model (PP stage-local layer numbers, 0-based):
+
+* ``embedding.word_embeddings.weight`` ``[padded_vocab / tp, hidden]`` (first stage);
+* ``decoder.layers.{i}.self_attention.linear_qkv.{weight,bias}``: fused QKV grouped per KV
+  head, ``bias`` only with ``add_qkv_bias`` (Qwen2);
+  ``...self_attention.linear_qkv.layer_norm_weight`` (TE spec) or
+  ``decoder.layers.{i}.input_layernorm.weight`` (local spec);
+* ``...self_attention.linear_proj.weight``, ``...mlp.linear_fc1.weight`` (gate then up
+  per TP shard), ``...mlp.linear_fc2.weight``, ``...pre_mlp_layernorm.weight`` (local spec)
+  or ``...mlp.linear_fc1.layer_norm_weight`` (TE spec);
+* ``decoder.final_layernorm.weight`` (last stage);
+* actor: ``output_layer.weight`` ``[padded_vocab / tp, hidden]`` (last stage; absent when
+  embeddings are tied and pp == 1, and a synchronised copy of the embedding when tied
+  and pp > 1);
+* critic / reward: ``output_layer.weight`` ``[1, hidden]``, a :class:`ScalarHead`
+  replicated on every TP rank of the last stage. It corresponds to HF
+  ``*ForSequenceClassification``'s ``score.weight`` (``[num_labels=1, hidden]``, no bias).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megaflow.megatron import parallel
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+ROLES = ("actor", "critic", "reward")
+_QKV_BIAS_MODEL_TYPES = ("qwen2",)
+_MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+# megatron-core's RotaryEmbedding._apply_scaling hard-codes these llama3 parameters.
+_MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192}
+
+
+@dataclasses.dataclass(frozen=True)
+class HFArchitecture:
+    """The validated subset of an HF Llama/Qwen2 config that megaflow's models use."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    norm_eps: float
+    rope_theta: float
+    rope_scaling_factor: Optional[float]  # llama3 scaling (megatron ``rope_scaling``)
+    rope_interpolation_factor: Optional[float]  # linear scaling
+    qkv_bias: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    attention_dropout: float
+    initializer_range: float
+
+
+def _as_dict(hf_config: Any) -> dict:
+    if isinstance(hf_config, Mapping):
+        return dict(hf_config)
+    to_dict = getattr(hf_config, "to_dict", None)
+    if callable(to_dict):
+        return to_dict()
+    raise TypeError(f"hf_config must be a transformers.PretrainedConfig or a dict of "
+                    f"config.json, got {type(hf_config).__name__}")
+
+
+def _require(cfg: dict, key: str) -> Any:
+    if cfg.get(key) is None:
+        raise ValueError(f"HF config field {key!r} is missing (model_type="
+                         f"{cfg.get('model_type')!r})")
+    return cfg[key]
+
+
+def _rope(cfg: dict) -> tuple[float, Optional[float], Optional[float]]:
+    """Return (rope_theta, llama3 factor, linear factor) from v4 or v5 style fields."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(params, Mapping):
+        raise ValueError(f"HF config field 'rope_scaling' must be a dict, got {params!r}")
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None, None
+    if rope_type == "linear":
+        return float(theta), None, float(_require(params, "factor"))
+    if rope_type == "llama3":
+        for key, wanted in _MEGATRON_LLAMA3_ROPE.items():
+            if float(params.get(key, wanted)) != wanted:
+                raise ValueError(
+                    f"HF config field 'rope_scaling.{key}'={params.get(key)!r}: megatron-core "
+                    f"implements llama3 RoPE scaling only with {_MEGATRON_LLAMA3_ROPE}")
+        return float(theta), float(_require(params, "factor")), None
+    raise ValueError(f"HF config field 'rope_scaling.rope_type'={rope_type!r} is not supported "
+                     f"(supported: default, linear, llama3)")
+
+
+def _check_unsupported(cfg: dict, model_type: str) -> None:
+    for key in _MOE_FIELDS:
+        if cfg.get(key):
+            raise ValueError(f"HF config field {key!r}={cfg[key]!r}: mixture-of-experts models "
+                             f"are not supported")
+    if cfg.get("use_sliding_window"):
+        raise ValueError("HF config field 'use_sliding_window'=True: sliding-window attention "
+                         "is not supported")
+    if model_type != "qwen2" and cfg.get("sliding_window") is not None:
+        raise ValueError(f"HF config field 'sliding_window'={cfg['sliding_window']!r}: "
+                         f"sliding-window attention is not supported")
+    layer_types = cfg.get("layer_types")
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise ValueError(f"HF config field 'layer_types'={layer_types!r}: only full_attention "
+                         f"layers are supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"HF config field 'hidden_act'={cfg['hidden_act']!r}: only 'silu' "
+                         f"(SwiGLU) is supported")
+    if cfg.get("attention_bias"):
+        raise ValueError("HF config field 'attention_bias'=True (bias on q/k/v and o_proj) is "
+                         "not supported")
+    if cfg.get("mlp_bias"):
+        raise ValueError("HF config field 'mlp_bias'=True is not supported")
+
+
+def read_hf_architecture(hf_config: Any) -> HFArchitecture:
+    """Validate a Llama/Qwen2-family HF config and return its :class:`HFArchitecture`.
+
+    Args:
+        hf_config: ``transformers.PretrainedConfig`` or the dict of a ``config.json``.
+
+    Raises:
+        TypeError: ``hf_config`` is neither.
+        ValueError: unknown ``model_type``, a missing field, or an unsupported feature
+            (MoE, sliding window, unknown RoPE scaling, non-SiLU activation, o_proj/MLP
+            bias); the message names the config field.
+    """
+    cfg = _as_dict(hf_config)
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"HF config field 'model_type'={model_type!r} is not supported "
+                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    _check_unsupported(cfg, model_type)
+    heads = int(_require(cfg, "num_attention_heads"))
+    hidden = int(_require(cfg, "hidden_size"))
+    theta, llama3_factor, linear_factor = _rope(cfg)
+    return HFArchitecture(
+        model_type=model_type,
+        vocab_size=int(_require(cfg, "vocab_size")),
+        hidden_size=hidden,
+        ffn_hidden_size=int(_require(cfg, "intermediate_size")),
+        num_layers=int(_require(cfg, "num_hidden_layers")),
+        num_attention_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling_factor=llama3_factor,
+        rope_interpolation_factor=linear_factor,
+        qkv_bias=model_type in _QKV_BIAS_MODEL_TYPES,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        attention_dropout=float(cfg.get("attention_dropout", 0.0) or 0.0),
+        initializer_range=float(cfg.get("initializer_range", 0.02)),
+    )
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Smallest multiple of ``divisible_by * tp`` that is >= ``vocab_size`` (Megatron's rule).
+
+    Raises:
+        ValueError: a non-positive argument.
+    """
+    if vocab_size < 1 or tp < 1 or divisible_by < 1:
+        raise ValueError(f"vocab_size, tp and divisible_by must be >= 1, got "
+                         f"{vocab_size}, {tp}, {divisible_by}")
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def check_tp_divides_heads(arch: HFArchitecture, tp: int) -> None:
+    """Raise ValueError unless ``tp`` divides the attention heads and the KV heads."""
+    if arch.num_attention_heads % tp:
+        raise ValueError(f"tp={tp} does not divide num_attention_heads="
+                         f"{arch.num_attention_heads} (HF field 'num_attention_heads')")
+    if arch.num_kv_heads % tp:
+        raise ValueError(f"tp={tp} does not divide num_key_value_heads={arch.num_kv_heads} "
+                         f"(HF field 'num_key_value_heads')")
+
+
+def _use_transformer_engine() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # noqa: BLE001 - missing or broken TE: use the local spec
+        return False
+    return True
+
+
+def transformer_config_from_hf(hf_config: Any, *, dtype: torch.dtype = torch.float32,
+                               **overrides: Any):
+    """Map a Llama/Qwen2-family HF config to a megatron-core ``TransformerConfig``.
+
+    GQA (``num_query_groups``), SwiGLU (``gated_linear_unit`` + SiLU, no linear biases),
+    RMSNorm with ``rms_norm_eps``, QKV bias for Qwen2, ``head_dim`` as ``kv_channels``.
+    RoPE base/scaling and tied embeddings are GPTModel arguments (see
+    :func:`build_gpt_model`). Fusions are off, and on CPU ``use_cpu_initialization=True``.
+
+    Args:
+        hf_config: ``transformers.PretrainedConfig`` or dict of ``config.json``.
+        dtype: parameter dtype (``torch.float32`` on CPU; ``torch.bfloat16`` on GPU).
+        **overrides: any ``TransformerConfig`` field, e.g. ``tensor_model_parallel_size``
+            (default 1 here; :func:`build_gpt_model` fills in the live parallel sizes).
+
+    Raises:
+        ValueError: unsupported config features (see :func:`read_hf_architecture`), tp not
+            dividing heads/KV heads, or num_layers not divisible by pp.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    arch = read_hf_architecture(hf_config)
+    on_cpu = not torch.cuda.is_available()
+    kwargs: dict[str, Any] = dict(
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size, num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=arch.norm_eps,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias, attention_dropout=arch.attention_dropout,
+        hidden_dropout=0.0, init_method_std=arch.initializer_range,
+        params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        attention_softmax_in_fp32=True, sequence_parallel=False,
+        use_cpu_initialization=on_cpu, gradient_accumulation_fusion=False,
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False,
+    )
+    kwargs.update(overrides)
+    check_tp_divides_heads(arch, kwargs.get("tensor_model_parallel_size", 1))
+    pp = kwargs.get("pipeline_model_parallel_size", 1)
+    vpp = kwargs.get("virtual_pipeline_model_parallel_size") or 1
+    uneven = kwargs.get("num_layers_in_first_pipeline_stage") or kwargs.get(
+        "num_layers_in_last_pipeline_stage")
+    if not uneven and arch.num_layers % (pp * vpp):
+        raise ValueError(f"num_hidden_layers={arch.num_layers} is not divisible by pp*vpp="
+                         f"{pp * vpp}")
+    return TransformerConfig(**kwargs)
+
+
+class ScalarHead(torch.nn.Module):
+    """Value / reward head ``hidden -> 1`` that replaces ``GPTModel.output_layer``.
+
+    Called like Megatron's output layer: ``head(hidden_states [s, b, h]) -> ([s, b, 1], None)``.
+    Replicated on every TP rank (the decoder's output is replicated without sequence
+    parallelism); ``weight`` is ``[1, hidden]`` like HF ``score.weight``.
+    """
+
+    def __init__(self, hidden_size: int, *, init_std: float, dtype: torch.dtype,
+                 device: torch.device | str, seed: int = 0) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        weight = torch.randn(1, hidden_size, generator=generator, dtype=torch.float32) * init_std
+        self.weight = torch.nn.Parameter(weight.to(device=device, dtype=dtype))
+        # Replicated across TP: Megatron counts it once in the grad norm (tp rank 0).
+        self.weight.tensor_model_parallel = False
+        self.weight.sequence_parallel = False
+
+    def forward(self, hidden_states: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                runtime_gather_output: Optional[bool] = None):
+        return F.linear(hidden_states, self.weight), None
+
+
+def build_gpt_model(hf_config: Any, *, role: str = "actor", dtype: torch.dtype = torch.float32,
+                    max_sequence_length: Optional[int] = None, head_seed: int = 0,
+                    **config_overrides: Any):
+    """Build this rank's TP shard and PP stage of a megatron-core ``GPTModel``.
+
+    Needs :func:`megaflow.megatron.parallel.initialize_parallel` first. Uses the Transformer
+    Engine layer spec when TE is importable and CUDA is available, else the local spec
+    (CPU initialisation). The vocabulary is padded with
+    ``padded_vocab_size(vocab, tp, 128)``; critic/reward models end in a :class:`ScalarHead`
+    (parameter names in the module docstring).
+
+    Args:
+        hf_config: ``transformers.PretrainedConfig`` or dict of ``config.json``.
+        role: ``"actor"`` (LM head, logits ``[b, s, padded_vocab / tp]``), ``"critic"`` or
+            ``"reward"`` (scalar head, ``[b, s, 1]``).
+        dtype: parameter dtype.
+        max_sequence_length: RoPE table length; default HF ``max_position_embeddings``.
+        head_seed: seed of the scalar head's initialisation (same on every rank).
+        **config_overrides: extra ``TransformerConfig`` fields.
+
+    Raises:
+        ValueError: unknown role, unsupported config, tp not dividing heads / KV heads,
+            layers not divisible by pp.
+        NotImplementedError: virtual pipeline parallelism (vpp > 1) or cp > 1.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    info = parallel.current_parallel_info()
+    if info.vpp_size is not None:
+        raise NotImplementedError("virtual pipeline parallelism (vpp > 1) is validated but "
+                                  "not built: megaflow builds one model chunk per rank")
+    if info.cp_size > 1:
+        raise NotImplementedError("context parallelism (cp > 1) is not supported by "
+                                  "megaflow's models yet")
+    arch = read_hf_architecture(hf_config)
+    config = transformer_config_from_hf(
+        hf_config, dtype=dtype, tensor_model_parallel_size=info.tp_size,
+        pipeline_model_parallel_size=info.pp_size, **config_overrides)
+    use_te = _use_transformer_engine()
+    spec = (get_gpt_layer_with_transformer_engine_spec() if use_te
+            else get_gpt_layer_local_spec(normalization="RMSNorm"))
+    tie = arch.tie_word_embeddings and role == "actor"
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(arch.vocab_size, info.tp_size),
+        max_sequence_length=max_sequence_length or arch.max_position_embeddings,
+        pre_process=info.is_first_pp_stage, post_process=info.is_last_pp_stage,
+        parallel_output=True, share_embeddings_and_output_weights=tie,
+        position_embedding_type="rope", rotary_base=arch.rope_theta,
+        rope_scaling=arch.rope_scaling_factor is not None,
+        rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+        seq_len_interpolation_factor=arch.rope_interpolation_factor)
+    if role != "actor" and info.is_last_pp_stage:
+        device = next(model.parameters()).device
+        model.output_layer = ScalarHead(arch.hidden_size, init_std=config.init_method_std,
+                                        dtype=dtype, device=device, seed=head_seed)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+__all__ = ["HFArchitecture", "ScalarHead", "build_gpt_model", "check_tp_divides_heads",
+           "padded_vocab_size", "read_hf_architecture", "transformer_config_from_hf",
+           "SUPPORTED_MODEL_TYPES", "ROLES"]

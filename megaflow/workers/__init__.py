@@ -1,0 +1,1 @@
+"""Worker roles that run inside worker groups (``megaflow.single_controller``)."""

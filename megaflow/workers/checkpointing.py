@@ -1,0 +1,80 @@
+"""Engine checkpoints for the trainer's save/load hooks: model + optimizer + LR schedule.
+
+Layout of ``path``::
+
+    model/...        megaflow model checkpoint (megaflow.models.checkpoint; loadable at any TP/PP)
+    optimizer/       megatron-core distributed checkpoint of the optimizer state
+                     (``optimizer.sharded_state_dict(model.sharded_state_dict())``)
+    scheduler.pt     OptimizerParamScheduler.state_dict() (identical on every rank)
+
+The optimizer state is tied to the parallel layout it was saved with (resume uses the
+same layout); the model part is not. Atomicity is the caller's (the trainer's checkpoint
+manager writes into a temporary directory and renames it).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+MODEL_DIR, OPTIMIZER_DIR, SCHEDULER_FILE = "model", "optimizer", "scheduler.pt"
+# The distributed optimizer's state saved per DP shard (resume at the same layout).
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _model_sharded_state_dict(engine):
+    return engine.module.sharded_state_dict()
+
+
+def save_engine_checkpoint(engine, path: str | os.PathLike, hf_config, *,
+                           hf_files_from: str | None = None) -> Path:
+    """Save ``engine``'s model (and optimizer/scheduler when training) under ``path`` (collective)."""
+    from megatron.core import dist_checkpointing
+
+    from megaflow.models.checkpoint import save_checkpoint
+
+    root = Path(path).absolute()
+    save_checkpoint(engine.module, root / MODEL_DIR, hf_config, engine.info,
+                    hf_files_from=hf_files_from, atomic=False, overwrite=True)
+    if engine.optimizer is not None:
+        if dist.get_rank() == 0:
+            (root / OPTIMIZER_DIR).mkdir(parents=True, exist_ok=True)
+            torch.save(engine.scheduler.state_dict(), root / SCHEDULER_FILE)
+        dist.barrier()
+        state = engine.optimizer.sharded_state_dict(_model_sharded_state_dict(engine),
+                                                    metadata=_OPTIMIZER_METADATA)
+        dist_checkpointing.save(state, str(root / OPTIMIZER_DIR))
+    dist.barrier()
+    return root
+
+
+def load_engine_checkpoint(engine, path: str | os.PathLike) -> None:
+    """Load what :func:`save_engine_checkpoint` wrote into a built engine (collective).
+
+    Raises:
+        FileNotFoundError: ``path`` lacks the model part, or the optimizer part when the
+            engine trains.
+    """
+    from megatron.core import dist_checkpointing
+
+    from megaflow.models.checkpoint import load_checkpoint
+
+    root = Path(path)
+    if not (root / MODEL_DIR).is_dir():
+        raise FileNotFoundError(f"{root} has no {MODEL_DIR}/ (not an engine checkpoint)")
+    load_checkpoint(engine.module, root / MODEL_DIR)
+    if engine.optimizer is None:
+        return
+    if not (root / OPTIMIZER_DIR).is_dir() or not (root / SCHEDULER_FILE).is_file():
+        raise FileNotFoundError(f"{root} has no optimizer state ({OPTIMIZER_DIR}/, {SCHEDULER_FILE})")
+    state = engine.optimizer.sharded_state_dict(_model_sharded_state_dict(engine), is_loading=True,
+                                                metadata=_OPTIMIZER_METADATA)
+    loaded = dist_checkpointing.load(state, str(root / OPTIMIZER_DIR))
+    with torch.no_grad():  # fp32 main params are views of the (leaf) model params
+        engine.optimizer.load_state_dict(loaded)
+    engine.scheduler.load_state_dict(torch.load(root / SCHEDULER_FILE, weights_only=False))
+
+
+__all__ = ["save_engine_checkpoint", "load_engine_checkpoint"]

@@ -1,0 +1,86 @@
+"""Thin adapters from :mod:`megaflow.algorithms` losses to the engine's loss callback.
+
+The engine calls ``loss_fn(outputs, micro_batch, denominators)`` per micro-batch and needs
+(a) the micro-batch's share of the mini-batch loss (global denominators) and (b) metric
+*shares* that add up over micro-batches and DP ranks. The algorithms return per-call token
+means as metrics; a share is that mean times the micro-batch's fraction of the mini-batch's
+valid tokens, so the sum is the mini-batch token mean.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from megaflow.algorithms import clipped_value_loss, compute_policy_loss, entropy_bonus, kl_loss
+from megaflow.megatron.engine_config import GlobalDenominators
+from megaflow.workers.config import ActorLossConfig, CriticLossConfig
+
+
+def _aggregation(mode: str, norm_length, den: GlobalDenominators) -> dict:
+    return dict(loss_agg_mode=mode, global_num_tokens=den.num_tokens,
+                global_num_seqs=den.num_seqs, norm_length=norm_length)
+
+
+def _shares(prefix: str, metrics: dict, mask: torch.Tensor, den: GlobalDenominators) -> dict:
+    weight = float((mask != 0).sum()) / max(den.num_tokens, 1)
+    return {f"{prefix}/{k}": torch.as_tensor(v).detach().double() * weight for k, v in metrics.items()}
+
+
+def actor_loss_fn(cfg: ActorLossConfig) -> Callable:
+    """``pg_loss - entropy_coeff * entropy + kl_loss_coef * kl`` (PPO/GSPO; GRPO KL loss)."""
+
+    def loss_fn(outputs: dict, mb: dict, den: GlobalDenominators):
+        mask = mb["response_mask"]
+        agg = _aggregation(cfg.loss_agg_mode, cfg.norm_length, den)
+        pg, pg_metrics = compute_policy_loss(
+            cfg.policy_loss, outputs["log_probs"], mb["old_log_probs"], mb["advantages"], mask,
+            clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
+            clip_ratio_c=cfg.clip_ratio_c, **agg)
+        loss, metrics = pg, {"actor/pg_loss": pg.detach()}
+        metrics.update(_shares("actor", pg_metrics, mask, den))
+        if cfg.needs_entropy:
+            bonus, ent_metrics = entropy_bonus(outputs["entropy"], mask, **agg)
+            loss = loss - cfg.entropy_coeff * bonus
+            metrics.update(_shares("actor", ent_metrics, mask, den))
+        if cfg.use_kl_loss:
+            kl, kl_metrics = kl_loss(outputs["log_probs"], mb["ref_log_probs"], mask,
+                                     kind=cfg.kl_loss_type, **agg)
+            loss = loss + cfg.kl_loss_coef * kl
+            metrics.update(_shares("actor", kl_metrics, mask, den))
+        return loss, metrics
+
+    return loss_fn
+
+
+def critic_loss_fn(cfg: CriticLossConfig) -> Callable:
+    """Clipped value loss against ``returns`` (old values = the batch's ``values``)."""
+
+    def loss_fn(outputs: dict, mb: dict, den: GlobalDenominators):
+        mask = mb["response_mask"]
+        loss, metrics = clipped_value_loss(
+            outputs["values"], mb["values"], mb["returns"], mask,
+            cliprange_value=cfg.cliprange_value, **_aggregation(cfg.loss_agg_mode, cfg.norm_length, den))
+        shares = {"critic/vf_loss": loss.detach()}
+        shares.update(_shares("critic", metrics, mask, den))
+        return loss, shares
+
+    return loss_fn
+
+
+def mean_metrics(steps: list[dict], role: str) -> dict[str, float]:
+    """Average per-step engine metrics over the mini-batch steps of one update.
+
+    ``grad_norm``/``lr``/``loss`` get the role prefix (``actor/grad_norm``...); other keys
+    are already prefixed by the loss adapters.
+    """
+    prefix = "critic" if role == "critic" else "actor"
+    totals: dict[str, float] = {}
+    for step in steps:
+        for key, value in step.items():
+            name = key if "/" in key else f"{prefix}/{key}"
+            totals[name] = totals.get(name, 0.0) + float(value)
+    return {k: v / max(len(steps), 1) for k, v in totals.items()}
+
+
+__all__ = ["actor_loss_fn", "critic_loss_fn", "mean_metrics"]

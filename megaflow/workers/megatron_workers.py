@@ -1,0 +1,207 @@
+"""Megatron worker roles: actor, reference, critic and reward model.
+
+Each rank of a role's worker group is one rank of a Megatron TP x PP x DP mesh
+(:mod:`megaflow.megatron.parallel`); batch methods use ND-compute dispatch on the role's
+mesh (``dp_rank`` = Megatron DP rank, collect on tp 0 / last PP stage). The workers only
+plumb: batches in and out of :class:`~megaflow.megatron.engine.MegatronEngine`, PPO epochs
+and mini-batches, and the thin loss adapters in :mod:`megaflow.workers.losses` over
+:mod:`megaflow.algorithms`.
+
+Outputs (``[B, R]``, DataProto field names of :mod:`megaflow.protocol`):
+``compute_log_prob`` -> ``old_log_probs``, ``entropys``; ``compute_ref_log_prob`` ->
+``ref_log_probs``; ``compute_values`` -> ``values``; ``compute_rm_score`` -> ``rm_scores``
+(the reward model's score on the last real response token, 0 elsewhere);
+``update_actor``/``update_critic`` -> a row-less DataProto with ``meta_info["metrics"]``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megaflow.megatron.engine import MegatronEngine
+from megaflow.megatron.parallel import ParallelInfo, initialize_parallel, nd_dispatch_info
+from megaflow.protocol import DataProto
+from megaflow.single_controller import Dispatch, Worker, nd_compute, register
+from megaflow.workers import losses
+from megaflow.workers.config import MegatronWorkerConfig
+
+
+def _tensors(data: DataProto) -> dict[str, torch.Tensor]:
+    return {k: data.batch[k] for k in data.batch.keys()}
+
+
+class MegatronWorker(Worker):
+    """Common set-up of the Megatron roles (subclasses set ``role``/``mesh``/``trains``).
+
+    Args:
+        config: :class:`~megaflow.workers.config.MegatronWorkerConfig`.
+        mesh: the ND-dispatch mesh name (default: the role name).
+    """
+
+    role = "actor"  # model head: actor (LM head), critic / reward (scalar head)
+    default_mesh = "actor"
+    trains = True
+
+    def __init__(self, config: MegatronWorkerConfig, mesh: Optional[str] = None) -> None:
+        super().__init__()
+        if not isinstance(config, MegatronWorkerConfig):
+            raise TypeError(f"config must be a MegatronWorkerConfig, got {type(config).__name__}")
+        self.config = config
+        self.mesh = mesh or self.default_mesh
+        self.engine: Optional[MegatronEngine] = None
+        self.info: Optional[ParallelInfo] = None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        """Join the process group, set up Megatron parallel state, build and load the model."""
+        from megaflow.megatron.model import build_gpt_model, read_hf_architecture
+
+        cfg = self.config
+        self.init_distributed()
+        self.info = initialize_parallel(tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, vpp=cfg.vpp, seed=cfg.seed)
+        hf_config = cfg.resolve_hf_config()
+        model = build_gpt_model(hf_config, role=self.role, dtype=cfg.torch_dtype)
+        self._load_weights(model, hf_config)
+        self.engine = MegatronEngine(model, self.info, cfg.engine,
+                                     vocab_size=read_hf_architecture(hf_config).vocab_size,
+                                     role=self.role, train=self.trains)
+        dp_rank, is_collect = nd_dispatch_info(self.info)
+        self.register_dp_info(self.mesh, dp_rank=dp_rank, is_collect=is_collect)
+        self._after_phase()
+
+    def _load_weights(self, model, hf_config) -> None:
+        from megaflow.models.checkpoint import load_checkpoint
+        from megaflow.models.weights import load_hf_weights
+
+        if self.config.checkpoint:
+            load_checkpoint(model, self.config.checkpoint)
+        elif self.config.model_path:
+            load_hf_weights(model, self.config.model_path, hf_config, self.info)
+
+    # phases: reload what was offloaded before a phase, offload after it
+    def _before_phase(self) -> None:
+        if self.engine.offloaded:
+            self.engine.reload()
+
+    def _after_phase(self) -> None:
+        if self.config.offload_between_phases:
+            self.engine.offload()
+
+    def _forward(self, data: DataProto, **kwargs) -> Optional[dict[str, torch.Tensor]]:
+        self._before_phase()
+        try:
+            return self.engine.forward(_tensors(data), **kwargs)
+        finally:
+            self._after_phase()
+
+    def _temperature(self, data: DataProto) -> float:
+        return float(data.meta_info.get("temperature", self.config.temperature))
+
+    def _update(self, data: DataProto, loss_fn, **kwargs) -> DataProto:
+        """PPO epochs x mini-batches over this rank's rows; one optimizer step each."""
+        cfg = self.config
+        rows = len(data)
+        per_rank = cfg.mini_batch_rows_per_rank(self.info.dp_size, rows)
+        tensors = _tensors(data)
+        steps = []
+        self._before_phase()
+        try:
+            for _ in range(cfg.ppo_epochs):
+                for start in range(0, rows, per_rank):
+                    mini = {k: v[start:start + per_rank] for k, v in tensors.items()}
+                    steps.append(self.engine.train_step(mini, loss_fn, **kwargs))
+        finally:
+            self._after_phase()
+        return DataProto.from_dict(meta_info={"metrics": losses.mean_metrics(steps, self.role)})
+
+    # checkpoints (collective: every rank of the group)
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        """Model (megatron-core distributed checkpoint), optimizer and LR schedule to ``path``."""
+        from megaflow.workers.checkpointing import save_engine_checkpoint
+
+        self._before_phase()
+        save_engine_checkpoint(self.engine, path, self.config.resolve_hf_config(),
+                               hf_files_from=self.config.model_path)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote (model, optimizer, LR schedule)."""
+        from megaflow.workers.checkpointing import load_engine_checkpoint
+
+        self._before_phase()
+        load_engine_checkpoint(self.engine, path)
+        self._after_phase()
+
+
+class ActorWorker(MegatronWorker):
+    """The policy: old log-probs (+ entropy) and PPO/GSPO updates on the ``actor`` mesh."""
+
+    role, default_mesh, trains = "actor", "actor", True
+
+    @register(nd_compute("actor"))
+    def compute_log_prob(self, data: DataProto) -> Optional[DataProto]:
+        """``old_log_probs`` and ``entropys`` ``[B, R]`` at the rollout temperature."""
+        out = self._forward(data, temperature=self._temperature(data), with_entropy=True)
+        if out is None:
+            return None
+        return DataProto.from_dict({"old_log_probs": out["log_probs"], "entropys": out["entropy"]})
+
+    @register(nd_compute("actor"))
+    def update_actor(self, data: DataProto) -> DataProto:
+        """PPO epochs over mini-batches; needs ``old_log_probs``, ``advantages``,
+        ``response_mask`` (+ ``ref_log_probs`` with ``use_kl_loss``)."""
+        loss_fn = losses.actor_loss_fn(self.config.actor)
+        return self._update(data, loss_fn, temperature=self._temperature(data),
+                            with_entropy=self.config.actor.needs_entropy)
+
+
+class RefWorker(MegatronWorker):
+    """The frozen reference policy on the ``ref`` mesh (no optimizer)."""
+
+    role, default_mesh, trains = "actor", "ref", False
+
+    @register(nd_compute("ref"))
+    def compute_ref_log_prob(self, data: DataProto) -> Optional[DataProto]:
+        """``ref_log_probs`` ``[B, R]`` at the rollout temperature."""
+        out = self._forward(data, temperature=self._temperature(data))
+        return None if out is None else DataProto.from_dict({"ref_log_probs": out["log_probs"]})
+
+
+class CriticWorker(MegatronWorker):
+    """The value model on the ``critic`` mesh."""
+
+    role, default_mesh, trains = "critic", "critic", True
+
+    @register(nd_compute("critic"))
+    def compute_values(self, data: DataProto) -> Optional[DataProto]:
+        """``values`` ``[B, R]``: V of the state before each response token."""
+        out = self._forward(data)
+        return None if out is None else DataProto.from_dict({"values": out["values"]})
+
+    @register(nd_compute("critic"))
+    def update_critic(self, data: DataProto) -> DataProto:
+        """Clipped value regression on ``returns``; needs ``values`` (old), ``returns``,
+        ``response_mask``."""
+        return self._update(data, losses.critic_loss_fn(self.config.critic))
+
+
+class RewardModelWorker(MegatronWorker):
+    """A scalar-head reward model on the ``reward_model`` mesh (no optimizer)."""
+
+    role, default_mesh, trains = "reward", "reward_model", False
+
+    @register(nd_compute("reward_model"))
+    def compute_rm_score(self, data: DataProto) -> Optional[DataProto]:
+        """``rm_scores`` ``[B, R]``: the score on the last real response token, 0 elsewhere."""
+        out = self._forward(data)
+        if out is None:
+            return None
+        resp_len = data.batch["responses"].shape[1]
+        real = data.batch["attention_mask"][:, -resp_len:].cpu() != 0
+        last = (real.cumsum(-1) == real.sum(-1, keepdim=True)) & real
+        return DataProto.from_dict({"rm_scores": out["scores"] * last})
+
+
+__all__ = ["MegatronWorker", "ActorWorker", "RefWorker", "CriticWorker", "RewardModelWorker"]

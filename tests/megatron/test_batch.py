@@ -1,0 +1,76 @@
+"""pack_batch: left alignment, response indices and validation errors (no processes)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megaflow.megatron.batch import pack_batch
+from megatron_testlib import make_batch
+
+
+def _slow_pack(batch):
+    """Per-row loop reference: real tokens moved left; index of logits predicting response t."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    seq, resp_len = ids.shape[1], batch["responses"].shape[1]
+    rows, indices = [], []
+    for b in range(len(ids)):
+        real = [int(ids[b, j]) for j in range(seq) if mask[b, j]]
+        first = next(j for j in range(seq) if mask[b, j])
+        rows.append(real)
+        indices.append([seq - resp_len + r - 1 - first for r in range(resp_len)])
+    return rows, indices
+
+
+def test_packing_matches_loop_reference():
+    batch = make_batch(3, batch=5, prompt_len=6, response_len=5)
+    packed = pack_batch(batch, max_seq_len=64, vocab_size=200)
+    rows, indices = _slow_pack(batch)
+    assert packed.seq_len == max(len(r) for r in rows)
+    for b, real in enumerate(rows):
+        assert packed.input_ids[b, : len(real)].tolist() == real
+        assert torch.all(packed.input_ids[b, len(real):] == 0)
+        resp_valid = batch["attention_mask"][b, -5:].bool()
+        assert packed.response_valid[b].tolist() == resp_valid.tolist()
+        for r in range(5):
+            if resp_valid[r]:  # the logits at that index predict the response token
+                i = indices[b][r]
+                assert packed.response_index[b, r] == i
+                assert packed.input_ids[b, i + 1] == batch["responses"][b, r]
+    assert set(packed.fields) == {"response_mask"}
+
+
+def test_pad_rows_zeroes_loss_masks():
+    packed = pack_batch(make_batch(0, batch=3), max_seq_len=64)
+    padded, num_pad = packed.pad_rows(4, zero_keys=("response_mask",))
+    assert num_pad == 1 and padded.num_rows == 4
+    assert torch.equal(padded.input_ids[3], packed.input_ids[0])
+    assert padded.fields["response_mask"][3].sum() == 0
+    assert packed.pad_rows(3)[1] == 0
+
+
+def _broken(change):
+    batch = make_batch(0, batch=3)
+    change(batch)
+    return batch
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda b: b.pop("responses"), "missing \\['responses'\\]"),
+    (lambda b: b.update(attention_mask=b["attention_mask"][:, 1:]), "attention_mask"),
+    (lambda b: b.update(responses=b["input_ids"]), "responses"),
+    (lambda b: b.update(advantages=torch.zeros(2, 6)), "'advantages'"),
+    (lambda b: b["attention_mask"].__setitem__((0, 9), 0), "contiguous"),
+    (lambda b: b["attention_mask"].__setitem__((slice(None), slice(0, 7)), 0), "no prompt token"),
+    (lambda b: b["attention_mask"].__setitem__((0, 0), 2), "only 0 and 1"),
+    (lambda b: b["input_ids"].__setitem__((0, 3), 999), "outside \\[0, 200\\)"),
+    (lambda b: b.update(responses=(b["responses"] + 1) % 200), "responses must equal"),
+    (lambda b: b.update(position_ids=b["position_ids"] + 1), "position_ids"),
+])
+def test_invalid_batches_raise_clear_errors(change, message):
+    with pytest.raises(ValueError, match=message):
+        pack_batch(_broken(change), max_seq_len=64, vocab_size=200)
+
+
+def test_too_long_sequence_names_row_and_limit():
+    with pytest.raises(ValueError, match="sequence 0 has 13 tokens.*max_seq_len=12"):
+        pack_batch(make_batch(0), max_seq_len=12)

@@ -1,0 +1,213 @@
+"""MegatronEngine at TP=2, PP=2, DP=2 (one 2-rank world) and TP=2 x PP=2 (one 4-rank world)
+against single-process Hugging Face references computed in the test process:
+
+* log-probs and entropy (temperature 0.8) equal ``transformers`` within 1e-5, with
+  micro-batch 1 vs 4 and with extra left/right padding;
+* critic values equal the HF final hidden state @ score weight;
+* one optimizer step (grad clipping and LR warm-up active) equals HF + torch AdamW with
+  ``clip_grad_norm_`` on the whole batch: same grad norm, same updated weights;
+* the ND-dispatch registration follows Megatron's rank order; bad input raises on all ranks.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from megaflow.utils.launch import run_distributed
+from megatron_testlib import (VOCAB, hf_causal_lm, hf_reference, hf_to_megatron_shard,
+                              hf_values_reference, load_shard, make_batch, tiny_llama_config)
+
+pytestmark = pytest.mark.slow
+
+TEMPERATURE, LR, WARMUP, CLIP, ENTROPY_COEF = 0.8, 1e-2, 4, 0.05, 0.01
+HF_SEED, BATCH_SEED = 7, 0
+
+
+def score_weight():
+    return torch.randn(1, 64, generator=torch.Generator().manual_seed(11)) * 0.1
+
+
+def batch_with_advantages():
+    batch = make_batch(BATCH_SEED)
+    batch["advantages"] = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(5))
+    return batch
+
+
+def policy_loss(outputs, mb, den):
+    """Token-mean policy gradient + seq-mean entropy bonus with global denominators."""
+    mask = mb["response_mask"].float()
+    pg = -(outputs["log_probs"] * mb["advantages"] * mask).sum() / den.num_tokens
+    bonus = -ENTROPY_COEF * (outputs["entropy"] * mask).sum() / den.num_seqs
+    return pg + bonus, {"pg_loss": pg.detach()}
+
+
+def extra_padding(batch, left=2, right=3):
+    """The same sequences with ``left`` more prompt padding and ``right`` more response padding."""
+    out = {}
+    for key in ("input_ids", "attention_mask", "position_ids"):
+        t = batch[key]
+        out[key] = torch.cat([t.new_zeros(len(t), left), t, t.new_zeros(len(t), right)], dim=1)
+    resp_len = batch["responses"].shape[1] + right
+    out["responses"] = out["input_ids"][:, -resp_len:]
+    for key in ("response_mask", "advantages"):
+        out[key] = torch.cat([batch[key], batch[key].new_zeros(len(batch[key]), right)], dim=1)
+    return out
+
+
+def _rows(batch, dp_rank, dp_size):
+    return {k: v.chunk(dp_size)[dp_rank] for k, v in batch.items()}
+
+
+def _layout(cfg, hf_state, tp, pp, errors_case):
+    from megaflow.megatron import model as M
+    from megaflow.megatron import parallel
+    from megaflow.megatron.engine import EngineConfig, MegatronEngine
+
+    info = parallel.initialize_parallel(tp=tp, pp=pp, seed=1)
+    shard = dict(tp_rank=info.tp_rank, tp=tp, pp_rank=info.pp_rank, pp=pp)
+    res = {"info": (info.tp_rank, info.pp_rank, info.dp_rank, info.dp_size,
+                    parallel.nd_dispatch_info(info))}
+    batch = _rows(batch_with_advantages(), info.dp_rank, info.dp_size)
+
+    ref_model = M.build_gpt_model(cfg)  # forward-only engine (reference-policy style)
+    load_shard(ref_model, hf_to_megatron_shard(hf_state, cfg, **shard))
+    ref_engine = MegatronEngine(ref_model, info, EngineConfig(max_seq_len=32), vocab_size=VOCAB,
+                                train=False)
+    kwargs = dict(temperature=TEMPERATURE, with_entropy=True)
+    res["mbs4"] = ref_engine.forward(batch, micro_batch_size=4, **kwargs)
+    res["mbs1"] = ref_engine.forward(batch, micro_batch_size=1, **kwargs)
+    res["padded"] = ref_engine.forward(extra_padding(batch), micro_batch_size=2, **kwargs)
+    ref_engine.offload()
+    try:
+        ref_engine.forward(batch)
+    except RuntimeError as exc:
+        res["offloaded_error"] = str(exc)
+    ref_engine.reload()
+    res["after_reload"] = ref_engine.forward(batch, micro_batch_size=4, **kwargs)
+
+    critic = M.build_gpt_model(cfg, role="critic")
+    load_shard(critic, hf_to_megatron_shard(hf_state, cfg, role="critic", score_weight=score_weight(), **shard))
+    res["values"] = MegatronEngine(critic, info, EngineConfig(max_seq_len=32), vocab_size=VOCAB,
+                                   role="critic", train=False).forward(batch, micro_batch_size=4)
+
+    actor = M.build_gpt_model(cfg)
+    load_shard(actor, hf_to_megatron_shard(hf_state, cfg, **shard))
+    engine = MegatronEngine(actor, info, EngineConfig(
+        max_seq_len=32, micro_batch_size=2, lr=LR, lr_warmup_steps=WARMUP, weight_decay=0.0,
+        clip_grad=CLIP), vocab_size=VOCAB)
+    engine.offload()
+    engine.reload()  # the offload path runs between phases; training must be unaffected
+    res["metrics"] = engine.train_step(batch, policy_loss, temperature=TEMPERATURE, with_entropy=True)
+    res["params"] = {k: v.detach().clone() for k, v in engine.module.state_dict().items()
+                     if torch.is_tensor(v) and not k.endswith("_extra_state")}
+    if errors_case:
+        res["errors"] = _bad_input(info, engine, batch)
+    parallel.destroy_parallel()
+    return res
+
+
+def _bad_input(info, engine, batch):
+    """Too-long sequence on DP rank 0 only: every rank must raise, none may hang."""
+    from megaflow.megatron.engine import EngineConfig, MegatronEngine
+
+    strict = MegatronEngine(engine.module, info, EngineConfig(max_seq_len=12), vocab_size=VOCAB,
+                            train=False)
+    mine = batch if info.dp_rank == 0 else make_batch(1, batch=len(batch["input_ids"]),
+                                                      prompt_len=5, response_len=6)
+    try:
+        strict.forward(mine)
+        return None
+    except ValueError as exc:
+        return str(exc)
+
+
+def _run_layouts(rank, world, layouts):
+    torch.manual_seed(0)
+    cfg = tiny_llama_config()
+    hf_state = hf_causal_lm(cfg, seed=HF_SEED).state_dict()
+    return [_layout(cfg, hf_state, tp, pp, errors_case) for tp, pp, errors_case in layouts]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """HF forward outputs and the state after one clipped, warmed-up AdamW step."""
+    cfg = tiny_llama_config()
+    hf = hf_causal_lm(cfg, seed=HF_SEED)
+    batch = batch_with_advantages()
+    with torch.no_grad():
+        fwd = hf_reference(hf, batch, TEMPERATURE)
+        values = hf_values_reference(hf, batch, score_weight())
+    valid = batch["attention_mask"][:, -batch["responses"].shape[1]:].float()
+    model = copy.deepcopy(hf).train()
+    out = hf_reference(model, batch, TEMPERATURE)
+    mask = batch["response_mask"].float()
+    num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
+    pg = -(out["log_probs"] * batch["advantages"] * mask).sum() / num_tokens
+    loss = pg - ENTROPY_COEF * (out["entropy"] * mask).sum() / num_seqs
+    loss.backward()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
+    torch.optim.AdamW(model.parameters(), lr=LR / WARMUP, weight_decay=0.0).step()
+    return dict(cfg=cfg, log_probs=fwd["log_probs"] * valid, entropy=fwd["entropy"] * valid,
+                values=values * valid, loss=float(loss.detach()), pg=float(pg.detach()), grad_norm=grad_norm,
+                state={k: v.detach() for k, v in model.state_dict().items()})
+
+
+def _collect(results, key):
+    """Outputs of the collect ranks (tp 0, last stage), ordered by dp rank, concatenated."""
+    collected = sorted((r["info"][2], r[key]) for r in results if r["info"][4][1])
+    assert [d for d, _ in collected] == list(range(results[0]["info"][3]))
+    return {k: torch.cat([out[k] for _, out in collected]) for k in collected[0][1]}
+
+
+def _check_layout(results, ref, tp, pp):
+    tol = dict(atol=1e-5, rtol=0)
+    for key in ("mbs4", "mbs1", "after_reload"):
+        out = _collect(results, key)
+        torch.testing.assert_close(out["log_probs"], ref["log_probs"], **tol)
+        torch.testing.assert_close(out["entropy"], ref["entropy"], **tol)
+    padded = _collect(results, "padded")
+    resp_len = ref["log_probs"].shape[1]
+    torch.testing.assert_close(padded["log_probs"][:, :resp_len], ref["log_probs"], **tol)
+    assert torch.all(padded["log_probs"][:, resp_len:] == 0)
+    torch.testing.assert_close(_collect(results, "values")["values"], ref["values"], **tol)
+    for r in results:
+        assert "offloaded" in r["offloaded_error"]
+        m = r["metrics"]
+        assert m["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5) and m["grad_norm"] > CLIP
+        assert m["lr"] == pytest.approx(LR / WARMUP)
+        if r["info"][4][1]:  # collect rank: loss summed over micro-batches and DP
+            assert m["loss"] == pytest.approx(ref["loss"], abs=1e-5)
+            assert m["pg_loss"] == pytest.approx(ref["pg"], abs=1e-5)
+        tp_rank, pp_rank = r["info"][0], r["info"][1]
+        expected = hf_to_megatron_shard(ref["state"], ref["cfg"], tp_rank=tp_rank, tp=tp,
+                                        pp_rank=pp_rank, pp=pp)
+        for name, value in expected.items():
+            torch.testing.assert_close(r["params"][name], value, atol=2e-5, rtol=0, msg=name)
+
+
+@pytest.fixture(scope="module")
+def two_rank_results():
+    """One 2-rank world running TP=2, then PP=2, then DP=2 (parallel state rebuilt)."""
+    return run_distributed(_run_layouts, 2, [(2, 1, False), (1, 2, False), (1, 1, True)],
+                           timeout_s=900)
+
+
+@pytest.mark.parametrize("index, tp, pp", [(0, 2, 1), (1, 1, 2), (2, 1, 1)], ids=["tp2", "pp2", "dp2"])
+def test_two_rank_layouts_match_single_process(two_rank_results, reference, index, tp, pp):
+    _check_layout([r[index] for r in two_rank_results], reference, tp, pp)
+
+
+def test_too_long_sequence_on_one_dp_rank_raises_everywhere(two_rank_results):
+    errors = [r[2]["errors"] for r in two_rank_results]
+    assert "longer than the configured maximum max_seq_len=12" in errors[0]
+    assert "another rank rejected" in errors[1]
+
+
+def test_tp2_pp2_matches_single_process(reference):
+    results = [r[0] for r in run_distributed(_run_layouts, 4, [(2, 2, False)], timeout_s=900)]
+    # Megatron rank order tp-cp-dp-pp: rank = pp_rank * 2 + tp_rank; collect on tp 0, last stage
+    assert [r["info"][:3] for r in results] == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
+    assert [r["info"][4] for r in results] == [(0, False), (0, False), (0, True), (0, False)]
+    _check_layout(results, reference, 2, 2)
