@@ -1,0 +1,197 @@
+"""A dead worker process or node, told in terms of the run: node, role and rank.
+
+When a Ray worker node dies (hardware fault, preemption, a killed ``raylet``) or one rank's
+process is killed (host OOM, ``kill -9``), Ray raises ``ActorDiedError`` /
+``NodeDiedError`` on the controller, and megaflow's worker groups wrap it in a
+:class:`~megaflow.single_controller.errors.WorkerError`. Neither says which of the run's
+roles and ranks are gone. :func:`worker_lost_error` combines the error with where every
+rank runs (:class:`RankPlacement`, from the groups' ``worker_metadata``) and with Ray's
+node table, and returns a :class:`WorkerLostError` whose message names the dead node(s),
+every role and rank they hosted, the rank that failed first, and how to resume::
+
+    try:
+        trainer.fit()
+    except (WorkerError, RayActorError, NodeDiedError) as err:
+        if not is_worker_death(err):
+            raise
+        raise worker_lost_error(err, placements_of(groups)) from err
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+from megaflow.launch.resources import NodeResources
+
+#: What the controller prints about resuming (the trainer's checkpoints, issue 7).
+RESUME_HINT = ("the run cannot continue without these ranks; once the cluster is whole again, start it with the "
+               "same trainer.output_dir and trainer.resume=auto to continue from the last complete checkpoint")
+
+_DEATH_MARKERS = ("ActorDiedError", "RayActorError", "NodeDiedError", "WorkerCrashedError",
+                  "worker process died", "actor died", "node has died", "node died")
+_IP = re.compile(r"\bip:\s*([0-9a-fA-F:.]+)")
+_PID = re.compile(r"\bpid:\s*(\d+)")
+_WHERE = re.compile(r"role '([^']+)'.*?\brank (\d+)")  # WorkerGroup.where_of(role, rank)
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where one rank of one role runs (from :class:`~megaflow.single_controller.worker.WorkerMetadata`)."""
+
+    role: str
+    rank: int
+    node_id: str
+    node_ip: str
+    hostname: str
+    pid: int
+
+
+class WorkerLostError(RuntimeError):
+    """Worker processes of the run died; the message names node(s), roles and ranks.
+
+    Attributes:
+        role, rank: the rank whose call failed first (None when unknown).
+        dead_nodes: IPs of the run's nodes that Ray reports dead.
+        lost: ``{role: [ranks]}`` on the dead nodes (or the one dead process).
+    """
+
+    def __init__(self, message: str, role: str | None, rank: int | None, dead_nodes: tuple[str, ...],
+                 lost: dict[str, list[int]]) -> None:
+        super().__init__(message, role, rank, dead_nodes, lost)
+        self.message, self.role, self.rank, self.dead_nodes, self.lost = message, role, rank, dead_nodes, lost
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def placements_of(groups: Mapping[str, Any]) -> list[RankPlacement]:
+    """Placements of every rank of ``{role: worker group}`` (any object with
+    ``worker_metadata``: a list of ``WorkerMetadata`` in rank order)."""
+    return [RankPlacement(role=role, rank=meta.rank, node_id=meta.node_id, node_ip=meta.node_ip,
+                          hostname=meta.hostname, pid=meta.pid)
+            for role, group in groups.items() for meta in group.worker_metadata]
+
+
+def is_worker_death(error: BaseException) -> bool:
+    """Whether ``error`` reports a dead worker process or node (not a Python exception
+    raised by worker code)."""
+    try:
+        from ray.exceptions import NodeDiedError, RayActorError, WorkerCrashedError
+
+        if isinstance(error, (RayActorError, NodeDiedError, WorkerCrashedError)):
+            return True
+    except ImportError:  # pragma: no cover - ray is a core dependency
+        pass
+    text = _error_text(error)
+    return any(marker in text for marker in _DEATH_MARKERS)
+
+
+def _error_text(error: BaseException) -> str:
+    return " ".join(str(part) for part in (error, getattr(error, "remote_traceback", "")))
+
+
+def _ranges(ranks: Iterable[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"``."""
+    out, run = [], []
+    for rank in sorted(set(ranks)):
+        if run and rank == run[-1] + 1:
+            run.append(rank)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [rank]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ", ".join(out)
+
+
+def _by_role(placements: Iterable[RankPlacement]) -> dict[str, list[int]]:
+    lost: dict[str, list[int]] = {}
+    for p in placements:
+        lost.setdefault(p.role, []).append(p.rank)
+    return {role: sorted(ranks) for role, ranks in lost.items()}
+
+
+def _describe_ranks(lost: Mapping[str, Sequence[int]]) -> str:
+    return "; ".join(f"{role} rank{'s' if len(r) > 1 else ''} {_ranges(r)}" for role, r in lost.items())
+
+
+def _ray_nodes() -> list[NodeResources] | None:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return [NodeResources.from_ray(entry) for entry in ray.nodes()]
+    except Exception:  # the head itself may be gone: report what the error says
+        return None
+    return None
+
+
+def _failed_rank(error: BaseException, placements: Sequence[RankPlacement]) -> RankPlacement | None:
+    role, rank = getattr(error, "role", None), getattr(error, "rank", None)
+    where = _WHERE.search(str(getattr(error, "where", "") or ""))
+    if (role is None or rank is None) and where:
+        role, rank = where.group(1), int(where.group(2))
+    if role is not None and rank is not None:
+        return next((p for p in placements if p.role == role and p.rank == rank), None) or \
+            RankPlacement(role=role, rank=rank, node_id="", node_ip="?", hostname="", pid=0)
+    text = _error_text(error)
+    pids, ips = {int(m) for m in _PID.findall(text)}, set(_IP.findall(text))
+    return next((p for p in placements if p.pid in pids and (not ips or p.node_ip in ips)), None)
+
+
+def worker_lost_error(error: BaseException, placements: Sequence[RankPlacement],
+                      nodes: Sequence[NodeResources] | None = None, resume_hint: str = RESUME_HINT,
+                      method: str | None = None) -> WorkerLostError:
+    """Explain a dead worker process or node in terms of the run.
+
+    Args:
+        error: what the controller caught: a ``WorkerError`` (role and rank known), a Ray
+            ``ActorDiedError`` (its text carries the dead actor's ``ip`` and ``pid``), or a
+            ``NodeDiedError``.
+        placements: every rank of every role (:func:`placements_of`).
+        nodes: Ray's node table; default ``ray.nodes()`` when connected (None when the
+            head is unreachable: the message then relies on the error alone).
+        resume_hint: the last sentence (how to resume).
+        method: the worker method that was running, when the error does not say.
+
+    Returns:
+        A :class:`WorkerLostError` to raise (``raise ... from error``).
+    """
+    nodes = _ray_nodes() if nodes is None else list(nodes)
+    failed = _failed_rank(error, placements)
+    method = method or getattr(error, "method", None)
+    run_nodes = {p.node_id for p in placements} | {p.node_ip for p in placements}
+    dead = [n for n in (nodes or []) if not n.alive and (n.node_id in run_nodes or n.ip in run_nodes)]
+    dead_ids = {n.node_id for n in dead} | {n.ip for n in dead}
+    lines = []
+    if failed is not None:
+        where = f"node {failed.node_ip}" + (f" ({failed.hostname})" if failed.hostname else "")
+        pid = f", pid {failed.pid}" if failed.pid else ""
+        during = f" during {method}" if method else ""
+        lines.append(f"worker lost: role {failed.role!r} rank {failed.rank} ({where}{pid}) died{during}")
+    else:
+        lines.append(f"worker lost: a worker process of the run died ({type(error).__name__})")
+    if dead:
+        lost_here = [p for p in placements if p.node_id in dead_ids or p.node_ip in dead_ids]
+        lost = _by_role(lost_here)
+        for node in dead:
+            on_node = _by_role(p for p in lost_here if p.node_id == node.node_id or p.node_ip == node.ip)
+            host = f" ({node.hostname})" if node.hostname and node.hostname != node.ip else ""
+            lines.append(f"node {node.ip}{host} is dead; it ran {_describe_ranks(on_node) or 'no ranks of the run'}")
+    elif failed is not None:  # one process: every role colocated in it is gone
+        same = [p for p in placements if failed.pid and p.pid == failed.pid and p.node_ip == failed.node_ip]
+        lost = _by_role(same or [failed])
+        if nodes is not None:
+            lines.append(f"its node {failed.node_ip} is alive: the process was killed or crashed (host out of "
+                         "memory, a signal, a native crash); see that node's Ray logs (raylet.out, worker logs)")
+    else:
+        lost = {}
+    lines.append(resume_hint)
+    return WorkerLostError("\n".join(lines), role=failed.role if failed else None,
+                           rank=failed.rank if failed else None, dead_nodes=tuple(n.ip for n in dead), lost=lost)
+
+
+__all__ = ["RankPlacement", "WorkerLostError", "placements_of", "is_worker_death", "worker_lost_error",
+           "RESUME_HINT"]
