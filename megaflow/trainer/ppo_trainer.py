@@ -17,7 +17,7 @@ import random
 import time
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -39,12 +39,14 @@ class WorkerGroups:
     ``save_checkpoint(path)`` and ``load_checkpoint(path)``; ``ref`` provides
     ``compute_ref_log_prob``; ``critic`` provides ``compute_values``, ``update_critic`` and
     the checkpoint methods; ``reward_model`` provides ``compute_rm_score``.
+    ``resource_pools`` are released when the groups shut down.
     """
 
     actor: Any
     ref: Any | None = None
     critic: Any | None = None
     reward_model: Any | None = None
+    resource_pools: list = field(default_factory=list)
 
 
 @contextmanager

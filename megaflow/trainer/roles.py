@@ -127,10 +127,12 @@ def build_worker_groups(cfg, tokenizer) -> WorkerGroups:
     for role in enabled_roles(cfg):
         by_pool.setdefault(getattr(res.placement, role), []).append(role)
     views: dict[str, Any] = {}
+    pools = []
     for pool_name, roles in by_pool.items():
         pool = ResourcePool([res.pool_procs_per_node(pool_name)] * res.pool_nodes(pool_name),
                             max_colocate_count=1, use_gpu=bool(res.use_gpu),
                             num_cpus_per_process=res.num_cpus_per_proc, name_prefix=f"megaflow_{pool_name}")
+        pools.append(pool)
         members = {role: _role_init_args(cfg, role, tokenizer) for role in roles}
         if len(members) == 1:
             (role, init_args), = members.items()
@@ -142,19 +144,20 @@ def build_worker_groups(cfg, tokenizer) -> WorkerGroups:
         if role in views:
             views[role].init_model()
     return WorkerGroups(actor=views["actor"], ref=views.get("ref"), critic=views.get("critic"),
-                        reward_model=views.get("reward_model"))
+                        reward_model=views.get("reward_model"), resource_pools=pools)
 
 
 def shutdown_worker_groups(groups: WorkerGroups) -> None:
-    """Stop every worker process (idempotent)."""
-    seen = set()
+    """Stop every worker process and release the placement groups (idempotent)."""
     for g in (groups.actor, groups.ref, groups.critic, groups.reward_model):
-        if g is not None and id(g) not in seen and hasattr(g, "shutdown"):
-            seen.add(id(g))
+        if g is not None:
             try:
                 g.shutdown()
-            except Exception:  # noqa: BLE001 - best effort at exit
+            except Exception:  # noqa: BLE001 - best effort at exit; colocated views share one core
                 pass
+    for pool in groups.resource_pools:
+        pool.remove()
+    groups.resource_pools.clear()
 
 
 __all__ = ["build_worker_groups", "shutdown_worker_groups", "worker_config", "rollout_settings"]

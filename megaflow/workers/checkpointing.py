@@ -69,12 +69,34 @@ def load_engine_checkpoint(engine, path: str | os.PathLike) -> None:
         return
     if not (root / OPTIMIZER_DIR).is_dir() or not (root / SCHEDULER_FILE).is_file():
         raise FileNotFoundError(f"{root} has no optimizer state ({OPTIMIZER_DIR}/, {SCHEDULER_FILE})")
+    _materialize_adam_state(engine.optimizer)
     state = engine.optimizer.sharded_state_dict(_model_sharded_state_dict(engine), is_loading=True,
                                                 metadata=_OPTIMIZER_METADATA)
     loaded = dist_checkpointing.load(state, str(root / OPTIMIZER_DIR))
     with torch.no_grad():  # fp32 main params are views of the (leaf) model params
         engine.optimizer.load_state_dict(loaded)
     engine.scheduler.load_state_dict(torch.load(root / SCHEDULER_FILE, weights_only=False))
+
+
+def _materialize_adam_state(optimizer) -> None:
+    """Create torch Adam's per-parameter state (``step``, ``exp_avg``, ``exp_avg_sq``) where
+    it does not exist yet, so that a checkpoint can be loaded into an optimizer that has
+    never stepped (e.g. when resuming).
+
+    torch creates this state lazily in ``step()``; megatron-core's optimizer ``state_dict``
+    (used to build the sharded state dict it loads into) reads ``step`` from it when neither
+    Apex nor Transformer Engine provides the fused Adam, and fails on a fresh optimizer.
+    The values are placeholders: the load overwrites every one of them.
+    """
+    inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    for opt in inner:
+        if not isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if not opt.state[p]:
+                    opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                    "exp_avg_sq": torch.zeros_like(p)}
 
 
 __all__ = ["save_engine_checkpoint", "load_engine_checkpoint"]
