@@ -75,6 +75,7 @@ def load_engine_checkpoint(engine, path: str | os.PathLike) -> None:
     loaded = dist_checkpointing.load(state, str(root / OPTIMIZER_DIR))
     with torch.no_grad():  # fp32 main params are views of the (leaf) model params
         engine.optimizer.load_state_dict(loaded)
+    _unshare_adam_steps(engine.optimizer)
     engine.scheduler.load_state_dict(torch.load(root / SCHEDULER_FILE, weights_only=False))
 
 
@@ -97,6 +98,22 @@ def _materialize_adam_state(optimizer) -> None:
                 if not opt.state[p]:
                     opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
                                     "exp_avg_sq": torch.zeros_like(p)}
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """Give every parameter its own Adam ``step`` tensor after a load.
+
+    Without Apex or Transformer Engine, megatron-core's ``DistributedOptimizer.load_state_dict``
+    assigns one ``step`` tensor object to every parameter's state, and torch's Adam
+    increments ``state["step"]`` in place per parameter: after a resume the step would
+    advance once per parameter per optimizer step, and the bias correction would drift
+    from an uninterrupted run's.
+    """
+    inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    for opt in inner:
+        for state in opt.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
 
 
 __all__ = ["save_engine_checkpoint", "load_engine_checkpoint"]

@@ -54,13 +54,22 @@ class MegatronWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        """Join the process group, set up Megatron parallel state, build and load the model."""
+        """Join the process group, set up Megatron parallel state, build and load the model.
+
+        The RNG is re-seeded with ``config.seed`` right before the model is built, so every
+        role built from the same config draws the same random initialisation even when it
+        shares its process with roles initialised before it (colocation): a randomly
+        initialised reference equals the initial actor, and a critic's backbone starts as
+        the actor's.
+        """
+        from megaflow.megatron.cpu_compat import model_parallel_manual_seed
         from megaflow.megatron.model import build_gpt_model, read_hf_architecture
 
         cfg = self.config
         self.init_distributed()
         self.info = initialize_parallel(tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, vpp=cfg.vpp, seed=cfg.seed)
         hf_config = cfg.resolve_hf_config()
+        model_parallel_manual_seed(cfg.seed)
         model = build_gpt_model(hf_config, role=self.role, dtype=cfg.torch_dtype)
         self._load_weights(model, hf_config)
         self.engine = MegatronEngine(model, self.info, cfg.engine,
@@ -124,6 +133,19 @@ class MegatronWorker(Worker):
         self._before_phase()
         save_engine_checkpoint(self.engine, path, self.config.resolve_hf_config(),
                                hf_files_from=self.config.model_path)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def export_hf(self, path: str, overwrite: bool = False) -> None:
+        """Write the model as a Hugging Face checkpoint directory at ``path`` (collective;
+        safetensors + config, tokenizer files copied from ``model_path`` when there is one)."""
+        from megaflow.models.export import export_hf_dir
+
+        self._before_phase()
+        try:
+            export_hf_dir(self.engine.module, self.config.resolve_hf_config(), self.info, path,
+                          hf_files_from=self.config.model_path, overwrite=overwrite)
+        finally:
+            self._after_phase()
 
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:

@@ -23,7 +23,7 @@ def _train(root: Path, name: str, overrides: list[str]) -> tuple[dict[int, dict]
 def test_default_recipe_learns_on_policy(ray_session, tmp_path):
     steps = 30
     metrics, run_dir = _train(tmp_path, "learn", [f"trainer.total_steps={steps}", "trainer.test_freq=15",
-                                                  "trainer.save_freq=-1"])
+                                                  "trainer.save_freq=-1", "trainer.export_hf=true"])
     assert sorted(metrics) == list(range(1, steps + 1))
     first = metrics[1]
     # One mini-batch per step: the update is on-policy, so the PPO ratio is exactly 1.
@@ -37,6 +37,13 @@ def test_default_recipe_learns_on_policy(ray_session, tmp_path):
     start, end = rewards[:5].mean(), rewards[-5:].mean()
     assert end > start + 0.05 and end > 2 * start, f"reward did not rise: {rewards.round(3).tolist()}"
     assert "val/score/mean" in metrics[15] and "val/acc/mean" in metrics[steps]
+    # The trained actor exported as a Hugging Face checkpoint that transformers loads.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(run_dir / "hf")
+    assert hf.config.num_hidden_layers == 2 and hf.config.vocab_size == 16
+    assert torch.isfinite(hf(torch.tensor([[1, 5, 12, 6, 15]])).logits).all()
 
 
 def test_resume_continues_exactly(ray_session, tmp_path):
