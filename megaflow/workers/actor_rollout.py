@@ -39,7 +39,8 @@ class RolloutSettings:
     """The rollout side of the actor worker.
 
     Attributes:
-        gen_tp, gen_pp: generation layout t_g, p_g (t % t_g == 0, p % p_g == 0).
+        gen_tp, gen_pp: generation layout t_g, p_g (t % t_g == 0; p_g must be 1: the
+            engine runs without pipeline parallelism, training stages fold into replicas).
         response_length: maximum new tokens (the response dimension of outputs).
         max_prompt_length: longest prompt in tokens (with response_length: the engine's
             ``max_model_len``).
@@ -47,6 +48,9 @@ class RolloutSettings:
         kv_cache_bytes: vLLM KV-cache size (CPU); None: vLLM's default for the platform.
         gpu_memory_utilization: GPU share for the engine (GPU only).
         seed: engine seed.
+
+    Raises:
+        ValueError: ``gen_tp < 1`` or ``gen_pp != 1``.
     """
 
     gen_tp: int = 1
@@ -58,6 +62,16 @@ class RolloutSettings:
     kv_cache_bytes: Optional[int] = None
     gpu_memory_utilization: float = 0.5
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.gen_tp < 1:
+            raise ValueError(f"RolloutSettings.gen_tp must be >= 1, got {self.gen_tp}")
+        if self.gen_pp != 1:
+            # The engine is built without pipeline parallelism: at p_g > 1 each rank would
+            # push only its generation stage's layers and the others would keep vLLM's
+            # dummy weights, silently.
+            raise ValueError(f"RolloutSettings.gen_pp={self.gen_pp} (rollout.pp): pipeline-parallel generation "
+                             f"is not supported; use gen_pp=1 (training stages fold into generation replicas)")
 
 
 class ActorRolloutWorker(ActorWorker):
@@ -125,15 +139,18 @@ class ActorRolloutWorker(ActorWorker):
         from megaflow.hybrid_engine.rollout_weights import hf_full_tensors, vllm_sharded_tensors
 
         self._before_phase()
-        with self.resharder.generation() as stats:
-            named = self.resharder.named_generation_tensors()
-            if self.rollout_settings.gen_tp == 1:
-                self.rollout.update_weights(hf_full_tensors(named, self.spec), format="hf_full")
-            else:
-                tensors = vllm_sharded_tensors(
-                    named, self.spec, gen_tp=self.rollout_settings.gen_tp, gen_tp_rank=self._gen_tp_rank,
-                    vllm_shapes=self.rollout.sharded_param_shapes(), gather_vocab=self._gather_gen_tp)
-                self.rollout.update_weights(list(tensors), format="sharded")
+        try:
+            with self.resharder.generation() as stats:
+                named = self.resharder.named_generation_tensors()
+                if self.rollout_settings.gen_tp == 1:
+                    self.rollout.update_weights(hf_full_tensors(named, self.spec), format="hf_full")
+                else:
+                    tensors = vllm_sharded_tensors(
+                        named, self.spec, gen_tp=self.rollout_settings.gen_tp, gen_tp_rank=self._gen_tp_rank,
+                        vllm_shapes=self.rollout.sharded_param_shapes(), gather_vocab=self._gather_gen_tp)
+                    self.rollout.update_weights(list(tensors), format="sharded")
+        finally:
+            self._after_phase()  # the training state goes back off the device while the engine generates
         self.last_reshard_stats = stats
         self._synced_version = self._actor_version
 

