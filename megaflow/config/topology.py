@@ -254,13 +254,29 @@ def _check_model_parallel(spec: ModelSpec, role: str, par: RoleParallel) -> None
           + f" must divide the model's num_hidden_layers={spec.num_layers} ({{0}})", f"{src}")
 
 
+def _check_colocated_meshes(cfg: Config) -> None:
+    """Roles on one pool share one process per rank, hence Megatron's one (process-global)
+    parallel state: their tp, pp, cp and vpp must be equal."""
+    first: dict[str, str] = {}
+    for role in enabled_roles(cfg):
+        pool = getattr(cfg.resources.placement, role)
+        other = first.setdefault(pool, role)
+        for name in ("tp", "pp", "cp", "vpp"):
+            mine, theirs = getattr(getattr(cfg, role), name), getattr(getattr(cfg, other), name)
+            check(mine == theirs, f"{role}.{name}",
+                  f"{name}={mine} differs from {{0}}={theirs}; roles colocated on pool {pool!r} share one "
+                  f"process per rank and one Megatron mesh: use the same {name}, or place {role} on its own "
+                  f"pool (resources.placement.{role})", f"{other}.{name}")
+
+
 def validate_config(cfg: Config) -> None:
     """Checks across sections, called by ``Config.__post_init__``.
 
     Inputs set (model, tokenizer, training data); algorithm vs enabled roles; for every
     enabled role: world size = tp*pp*cp*dp on its pool, tp dividing the heads, KV heads
     and FFN size, pp (x vpp) dividing the layers; the rollout's t_g | t and p_g | p (hence
-    t_g dividing the heads too); batch sizes divisible by mini-batches, DP and micro-batches.
+    t_g dividing the heads too); roles colocated on one pool with equal tp/pp/cp/vpp;
+    batch sizes divisible by mini-batches, DP and micro-batches.
 
     Raises:
         ConfigError: the first violated rule, with the dotted key to change.
@@ -272,6 +288,7 @@ def validate_config(cfg: Config) -> None:
         check(cfg.resources.use_gpu or not getattr(cfg, role).sequence_parallel, f"{role}.sequence_parallel",
               "not available on CPU (megatron-core's local layer spec refuses it); set it false or {0}=true",
               "resources.use_gpu")
+    _check_colocated_meshes(cfg)
     generation_sizes(cfg)  # t_g | t and p_g | p; with t | heads this gives t_g | heads
     for role in TRAINED_ROLES:
         if role in enabled_roles(cfg):

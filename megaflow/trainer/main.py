@@ -151,7 +151,7 @@ def train(cfg) -> dict[str, float]:
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.trainer.seed)
-    tokenizer = get_tokenizer(cfg.model.tokenizer or cfg.model.path)
+    tokenizer = get_tokenizer(os.path.expanduser(cfg.model.tokenizer or cfg.model.path))
     train_loader, val_loader, num_prompts = build_loaders(cfg, tokenizer, run_dir)
     total_steps = num_training_steps(cfg, num_prompts)
     reward_fn = build_reward_fn(cfg, tokenizer)

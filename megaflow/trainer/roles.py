@@ -7,6 +7,7 @@ lives inside the actor's processes (:class:`~megaflow.workers.actor_rollout.Acto
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from megaflow.trainer.ppo_trainer import WorkerGroups
@@ -60,7 +61,8 @@ def worker_config(cfg, role: str):
     if role == "critic" and section.path:
         model_path = section.path
     if model_path is not None:
-        hf_config = None
+        # Recipes write checkpoint paths as ~/...; the workers open them as plain paths.
+        model_path, hf_config = os.path.expanduser(model_path), None
     common = dict(model_path=model_path, hf_config=hf_config, tp=section.tp, pp=section.pp, cp=section.cp,
                   vpp=section.vpp, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
                   temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
