@@ -17,7 +17,11 @@ The accommodations, all minimal and none a copy of Megatron code:
    gradient clipping check ``tensor.type()`` against ``'torch.cuda.FloatTensor'`` (and the
    half/bf16 names). While exactly those functions run, ``Tensor.type()`` without
    arguments reports a CPU tensor under its CUDA name.
-3. **The CUDA RNG tracker**: ``model_parallel_cuda_manual_seed`` stores CUDA generator
+3. **``Tensor.cuda()`` in a named function** (``_TENSOR_CUDA_FUNCTIONS``): with tied
+   embeddings and pp > 1, ``LanguageModule.setup_embeddings_and_output_layer`` moves the
+   shared weight with ``weight.data.cuda()``; while exactly that function runs,
+   ``Tensor.cuda()`` returns the CPU tensor.
+4. **The CUDA RNG tracker**: ``model_parallel_cuda_manual_seed`` stores CUDA generator
    states (``torch.cuda.get_rng_state`` fails on a CPU build) and every attention layer
    enters ``get_cuda_rng_tracker().fork()``. :func:`model_parallel_manual_seed` seeds
    torch's CPU generator and installs Megatron's own pass-through tracker
@@ -26,7 +30,7 @@ The accommodations, all minimal and none a copy of Megatron code:
    TP regions is not decorrelated across TP ranks; megaflow's models use dropout 0 for
    hidden states and the HF config's attention dropout, 0 for Llama/Qwen2.) On CUDA it
    is exactly ``model_parallel_cuda_manual_seed(seed)``.
-4. **The default causal mask** (``megatron.core.transformer.utils.get_default_causal_mask``,
+5. **The default causal mask** (``megatron.core.transformer.utils.get_default_causal_mask``,
    built on ``"cuda"``) is not patched: megaflow always passes an explicit mask
    (:func:`megaflow.megatron.engine.causal_attention_mask`).
 
@@ -97,6 +101,14 @@ _CUDA_TYPE_NAME_FUNCTIONS: tuple[tuple[str, str, str], ...] = (
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__",
      "accepts only torch.cuda.{Float,Half,BFloat16}Tensor parameters (in __init__ and in "
      "_build_model_and_main_param_groups, which __init__ calls)"),
+)
+
+# (module, attribute path, why): functions run with ``Tensor.cuda()`` returning the CPU tensor.
+_TENSOR_CUDA_FUNCTIONS: tuple[tuple[str, str, str], ...] = (
+    ("megatron.core.models.common.language_module.language_module",
+     "LanguageModule.setup_embeddings_and_output_layer",
+     "with tied embeddings and pp > 1, moves the shared embedding/output weight with "
+     "weight.data.cuda() before all-reducing it across the first and last stages"),
 )
 
 _FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn")
@@ -188,7 +200,28 @@ def _with_cuda_type_names(fn: Callable) -> Callable:
     return wrapper
 
 
-def _patch_type_name_function(module_name: str, path: str) -> None:
+@contextlib.contextmanager
+def _tensor_cuda_is_identity() -> Iterator[None]:
+    """While active, ``Tensor.cuda()`` returns the tensor itself (it stays on the CPU)."""
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+def _with_tensor_cuda_identity(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _tensor_cuda_is_identity():
+            return fn(*args, **kwargs)
+    wrapper.__megaflow_cpu_compat__ = True
+    return wrapper
+
+
+def _patch_type_name_function(module_name: str, path: str,
+                              wrap: Callable[[Callable], Callable] = _with_cuda_type_names) -> None:
     owner: Any = importlib.import_module(module_name)
     *parents, attr = path.split(".")
     for parent in parents:
@@ -197,7 +230,7 @@ def _patch_type_name_function(module_name: str, path: str) -> None:
     if isinstance(fn, (staticmethod, classmethod)):
         raise TypeError(f"{module_name}.{path} is a {type(fn).__name__}; wrap its caller")
     if not getattr(fn, "__megaflow_cpu_compat__", False):
-        setattr(owner, attr, _with_cuda_type_names(fn))
+        setattr(owner, attr, wrap(fn))
 
 
 def cpu_accommodations_needed() -> bool:
@@ -225,6 +258,8 @@ def apply_cpu_accommodations() -> bool:
             importlib.import_module(module_name).torch = proxy
         for module_name, path, _why in _CUDA_TYPE_NAME_FUNCTIONS:
             _patch_type_name_function(module_name, path)
+        for module_name, path, _why in _TENSOR_CUDA_FUNCTIONS:
+            _patch_type_name_function(module_name, path, _with_tensor_cuda_identity)
         _applied = True
     return True
 

@@ -1,0 +1,106 @@
+"""Output directories that appear complete or not at all.
+
+Writers fill a hidden sibling ``.<name>.incomplete-<token>``; :func:`commit_directory`
+fsyncs every file, writes the ``COMPLETE`` marker, renames the directory into place
+(atomic within one POSIX filesystem) and fsyncs the parent. On error the temporary
+directory is removed, so a failed conversion leaves no partial output behind.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+COMPLETE_MARKER = "COMPLETE"
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str | os.PathLike) -> None:
+    """fsync every file and directory under ``path``."""
+    for dirpath, _, filenames in os.walk(path):
+        for name in filenames:
+            _fsync(Path(dirpath) / name)
+        _fsync(Path(dirpath))
+
+
+def check_output_dir(final: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Validate that ``final`` may be written; returns it as an absolute Path.
+
+    Raises:
+        FileExistsError: ``final`` exists, is not empty and ``overwrite`` is False.
+    """
+    final = Path(final).absolute()
+    if final.exists() and not overwrite and (not final.is_dir() or any(final.iterdir())):
+        raise FileExistsError(f"output directory {final} already exists; pass overwrite "
+                              "(--overwrite) to replace it")
+    return final
+
+
+def temporary_sibling(final: str | os.PathLike, token: str | None = None) -> Path:
+    """The hidden temporary directory name used while writing ``final``."""
+    final = Path(final).absolute()
+    return final.parent / f".{final.name}.incomplete-{token or uuid.uuid4().hex[:10]}"
+
+
+def commit_directory(tmp: str | os.PathLike, final: str | os.PathLike,
+                     marker: dict[str, Any] | None = None) -> Path:
+    """Publish ``tmp`` as ``final`` atomically (an existing ``final`` is replaced).
+
+    Args:
+        marker: when given, written as JSON into ``final/COMPLETE`` before the rename.
+    """
+    tmp, final = Path(tmp), Path(final).absolute()
+    if marker is not None:
+        with open(tmp / COMPLETE_MARKER, "w") as f:
+            json.dump(marker, f, indent=2, sort_keys=True)
+    fsync_tree(tmp)
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:10]}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+@contextlib.contextmanager
+def atomic_directory(final: str | os.PathLike, *, overwrite: bool = False,
+                     marker: dict[str, Any] | None = None) -> Iterator[Path]:
+    """Yield a temporary directory that becomes ``final`` when the block succeeds.
+
+    Raises:
+        FileExistsError: see :func:`check_output_dir`. Any exception from the block is
+            re-raised after the temporary directory has been removed.
+    """
+    final = check_output_dir(final, overwrite)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_sibling(final)
+    tmp.mkdir()
+    try:
+        yield tmp
+        commit_directory(tmp, final, marker)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def is_complete(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` was published by :func:`commit_directory` with a marker."""
+    return (Path(directory) / COMPLETE_MARKER).is_file()
+
+
+__all__ = ["COMPLETE_MARKER", "atomic_directory", "check_output_dir", "commit_directory",
+           "temporary_sibling", "fsync_tree", "is_complete"]

@@ -1,0 +1,319 @@
+"""The one declarative table between Hugging Face and megatron-core GPTModel parameters.
+
+Supported families: Llama (Llama 2/3, SmolLM2: ``LlamaForCausalLM``) and Qwen2/Qwen2.5
+(``Qwen2ForCausalLM``), plus their ``*ForSequenceClassification`` variants for critic and
+reward models (``score.weight`` <-> megaflow's scalar ``output_layer``). Each row of :data:`PARAM_MAPPINGS` names the megatron-core
+parameter (with its aliases: the local layer spec keeps separate norms, the Transformer
+Engine spec fuses them into ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``),
+its HF source tensors, the named transform that joins them and the tensor-parallel
+partition dimension. :func:`hf_to_megatron_shard` and :func:`megatron_shards_to_hf` apply a
+row in either direction for one TP rank / all TP ranks; they are pure and used by the
+weight loader, the exporter, the conversion tools and the HybridEngine.
+
+``{layer}`` in a name is the *global* layer index on the HF side and the *local* index of
+the pipeline stage (or virtual chunk) on the Megatron side; callers pass both.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from megaflow.models import transforms as T
+
+# HF architecture -> (model_type, head): ``lm_head`` for causal LMs, ``score`` for
+# sequence-classification models (critic / reward model: megaflow's ScalarHead).
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", "lm_head"), "Qwen2ForCausalLM": ("qwen2", "lm_head"),
+    "LlamaForSequenceClassification": ("llama", "score"),
+    "Qwen2ForSequenceClassification": ("qwen2", "score"),
+}
+EMBED = "model.embed_tokens.weight"
+LM_HEAD = "lm_head.weight"
+SCORE = "score.weight"
+
+
+class UnsupportedModelError(ValueError):
+    """The HF config describes an architecture megaflow cannot represent."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape facts of an HF checkpoint that the mapping needs.
+
+    ``head`` is ``"lm_head"`` (causal LM; absent from the checkpoint when
+    ``tie_word_embeddings``) or ``"score"`` (``[num_labels=1, hidden]`` value/reward head).
+    """
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    head: str = "lm_head"
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> "ModelSpec":
+        """Validate ``hf_config`` (a ``PretrainedConfig`` or its dict) and extract the spec.
+
+        Feature validation (MoE, sliding window, RoPE scaling, activation, o_proj/MLP
+        bias) is :func:`megaflow.megatron.model.read_hf_architecture`'s; this adds the
+        ``architectures`` check.
+
+        Raises:
+            UnsupportedModelError: an architecture other than Llama/Qwen2 causal LM or
+                sequence classification (the field and value are named).
+            ValueError: an unsupported config feature, naming the config field.
+        """
+        from megaflow.megatron.model import read_hf_architecture
+
+        cfg = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
+        archs = list(cfg.get("architectures") or [])
+        heads = set()
+        for arch_name in archs:
+            model_type, head = SUPPORTED_ARCHITECTURES.get(arch_name, (None, None))
+            if model_type is None or model_type != cfg.get("model_type"):
+                raise UnsupportedModelError(
+                    f"HF config field 'architectures'={archs!r} (model_type="
+                    f"{cfg.get('model_type')!r}) is not supported; supported: "
+                    f"{sorted(SUPPORTED_ARCHITECTURES)}")
+            heads.add(head)
+        if len(heads) > 1:
+            raise UnsupportedModelError(f"HF config field 'architectures'={archs!r} mixes heads")
+        if "score" in heads and cfg.get("num_labels", 1) != 1:
+            raise UnsupportedModelError(f"HF config field 'num_labels'={cfg['num_labels']!r}: a "
+                                        "value/reward head has exactly one output")
+        arch = read_hf_architecture(cfg)
+        if arch.num_attention_heads % arch.num_kv_heads:
+            raise UnsupportedModelError(
+                f"HF config field 'num_attention_heads'={arch.num_attention_heads} is not a "
+                f"multiple of 'num_key_value_heads'={arch.num_kv_heads}")
+        return cls(model_type=arch.model_type, num_layers=arch.num_layers,
+                   hidden_size=arch.hidden_size, num_heads=arch.num_attention_heads,
+                   num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+                   ffn_hidden_size=arch.ffn_hidden_size, vocab_size=arch.vocab_size,
+                   tie_word_embeddings=arch.tie_word_embeddings and "score" not in heads,
+                   qkv_bias=arch.qkv_bias, head=heads.pop() if heads else "lm_head")
+
+
+@dataclass(frozen=True)
+class ParamMapping:
+    """One row of the table.
+
+    Attributes:
+        megatron: megatron-core names, first = local layer spec, then aliases (TE spec).
+        hf: HF source names, in the order the transform takes them.
+        transform: ``"copy"``, ``"qkv"`` (fuse per KV group), ``"gate_up"`` (SwiGLU fc1) or
+            ``"vocab"`` (pad rows to the padded vocabulary).
+        tp_dim: partition dim of the HF tensors and the Megatron shard; None = replicated.
+        stage: ``"layer"`` (names contain ``{layer}``), ``"first"`` (lives on the first
+            pipeline stage: embedding) or ``"last"`` (final norm, output layer).
+        requires: the row exists only for models with QKV bias (``"qkv_bias"``), with an
+            LM head (``"lm_head"``) or with a scalar value/reward head (``"score"``).
+        tied_hf: when embeddings are tied, the HF name read instead of ``hf`` (and on
+            export the row is skipped: the tied HF model has no such tensor).
+    """
+
+    megatron: tuple[str, ...]
+    hf: tuple[str, ...]
+    transform: str = "copy"
+    tp_dim: int | None = None
+    stage: str = "layer"
+    requires: str | None = None
+    tied_hf: str | None = None
+
+    @property
+    def per_layer(self) -> bool:
+        return self.stage == "layer"
+
+
+_L = "decoder.layers.{layer}."
+_H = "model.layers.{layer}."
+PARAM_MAPPINGS: tuple[ParamMapping, ...] = (
+    ParamMapping(("embedding.word_embeddings.weight",), (EMBED,), "vocab", 0, stage="first"),
+    ParamMapping((_L + "input_layernorm.weight", _L + "self_attention.linear_qkv.layer_norm_weight"),
+                 (_H + "input_layernorm.weight",)),
+    ParamMapping((_L + "self_attention.linear_qkv.weight",),
+                 tuple(_H + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv", 0),
+    ParamMapping((_L + "self_attention.linear_qkv.bias",),
+                 tuple(_H + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv", 0,
+                 requires="qkv_bias"),
+    ParamMapping((_L + "self_attention.linear_proj.weight",), (_H + "self_attn.o_proj.weight",),
+                 "copy", 1),
+    ParamMapping((_L + "pre_mlp_layernorm.weight", _L + "mlp.linear_fc1.layer_norm_weight"),
+                 (_H + "post_attention_layernorm.weight",)),
+    ParamMapping((_L + "mlp.linear_fc1.weight",),
+                 (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), "gate_up", 0),
+    ParamMapping((_L + "mlp.linear_fc2.weight",), (_H + "mlp.down_proj.weight",), "copy", 1),
+    ParamMapping(("decoder.final_layernorm.weight",), ("model.norm.weight",), stage="last"),
+    ParamMapping(("output_layer.weight",), (LM_HEAD,), "vocab", 0, stage="last",
+                 requires="lm_head", tied_hf=EMBED),
+    # megaflow.megatron.model.ScalarHead, replicated on every TP rank.
+    ParamMapping(("output_layer.weight",), (SCORE,), stage="last", requires="score"),
+)
+
+
+def _compile(template: str) -> re.Pattern:
+    return re.compile(re.escape(template).replace(re.escape("{layer}"), r"(\d+)") + "$")
+
+
+_MEGATRON_PATTERNS = [(_compile(name), row) for row in PARAM_MAPPINGS for name in row.megatron]
+
+
+def find_mapping(megatron_name: str, spec: ModelSpec) -> tuple[ParamMapping, int | None]:
+    """Look up a megatron-core state-dict name among the rows active for ``spec``.
+
+    Returns:
+        The row and the local layer index in the name (None for non-layer rows).
+
+    Raises:
+        KeyError: the name is not in the table (e.g. an unknown module).
+    """
+    for pattern, row in _MEGATRON_PATTERNS:
+        match = pattern.match(megatron_name)
+        if match and is_active(row, spec):
+            return row, int(match.group(1)) if row.per_layer else None
+    raise KeyError(f"megatron parameter {megatron_name!r} has no HF mapping for a "
+                   f"{spec.model_type} model with a {spec.head!r} head")
+
+
+def is_active(row: ParamMapping, spec: ModelSpec) -> bool:
+    """Whether the row exists for this model (QKV bias only for Qwen2; one head kind)."""
+    if row.requires == "qkv_bias":
+        return spec.qkv_bias
+    return row.requires is None or row.requires == spec.head
+
+
+def hf_names(row: ParamMapping, spec: ModelSpec, layer: int | None = None) -> tuple[str, ...]:
+    """HF names read for ``row`` at global ``layer`` (tied output layer -> embedding)."""
+    names = (row.tied_hf,) if row.tied_hf and spec.tie_word_embeddings else row.hf
+    return tuple(n.format(layer=layer) for n in names)
+
+
+def exported_rows(spec: ModelSpec) -> list[ParamMapping]:
+    """Rows that produce HF tensors on export (tied output layer and absent biases skipped)."""
+    return [r for r in PARAM_MAPPINGS
+            if is_active(r, spec) and not (r.tied_hf and spec.tie_word_embeddings)]
+
+
+def hf_order(spec: ModelSpec) -> list[tuple[ParamMapping, int | None]]:
+    """The exported ``(row, global layer)`` units in HF's order: embedding, layers, norm,
+    head."""
+    rows = exported_rows(spec)
+    return ([(r, None) for r in rows if r.stage == "first"]
+            + [(r, i) for i in range(spec.num_layers) for r in rows if r.stage == "layer"]
+            + [(r, None) for r in rows if r.stage == "last"])
+
+
+def expected_hf_keys(spec: ModelSpec) -> list[str]:
+    """Every HF tensor name of the model, in HF's order."""
+    return [name for row, layer in hf_order(spec) for name in hf_names(row, spec, layer)]
+
+
+def hf_shape(name: str, spec: ModelSpec) -> tuple[int, ...]:
+    """The expected shape of HF tensor ``name`` (used to validate checkpoints exactly)."""
+    h, d = spec.hidden_size, spec.head_dim
+    leaf = re.sub(r"^model\.layers\.\d+\.", "", name)
+    shapes = {
+        EMBED: (spec.vocab_size, h), LM_HEAD: (spec.vocab_size, h), SCORE: (1, h),
+        "model.norm.weight": (h,),
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (spec.num_heads * d, h),
+        "self_attn.k_proj.weight": (spec.num_kv_heads * d, h),
+        "self_attn.v_proj.weight": (spec.num_kv_heads * d, h),
+        "self_attn.q_proj.bias": (spec.num_heads * d,),
+        "self_attn.k_proj.bias": (spec.num_kv_heads * d,),
+        "self_attn.v_proj.bias": (spec.num_kv_heads * d,),
+        "self_attn.o_proj.weight": (h, spec.num_heads * d),
+        "mlp.gate_proj.weight": (spec.ffn_hidden_size, h),
+        "mlp.up_proj.weight": (spec.ffn_hidden_size, h),
+        "mlp.down_proj.weight": (h, spec.ffn_hidden_size),
+    }
+    if leaf not in shapes:
+        raise KeyError(f"unknown HF tensor name {name!r}")
+    return shapes[leaf]
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How the Megatron side is laid out: TP size/rank, padded vocab, KV replication."""
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    padded_vocab_size: int | None = None  # None: no padding
+    kv_replication: int = 1
+
+
+def hf_to_megatron_shard(row: ParamMapping, hf_tensors: Sequence[torch.Tensor],
+                         spec: ModelSpec, layout: ShardLayout) -> torch.Tensor:
+    """Build this TP rank's Megatron tensor for ``row`` from the full HF tensors.
+
+    Args:
+        hf_tensors: full (unsharded) HF tensors in the order of :func:`hf_names`.
+
+    Returns:
+        The local shard, e.g. ``linear_qkv [(H + 2 K r) d / tp, hidden]`` with r the KV
+        replication factor.
+    """
+    tp, rank = layout.tp_size, layout.tp_rank
+    if row.transform == "qkv":
+        q, k, v = hf_tensors
+        num_kv = spec.num_kv_heads * layout.kv_replication
+        if spec.num_heads % tp or num_kv % tp:
+            raise ValueError(f"tp={tp} does not divide num_attention_heads={spec.num_heads} and "
+                             f"num_key_value_heads={spec.num_kv_heads} x kv_replication="
+                             f"{layout.kv_replication} (see transforms.kv_replication_factor)")
+        k, v = (T.replicate_kv_heads(t, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                                     factor=layout.kv_replication) for t in (k, v))
+        q, k, v = (T.shard_tp(t, 0, tp, rank) for t in (q, k, v))
+        return T.fuse_qkv(q, k, v, num_heads=spec.num_heads // tp, num_kv_heads=num_kv // tp,
+                          head_dim=spec.head_dim)
+    if row.transform == "gate_up":
+        gate, up = (T.shard_tp(t, 0, tp, rank) for t in hf_tensors)
+        return T.fuse_gate_up(gate, up)
+    (tensor,) = hf_tensors
+    if row.transform == "vocab" and layout.padded_vocab_size is not None:
+        tensor = T.pad_vocab(tensor, layout.padded_vocab_size)
+    return T.shard_tp(tensor, row.tp_dim, tp, rank)
+
+
+def megatron_shards_to_hf(row: ParamMapping, shards: Sequence[torch.Tensor], spec: ModelSpec,
+                          kv_replication: int = 1) -> list[torch.Tensor]:
+    """Inverse of :func:`hf_to_megatron_shard` for all TP ranks at once.
+
+    Args:
+        shards: the Megatron tensors of every TP rank, index = TP rank.
+
+    Returns:
+        The full HF tensors in the order of ``row.hf`` (vocabulary padding removed).
+    """
+    tp = len(shards)
+    if row.transform == "qkv":
+        num_kv = spec.num_kv_heads * kv_replication
+        parts = [T.split_qkv(s, num_heads=spec.num_heads // tp, num_kv_heads=num_kv // tp,
+                             head_dim=spec.head_dim) for s in shards]
+        q, k, v = (T.gather_tp([p[i] for p in parts], 0) for i in range(3))
+        k, v = (T.deduplicate_kv_heads(t, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                                       factor=kv_replication) for t in (k, v))
+        return [q, k, v]
+    if row.transform == "gate_up":
+        parts = [T.split_gate_up(s) for s in shards]
+        return [T.gather_tp([p[0] for p in parts], 0), T.gather_tp([p[1] for p in parts], 0)]
+    full = T.gather_tp(shards, row.tp_dim)
+    if row.transform == "vocab":
+        full = T.unpad_vocab(full, spec.vocab_size)
+    return [full]
+
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES", "EMBED", "LM_HEAD", "SCORE", "UnsupportedModelError", "ModelSpec",
+    "ParamMapping", "PARAM_MAPPINGS", "ShardLayout", "find_mapping", "is_active", "hf_names", "exported_rows",
+    "hf_order", "expected_hf_keys", "hf_shape", "hf_to_megatron_shard", "megatron_shards_to_hf",
+]

@@ -1,0 +1,285 @@
+"""Fill a built megatron-core GPTModel shard from HF weights, and gather it back to HF.
+
+Works on the model chunks of one rank as built by
+:func:`megaflow.megatron.model.build_gpt_model` (local or Transformer Engine layer spec,
+any TP/PP, uneven pipeline stages, a list of virtual-pipeline chunks). Pipeline-local
+layer numbers are mapped to global ones through each layer's ``layer_number`` (Megatron's
+1-based global index), so no layer offset arithmetic is repeated here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megaflow.models.hf_io import CheckpointError, HFWeights
+from megaflow.models.hf_mapping import (SCORE, ModelSpec, ParamMapping, ShardLayout,
+                                        find_mapping, hf_names, hf_order, hf_shape,
+                                        hf_to_megatron_shard, megatron_shards_to_hf)
+
+log = logging.getLogger(__name__)
+
+
+def unwrap_model_chunks(model_chunks: Any) -> list[torch.nn.Module]:
+    """A model or list of chunks -> list of bare GPTModels (DDP/Float16Module unwrapped)."""
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    unwrapped = []
+    for chunk in chunks:
+        while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
+            chunk = chunk.module  # Megatron DDP / Float16Module wrappers
+        unwrapped.append(chunk)
+    return unwrapped
+
+
+def _global_layers(chunk: torch.nn.Module) -> list[int]:
+    """Global 0-based layer index of each local layer of ``chunk``."""
+    return [layer.layer_number - 1 for layer in chunk.decoder.layers]
+
+
+def _has_scalar_head(chunk: torch.nn.Module, spec: ModelSpec) -> bool:
+    head = getattr(chunk, "output_layer", None)
+    weight = getattr(head, "weight", None)
+    return weight is not None and tuple(weight.shape) == (1, spec.hidden_size)
+
+
+def model_spec_for(chunks: Sequence[torch.nn.Module], spec: ModelSpec) -> ModelSpec:
+    """``spec`` with ``head`` set to what these chunks have (critic/reward: ``score``).
+
+    Only the last pipeline stage holds the head: on other stages this answers
+    ``lm_head``, which is harmless for loading (their parameters do not depend on it);
+    export agrees on the head over the PP group instead (:func:`_export_plan`).
+    """
+    scalar = any(_has_scalar_head(c, spec) for c in chunks)
+    return dataclasses.replace(spec, head="score" if scalar else "lm_head",
+                               tie_word_embeddings=spec.tie_word_embeddings and not scalar)
+
+
+def shard_layout(chunk: torch.nn.Module, spec: ModelSpec, tp_size: int, tp_rank: int) -> ShardLayout:
+    """The :class:`ShardLayout` of a built chunk: padded vocab and KV-head replication."""
+    num_query_groups = chunk.config.num_query_groups or chunk.config.num_attention_heads
+    if num_query_groups % spec.num_kv_heads:
+        raise ValueError(f"model has num_query_groups={num_query_groups}, not a multiple of the "
+                         f"checkpoint's num_key_value_heads={spec.num_kv_heads}")
+    return ShardLayout(tp_size=tp_size, tp_rank=tp_rank, padded_vocab_size=chunk.vocab_size,
+                       kv_replication=num_query_groups // spec.num_kv_heads)
+
+
+def _named_params(chunk: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in chunk.named_parameters() if p is not None]
+
+
+def load_hf_weights(model_chunks: Any, hf_source: str | os.PathLike | Mapping[str, torch.Tensor] | HFWeights,
+                    hf_config: Any, parallel_info: Any, *, progress: bool = False) -> int:
+    """Copy HF weights into this rank's TP shard / PP stage of a built GPTModel.
+
+    Args:
+        model_chunks: a GPTModel or a list of chunks (optionally DDP-wrapped).
+        hf_source: HF checkpoint directory (safetensors), a ``name -> tensor`` mapping, or
+            an :class:`HFWeights`.
+        hf_config: the checkpoint's ``PretrainedConfig`` or ``config.json`` dict.
+        parallel_info: :class:`megaflow.megatron.parallel.ParallelInfo` (``tp_rank``,
+            ``tp_size``).
+        progress: show a tqdm bar (pass True on one rank only).
+
+    Returns:
+        Number of parameters filled. Every parameter of the model is filled, except a
+        scalar head (critic/reward) when the checkpoint is a causal LM: it keeps its
+        initialisation and the checkpoint's ``lm_head`` is unused.
+
+    Raises:
+        CheckpointError: the checkpoint's key set or shapes do not match its config
+            (missing/extra/wrong keys are listed), a file is truncated, or a model
+            parameter has no HF source or an unexpected shape (named).
+        UnsupportedModelError / ValueError: unsupported architecture or config feature.
+    """
+    chunks = unwrap_model_chunks(model_chunks)
+    ckpt_spec = ModelSpec.from_hf_config(hf_config)
+    weights = hf_source if isinstance(hf_source, HFWeights) else HFWeights(hf_source)
+    weights.validate(ckpt_spec)
+    spec = model_spec_for(chunks, ckpt_spec)
+    holds_head = any(getattr(c, "post_process", True) for c in chunks)  # last PP stage
+    if holds_head and spec.head == "lm_head" and ckpt_spec.head == "score":
+        raise CheckpointError("the HF checkpoint is a sequence-classification model (score "
+                              "head) but the model to fill has an LM head")
+    work = [(chunk, shard_layout(chunk, spec, parallel_info.tp_size, parallel_info.tp_rank),
+             name, param) for chunk in chunks for name, param in _named_params(chunk)]
+    bar = _progress(len(work), "loading HF weights", progress)
+    filled = 0
+    for chunk, layout, name, param in work:
+        try:
+            row, local = find_mapping(name, spec)
+        except KeyError as err:
+            raise CheckpointError(str(err)) from None
+        layer = None if local is None else _global_layers(chunk)[local]
+        sources = hf_names(row, spec, layer)
+        bar.update(1)
+        if sources == (SCORE,) and SCORE not in weights:
+            log.info("%s: the checkpoint has no %s; the scalar head keeps its initialisation",
+                     name, SCORE)
+            continue
+        shard = hf_to_megatron_shard(row, [weights.get(s) for s in sources], spec, layout)
+        if shard.shape != param.shape:
+            raise CheckpointError(f"{name}: built {tuple(shard.shape)} from {list(sources)}, "
+                                  f"but the model parameter is {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(shard.to(param.dtype))
+        filled += 1
+    bar.close()
+    return filled
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportPlan:
+    """What :func:`iter_hf_tensors` gathers: the model's spec (with the head kind that only
+    the last stage can see) and which PP rank holds each global layer."""
+
+    spec: ModelSpec
+    layer_owner: dict[int, int]
+
+
+def plan_export(model_chunks: Any, hf_config: Any, parallel_info: Any) -> ExportPlan:
+    """Agree on the :class:`ExportPlan` over the PP group (collective: one
+    ``all_gather_object``; data-parallel replicas other than 0 skip it and get a local plan).
+
+    Raises:
+        CheckpointError: some global layer is held by no stage.
+    """
+    chunks = unwrap_model_chunks(model_chunks)
+    spec, info = ModelSpec.from_hf_config(hf_config), parallel_info
+    mine = (sorted({g for chunk in chunks for g in _global_layers(chunk)}),
+            any(_has_scalar_head(c, spec) for c in chunks))
+    per_stage: list[Any] = [mine]
+    if info.pp_size > 1 and info.dp_rank == 0 and info.cp_rank == 0:
+        per_stage = [None] * info.pp_size
+        dist.all_gather_object(per_stage, mine, group=info.pp_group)
+    owners = {g: pp for pp, (layers, _) in enumerate(per_stage) for g in layers}
+    missing = sorted(set(range(spec.num_layers)) - set(owners))
+    if missing and len(per_stage) == info.pp_size:
+        raise CheckpointError(f"no pipeline stage holds layers {missing}")
+    scalar = any(has_scalar for _, has_scalar in per_stage)
+    spec = dataclasses.replace(spec, head="score" if scalar else "lm_head",
+                               tie_word_embeddings=spec.tie_word_embeddings and not scalar)
+    return ExportPlan(spec, owners)
+
+
+def _owner(row: ParamMapping, layer: int | None, owners: dict[int, int], pp_size: int) -> int:
+    if row.stage == "layer":
+        return owners[layer]
+    return 0 if row.stage == "first" else pp_size - 1
+
+
+def _local_param(chunks: Sequence[torch.nn.Module], row: ParamMapping,
+                 layer: int | None) -> torch.Tensor:
+    """This stage's parameter for ``row`` at global ``layer`` (any layer-spec alias)."""
+    for chunk in chunks:
+        params = dict(_named_params(chunk))
+        names = list(row.megatron)
+        if row.per_layer:
+            local_layers = _global_layers(chunk)
+            if layer not in local_layers:
+                continue
+            names = [n.format(layer=local_layers.index(layer)) for n in names]
+        for name in names:
+            if name in params:
+                return params[name].detach()
+    raise CheckpointError(f"this pipeline stage holds no parameter {row.megatron[0]!r} "
+                          f"(global layer {layer})")
+
+
+def iter_hf_tensors(model_chunks: Any, hf_config: Any, parallel_info: Any, *,
+                    dtype: torch.dtype | None = None, plan: ExportPlan | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """Gather the model into full HF tensors, one at a time (collective).
+
+    Every rank of the model must iterate the generator to the end, in lockstep. Only the
+    writer rank (:func:`is_export_writer`: tp, pp, dp and cp rank 0) receives tensors; the
+    others get ``(name, None)``. Data-parallel replicas other than dp_rank 0 skip all
+    communication. Per tensor: an all-gather over the owning stage's TP group, the
+    inverse transform on its TP rank 0, and a send to PP stage 0 when the owner is
+    another stage. Peak extra memory on the writer: one full tensor and its TP shards.
+
+    Args:
+        hf_config: the HF config the model was built from.
+        dtype: cast the exported tensors (default: the model's parameter dtype).
+        plan: from :func:`plan_export` (computed here when None).
+
+    Yields:
+        ``(hf_name, tensor [hf shape] or None)`` in HF order (embedding, layers, norm,
+        head); a tied model yields no ``lm_head.weight``, a critic / reward model yields
+        ``score.weight``; vocabulary padding is removed; replicated KV heads are folded back.
+    """
+    chunks = unwrap_model_chunks(model_chunks)
+    info = parallel_info
+    plan = plan or plan_export(chunks, hf_config, info)
+    spec, active = plan.spec, info.dp_rank == 0 and info.cp_rank == 0
+    model_param = next(p for c in chunks for _, p in _named_params(c))
+    kv_replication = shard_layout(chunks[0], spec, info.tp_size, 0).kv_replication
+    for row, layer in hf_order(spec):
+        names = hf_names(row, spec, layer)
+        tensors: list[torch.Tensor | None] = [None] * len(names)
+        if active:
+            owner = _owner(row, layer, plan.layer_owner, info.pp_size)
+            tensors = _gather_row(chunks, row, layer, owner, spec, info, kv_replication,
+                                  model_param) or tensors
+        for name, tensor in zip(names, tensors):
+            yield name, None if tensor is None else tensor.to(dtype or model_param.dtype)
+
+
+def _gather_row(chunks, row: ParamMapping, layer: int | None, owner: int, spec: ModelSpec,
+                info: Any, kv_replication: int, like: torch.Tensor) -> list[torch.Tensor] | None:
+    """Full HF tensors of one row on the writer; None on every other rank."""
+    full = None
+    if info.pp_rank == owner:
+        local = _local_param(chunks, row, layer).contiguous()
+        shards = [local]
+        if row.tp_dim is not None and info.tp_size > 1:
+            shards = [torch.empty_like(local) for _ in range(info.tp_size)]
+            dist.all_gather(shards, local, group=info.tp_group)
+        if info.tp_rank == 0:
+            full = megatron_shards_to_hf(row, shards, spec, kv_replication)
+    if info.tp_rank != 0 or (info.pp_rank != 0 and info.pp_rank != owner):
+        return None
+    if owner == 0:
+        return full
+    names = hf_names(row, spec, layer)
+    if info.pp_rank == owner:
+        for tensor in full:
+            dist.send(tensor.contiguous(), dst=info.pp_ranks[0])
+        return None
+    received = [torch.empty(hf_shape(n, spec), dtype=like.dtype, device=like.device) for n in names]
+    for buf in received:
+        dist.recv(buf, src=info.pp_ranks[owner])
+    return received
+
+
+def is_export_writer(parallel_info: Any) -> bool:
+    """Whether this rank receives the tensors of :func:`iter_hf_tensors`."""
+    i = parallel_info
+    return i.tp_rank == 0 and i.pp_rank == 0 and i.dp_rank == 0 and i.cp_rank == 0
+
+
+def gather_hf_state_dict(model_chunks: Any, hf_config: Any, parallel_info: Any,
+                         *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+    """The whole model as an HF state dict on the writer rank, None elsewhere (collective).
+
+    Holds every tensor in memory: for large models stream with :func:`iter_hf_tensors`.
+    Tensors are on CPU.
+    """
+    out = {name: t.cpu() for name, t in iter_hf_tensors(model_chunks, hf_config, parallel_info,
+                                                         dtype=dtype) if t is not None}
+    return out if is_export_writer(parallel_info) else None
+
+
+__all__ = ["load_hf_weights", "iter_hf_tensors", "gather_hf_state_dict", "is_export_writer",
+           "model_spec_for", "shard_layout", "unwrap_model_chunks", "plan_export",
+           "ExportPlan"]
