@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megaflow.models.atomic_dir import check_output_dir, commit_directory, temporary_sibling
+from megaflow.utils.atomic_dir import check_output_dir, commit_directory, temporary_sibling
 from megaflow.models.hf_io import CheckpointError, copy_tokenizer_files
 from megaflow.models.hf_mapping import ModelSpec
 from megaflow.models.weights import unwrap_model_chunks as _chunks

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from megaflow.models.atomic_dir import check_output_dir, commit_directory, temporary_sibling
+from megaflow.utils.atomic_dir import check_output_dir, commit_directory, temporary_sibling
 from megaflow.models.checkpoint import (FORMAT, HF_SUBDIR, load_checkpoint,
                                         read_checkpoint_metadata, save_checkpoint,
                                         verify_checkpoint_files)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from megaflow.models.atomic_dir import check_output_dir, commit_directory, temporary_sibling
+from megaflow.utils.atomic_dir import check_output_dir, commit_directory, temporary_sibling
 from megaflow.models.hf_io import CheckpointError, HFShardWriter, copy_tokenizer_files
 from megaflow.models.hf_mapping import ModelSpec, expected_hf_keys, hf_shape
 from megaflow.models.weights import (is_export_writer, iter_hf_tensors, plan_export,

@@ -14,7 +14,7 @@ import os
 from importlib import metadata
 from pathlib import Path
 
-from megaflow.models.atomic_dir import COMPLETE_MARKER, atomic_directory, is_complete
+from megaflow.utils.atomic_dir import COMPLETE_MARKER, atomic_directory, is_complete
 
 log = logging.getLogger(__name__)
 

@@ -26,27 +26,10 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from megaflow.utils.atomic_dir import fsync_path, fsync_tree
+
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 COMPLETE_MARKER = "COMPLETE"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(path: Path) -> None:
-    for dirpath, _, filenames in os.walk(path):
-        for name in filenames:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -58,7 +41,7 @@ def atomic_write_text(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 @dataclass(frozen=True)
@@ -107,10 +90,10 @@ class CheckpointManager:
             shutil.rmtree(final)
         marker = {"step": pending.step, "time": time.time(),
                   "parts": sorted(p.name for p in pending.path.iterdir())}
-        _fsync_tree(pending.path)
+        fsync_tree(pending.path)
         atomic_write_text(pending.path / COMPLETE_MARKER, json.dumps(marker))
         os.rename(pending.path, final)
-        _fsync_dir(self.root)
+        fsync_path(self.root)
         atomic_write_text(self.root / "latest", final.name + "\n")
         self._prune()
         return final

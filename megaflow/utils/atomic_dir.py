@@ -18,7 +18,8 @@ from typing import Any, Iterator
 COMPLETE_MARKER = "COMPLETE"
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync one file or directory."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -30,8 +31,8 @@ def fsync_tree(path: str | os.PathLike) -> None:
     """fsync every file and directory under ``path``."""
     for dirpath, _, filenames in os.walk(path):
         for name in filenames:
-            _fsync(Path(dirpath) / name)
-        _fsync(Path(dirpath))
+            fsync_path(Path(dirpath) / name)
+        fsync_path(Path(dirpath))
 
 
 def check_output_dir(final: str | os.PathLike, overwrite: bool = False) -> Path:
@@ -70,7 +71,7 @@ def commit_directory(tmp: str | os.PathLike, final: str | os.PathLike,
         old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:10]}"
         os.rename(final, old)
     os.rename(tmp, final)
-    _fsync(final.parent)
+    fsync_path(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final
