@@ -75,7 +75,7 @@ def load_engine_checkpoint(engine, path: str | os.PathLike) -> None:
     loaded = dist_checkpointing.load(state, str(root / OPTIMIZER_DIR))
     with torch.no_grad():  # fp32 main params are views of the (leaf) model params
         engine.optimizer.load_state_dict(loaded)
-    _unshare_adam_steps(engine.optimizer)
+    _restore_adam_steps(engine.optimizer, loaded)
     engine.scheduler.load_state_dict(torch.load(root / SCHEDULER_FILE, weights_only=False))
 
 
@@ -100,20 +100,45 @@ def _materialize_adam_state(optimizer) -> None:
                                     "exp_avg_sq": torch.zeros_like(p)}
 
 
-def _unshare_adam_steps(optimizer) -> None:
-    """Give every parameter its own Adam ``step`` tensor after a load.
+def _saved_steps(state) -> set:
+    """The ``step`` values megatron-core stored in the optimizer part's ``param_groups``."""
+    found = set()
+    if isinstance(state, dict):
+        for key, value in state.items():
+            if key == "param_groups" and isinstance(value, list):
+                found.update(g["step"] for g in value if isinstance(g, dict) and "step" in g)
+            else:
+                found |= _saved_steps(value)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            found |= _saved_steps(value)
+    return found
 
-    Without Apex or Transformer Engine, megatron-core's ``DistributedOptimizer.load_state_dict``
-    assigns one ``step`` tensor object to every parameter's state, and torch's Adam
-    increments ``state["step"]`` in place per parameter: after a resume the step would
-    advance once per parameter per optimizer step, and the bias correction would drift
-    from an uninterrupted run's.
+
+def _restore_adam_steps(optimizer, loaded) -> None:
+    """Set every parameter's Adam ``step`` to the saved step count, one tensor each.
+
+    Without Apex or Transformer Engine, megatron-core keeps torch Adam's per-parameter
+    ``step`` only in the checkpoint's ``param_groups``; its ``DistributedOptimizer``
+    load leaves the restored per-parameter ``step`` at the freshly created value (0 here)
+    and assigns one tensor object to every parameter. Adam's bias correction would then
+    differ from an uninterrupted run's (and a shared tensor would advance once per
+    parameter per step).
+
+    Raises:
+        ValueError: the checkpoint holds several different step counts.
     """
+    steps = _saved_steps(loaded)
+    if not steps:
+        return
+    if len(steps) > 1:
+        raise ValueError(f"optimizer checkpoint holds several Adam step counts {sorted(steps)}")
+    step = float(steps.pop())
     inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
     for opt in inner:
         for state in opt.state.values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].clone()
+            if "step" in state:
+                state["step"] = torch.tensor(step, dtype=torch.float32)
 
 
 __all__ = ["save_engine_checkpoint", "load_engine_checkpoint"]
