@@ -152,7 +152,12 @@ def train(cfg) -> dict[str, float]:
     run_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.trainer.seed)
     tokenizer = get_tokenizer(os.path.expanduser(cfg.model.tokenizer or cfg.model.path))
-    train_loader, val_loader, num_prompts = build_loaders(cfg, tokenizer, run_dir)
+    try:
+        train_loader, val_loader, num_prompts = build_loaders(cfg, tokenizer, run_dir)
+    except (OSError, ValueError) as exc:  # missing/malformed files, over-long prompts: before any process starts
+        from megaflow.config import ConfigError
+
+        raise ConfigError("data.train_files / data.val_files", str(exc)) from exc
     total_steps = num_training_steps(cfg, num_prompts)
     reward_fn = build_reward_fn(cfg, tokenizer)
     init_ray(cfg)
@@ -194,6 +199,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         train(cfg)
+    except ConfigError as exc:
+        print(f"megaflow: config error: {exc}", file=sys.stderr)
+        return 2
     except (WorkerLostError, ClusterNotReadyError) as exc:
         print(f"megaflow: {exc}", file=sys.stderr)
         return 3

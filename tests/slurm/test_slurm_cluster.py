@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 #: Flip to True once `make train` runs the tiny recipe end to end: the job then runs the
 #: trainer with TRAINER_OVERRIDES instead of the probe, and the test checks its metrics file.
-USE_TRAINER = False
+USE_TRAINER = True
 TRAINER_OVERRIDES = ("trainer.total_steps=2", "trainer.test_freq=0", "trainer.save_freq=-1")
 
 # The probe controller: connects through $RAY_ADDRESS (set by the script), runs one task on
