@@ -70,7 +70,19 @@ class ParallelConfig(Section):
 
 
 @dataclass(frozen=True)
-class ActorConfig(ParallelConfig):
+class TrainedRoleConfig(ParallelConfig):
+    """Offload knobs shared by the roles that train (actor, critic)."""
+
+    param_offload: bool = False
+    """Keep parameters on the host between phases that do not use them."""
+    grad_offload: bool = False
+    """Keep gradient buffers on the host outside the update."""
+    optimizer_offload: bool = False
+    """Keep the optimizer state on the host outside the update."""
+
+
+@dataclass(frozen=True)
+class ActorConfig(TrainedRoleConfig):
     """The policy being trained (its weights also serve generation, see ``rollout``)."""
 
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -101,12 +113,6 @@ class ActorConfig(ParallelConfig):
     """Entropy bonus coefficient (0 disables)."""
     recompute_granularity: RecomputeGranularity = "none"
     """Activation recomputation: none, selective (attention core) or full (every layer)."""
-    param_offload: bool = False
-    """Keep parameters on the host between phases that do not use them."""
-    grad_offload: bool = False
-    """Keep gradient buffers on the host outside the update."""
-    optimizer_offload: bool = False
-    """Keep the optimizer state on the host outside the update."""
 
     def validate(self) -> None:
         super().validate()
@@ -174,7 +180,7 @@ class RefConfig(ParallelConfig):
 
 
 @dataclass(frozen=True)
-class CriticConfig(ParallelConfig):
+class CriticConfig(TrainedRoleConfig):
     """The value model of PPO with GAE: the actor's architecture with a scalar value head."""
 
     enabled: bool = False
@@ -199,12 +205,6 @@ class CriticConfig(ParallelConfig):
     """How per-token value losses are averaged."""
     recompute_granularity: RecomputeGranularity = "none"
     """Activation recomputation: none, selective or full."""
-    param_offload: bool = False
-    """Keep parameters on the host between phases that do not use them."""
-    grad_offload: bool = False
-    """Keep gradient buffers on the host outside the update."""
-    optimizer_offload: bool = False
-    """Keep the optimizer state on the host outside the update."""
 
     def validate(self) -> None:
         super().validate()
