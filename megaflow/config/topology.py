@@ -187,6 +187,35 @@ def num_training_steps(cfg: Config, num_train_prompts: int) -> int:
     return per_epoch * cfg.trainer.total_epochs
 
 
+def lr_schedule_steps(cfg: Config, role: str, total_steps: int) -> int:
+    """Optimizer step at which ``role``'s LR decay reaches ``min_lr`` (megatron-core's
+    ``lr_decay_steps``, counted from the first update, warm-up included).
+
+    ``<role>.optim.lr_decay_steps`` when set, else the run's last optimizer step:
+    ``total_steps`` x :attr:`TrainBatchSizes.num_optimizer_steps` (mini-batches x PPO epochs
+    of one training step). With ``constant`` decay the value only has to exceed the warm-up.
+
+    Args:
+        cfg: the loaded config.
+        role: ``"actor"`` or ``"critic"``.
+        total_steps: training steps of the run (:func:`num_training_steps`).
+
+    Raises:
+        ConfigError (at ``<role>.optim.lr_warmup_steps``): a decaying schedule whose warm-up
+            lasts as long as the whole run (the decay would never start).
+    """
+    optim = getattr(cfg, role).optim
+    if optim.lr_decay_steps is not None:
+        return optim.lr_decay_steps
+    run_updates = total_steps * train_batch_sizes(cfg, role).num_optimizer_steps
+    if optim.lr_decay_style == "constant":
+        return max(run_updates, optim.lr_warmup_steps + 1)
+    check(run_updates > optim.lr_warmup_steps, f"{role}.optim.lr_warmup_steps",
+          f"{{0}}={optim.lr_warmup_steps} warm-up updates leave no room for the {optim.lr_decay_style!r} decay: "
+          f"the run has {run_updates} optimizer steps ({total_steps} training steps)", "trainer.total_steps")
+    return run_updates
+
+
 @dataclass(frozen=True)
 class ClusterRequirements:
     """What the cluster must offer (Ray / Slurm): nodes x ranks, each rank its CPUs/GPU."""
@@ -298,5 +327,5 @@ def validate_config(cfg: Config) -> None:
 __all__ = [
     "RoleParallel", "GenerationSizes", "TrainBatchSizes", "ClusterRequirements", "enabled_roles",
     "role_model_spec", "role_parallel", "generation_sizes", "train_batch_sizes", "num_samples_per_step",
-    "max_seq_len", "num_training_steps", "cluster_requirements", "validate_config", "TRAINED_ROLES",
+    "max_seq_len", "num_training_steps", "lr_schedule_steps", "cluster_requirements", "validate_config", "TRAINED_ROLES",
 ]

@@ -113,7 +113,7 @@ def _check_mask(mask: torch.Tensor, first: torch.Tensor, lengths: torch.Tensor, 
 
 
 def pack_batch(batch: Mapping[str, torch.Tensor], *, max_seq_len: int,
-               vocab_size: Optional[int] = None) -> PackedBatch:
+               vocab_size: Optional[int] = None, width_multiple: int = 1) -> PackedBatch:
     """Validate a verl-layout batch (module docstring) and left-align it for Megatron.
 
     Args:
@@ -121,6 +121,9 @@ def pack_batch(batch: Mapping[str, torch.Tensor], *, max_seq_len: int,
             and any row-aligned fields, passed through in :attr:`PackedBatch.fields`).
         max_seq_len: the longest allowed sequence (real tokens per row).
         vocab_size: when given, real token ids must lie in ``[0, vocab_size)``.
+        width_multiple: the packed width (longest sequence) is rounded up to a multiple of
+            this with trailing padding (sequence parallelism splits positions over TP ranks);
+            causal attention keeps padding after a sequence from changing it.
 
     Raises:
         ValueError: missing keys or wrong shapes (naming the field), a non-contiguous mask,
@@ -150,7 +153,7 @@ def pack_batch(batch: Mapping[str, torch.Tensor], *, max_seq_len: int,
         if torch.any(real & (batch["position_ids"].cpu().long() != expected)):
             raise ValueError("position_ids must be cumsum(attention_mask) - 1 on real tokens "
                              "(Megatron's RoPE uses positions 0..len-1 of each sequence)")
-    width = int(lengths.max())
+    width = -(-int(lengths.max()) // width_multiple) * width_multiple
     index = (first[:, None] + torch.arange(width)).clamp_max(seq - 1)
     inside = torch.arange(width) < lengths[:, None]
     packed = torch.where(inside, input_ids.gather(1, index), torch.zeros_like(index))

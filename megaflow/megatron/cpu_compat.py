@@ -30,7 +30,14 @@ The accommodations, all minimal and none a copy of Megatron code:
    TP regions is not decorrelated across TP ranks; megaflow's models use dropout 0 for
    hidden states and the HF config's attention dropout, 0 for Llama/Qwen2.) On CUDA it
    is exactly ``model_parallel_cuda_manual_seed(seed)``.
-5. **The default causal mask** (``megatron.core.transformer.utils.get_default_causal_mask``,
+5. **CUDA RNG state in activation recomputation** (``_CPU_RNG_STATE_FUNCTIONS``):
+   ``tensor_parallel.CheckpointFunction`` (full recomputation) and the selective
+   core-attention checkpoint save and restore the CUDA generator's state around the
+   recomputed forward (``_get_cuda_rng_state`` / ``_set_cuda_rng_state``). On a CPU build
+   there is no CUDA generator: those two functions are replaced by ones that return an
+   empty state and ignore it. The CPU generator's state, which is what draws on CPU
+   (accommodation 4), is still saved and restored by the same Megatron code.
+6. **The default causal mask** (``megatron.core.transformer.utils.get_default_causal_mask``,
    built on ``"cuda"``) is not patched: megaflow always passes an explicit mask
    (:func:`megaflow.megatron.engine.causal_attention_mask`).
 
@@ -110,6 +117,20 @@ _TENSOR_CUDA_FUNCTIONS: tuple[tuple[str, str, str], ...] = (
      "with tied embeddings and pp > 1, moves the shared embedding/output weight with "
      "weight.data.cuda() before all-reducing it across the first and last stages"),
 )
+
+# (module, function, why): CUDA generator-state functions replaced by CPU no-ops.
+_CPU_RNG_STATE_FUNCTIONS: tuple[tuple[str, str, str], ...] = (
+    ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state",
+     "CheckpointFunction.forward / _fork_rng save the CUDA RNG state (recomputation)"),
+    ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state",
+     "CheckpointFunction.backward restores it before recomputing the forward"),
+)
+
+
+def _no_cuda_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """Stands in for Megatron's CUDA RNG get/set on CPU: no CUDA generator exists."""
+    return torch.empty(0, dtype=torch.uint8)
+
 
 _FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn")
 _applied = False
@@ -260,6 +281,8 @@ def apply_cpu_accommodations() -> bool:
             _patch_type_name_function(module_name, path)
         for module_name, path, _why in _TENSOR_CUDA_FUNCTIONS:
             _patch_type_name_function(module_name, path, _with_tensor_cuda_identity)
+        for module_name, name, _why in _CPU_RNG_STATE_FUNCTIONS:
+            setattr(importlib.import_module(module_name), name, _no_cuda_rng_state)
         _applied = True
     return True
 

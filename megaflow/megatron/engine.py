@@ -161,8 +161,8 @@ class MegatronEngine:
         """
         error: Optional[ValueError] = None
         try:
-            packed = pack_batch(batch, max_seq_len=self.config.max_seq_len,
-                                vocab_size=self.vocab_size)
+            packed = pack_batch(batch, max_seq_len=self.config.max_seq_len, vocab_size=self.vocab_size,
+                                width_multiple=self.info.tp_size if self.module.config.sequence_parallel else 1)
         except ValueError as exc:
             error = exc
         flag = torch.tensor([0.0 if error is None else 1.0], device=self.device)

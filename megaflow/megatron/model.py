@@ -237,7 +237,7 @@ def transformer_config_from_hf(hf_config: Any, *, dtype: torch.dtype = torch.flo
         hidden_dropout=0.0, init_method_std=arch.initializer_range,
         params_dtype=dtype, pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        attention_softmax_in_fp32=True, sequence_parallel=False,
+        attention_softmax_in_fp32=True, sequence_parallel=False,  # overridable (GPU, TE spec)
         use_cpu_initialization=on_cpu, gradient_accumulation_fusion=False,
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False,
@@ -263,8 +263,9 @@ class ScalarHead(torch.nn.Module):
     """
 
     def __init__(self, hidden_size: int, *, init_std: float, dtype: torch.dtype,
-                 device: torch.device | str, seed: int = 0) -> None:
+                 device: torch.device | str, seed: int = 0, sequence_parallel: bool = False) -> None:
         super().__init__()
+        self.sequence_parallel = sequence_parallel
         generator = torch.Generator().manual_seed(seed)
         weight = torch.randn(1, hidden_size, generator=generator, dtype=torch.float32) * init_std
         self.weight = torch.nn.Parameter(weight.to(device=device, dtype=dtype))
@@ -274,6 +275,10 @@ class ScalarHead(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, weight: Optional[torch.Tensor] = None,
                 runtime_gather_output: Optional[bool] = None):
+        if self.sequence_parallel:  # [s/tp, b, h] -> [s, b, h]: the head sees every position
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         return F.linear(hidden_states, self.weight), None
 
 
@@ -320,6 +325,10 @@ def build_gpt_model(hf_config: Any, *, role: str = "actor", dtype: torch.dtype =
         hf_config, dtype=dtype, tensor_model_parallel_size=info.tp_size,
         pipeline_model_parallel_size=info.pp_size, **config_overrides)
     use_te = _use_transformer_engine()
+    if config.sequence_parallel and not use_te:
+        raise ValueError("sequence_parallel needs Transformer Engine's layer spec (CUDA + transformer_engine): "
+                         "megatron-core's local spec builds its norms with WrappedTorchNorm, which refuses "
+                         "sequence parallelism")
     spec = (get_gpt_layer_with_transformer_engine_spec() if use_te
             else get_gpt_layer_local_spec(normalization="RMSNorm"))
     tie = arch.tie_word_embeddings and role == "actor"
@@ -336,7 +345,8 @@ def build_gpt_model(hf_config: Any, *, role: str = "actor", dtype: torch.dtype =
     if role != "actor" and info.is_last_pp_stage:
         device = next(model.parameters()).device
         model.output_layer = ScalarHead(arch.hidden_size, init_std=config.init_method_std,
-                                        dtype=dtype, device=device, seed=head_seed)
+                                        dtype=dtype, device=device, seed=head_seed,
+                                        sequence_parallel=config.sequence_parallel)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

@@ -141,7 +141,7 @@ def _fit_naming_lost_workers(trainer, groups, total_steps: int) -> dict[str, flo
 
 def train(cfg) -> dict[str, float]:
     """Run training for a loaded, validated config; returns the last step's metrics."""
-    from megaflow.config import config_to_dict, dump_config, num_training_steps
+    from megaflow.config import config_to_dict, dump_config, lr_schedule_steps, num_training_steps
     from megaflow.data import get_tokenizer
     from megaflow.trainer.checkpoint import CheckpointManager
     from megaflow.trainer.ppo_trainer import RayPPOTrainer
@@ -159,9 +159,12 @@ def train(cfg) -> dict[str, float]:
 
         raise ConfigError("data.train_files / data.val_files", str(exc)) from exc
     total_steps = num_training_steps(cfg, num_prompts)
+    for role in ("actor", "critic"):  # the LR decay horizon needs the run length: check it before Ray starts
+        if role == "actor" or cfg.critic.enabled:
+            lr_schedule_steps(cfg, role, total_steps)
     reward_fn = build_reward_fn(cfg, tokenizer)
     init_ray(cfg)
-    groups = build_worker_groups(cfg, tokenizer)
+    groups = build_worker_groups(cfg, tokenizer, total_steps)
     checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.trainer.max_ckpt_to_keep)
     try:
         with Tracking(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger, log_dir=run_dir,

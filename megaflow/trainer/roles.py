@@ -28,7 +28,8 @@ def _import(path: str):
     return getattr(importlib.import_module(module), name)
 
 
-def _engine_config(cfg, section, *, micro: int | None, forward_micro: int | None):
+def _engine_config(cfg, section, *, micro: int | None, forward_micro: int | None,
+                   lr_decay_steps: int | None = None):
     from megaflow.megatron.engine_config import EngineConfig
 
     optim = getattr(section, "optim", None)
@@ -39,18 +40,25 @@ def _engine_config(cfg, section, *, micro: int | None, forward_micro: int | None
         kwargs["forward_micro_batch_size"] = forward_micro
     if optim is not None:
         kwargs.update(lr=optim.lr, min_lr=optim.min_lr, lr_warmup_steps=optim.lr_warmup_steps,
-                      lr_decay_style=optim.lr_decay_style, weight_decay=optim.weight_decay,
+                      lr_decay_steps=lr_decay_steps, lr_decay_style=optim.lr_decay_style,
+                      weight_decay=optim.weight_decay,
                       adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps,
                       clip_grad=optim.clip_grad, use_distributed_optimizer=section.use_distributed_optimizer)
     return EngineConfig(**kwargs)
 
 
-def worker_config(cfg, role: str):
+def worker_config(cfg, role: str, total_steps: int | None = None):
     """The :class:`~megaflow.workers.config.MegatronWorkerConfig` of ``role``.
 
     Batch sizes in the config count prompts (as in verl); the workers count rows, so
-    mini-batches are multiplied by ``rollout.n``.
+    mini-batches are multiplied by ``rollout.n``. ``total_steps`` (training steps of the
+    run) sets the trained roles' LR decay horizon (:func:`megaflow.config.lr_schedule_steps`);
+    None: ``trainer.total_steps``.
+
+    Raises:
+        ConfigError: a decaying LR schedule with no room after warm-up.
     """
+    from megaflow.config import lr_schedule_steps
     from megaflow.workers.config import ActorLossConfig, CriticLossConfig, MegatronWorkerConfig
 
     section, n = getattr(cfg, role), cfg.rollout.n
@@ -66,14 +74,20 @@ def worker_config(cfg, role: str):
     common = dict(model_path=model_path, hf_config=hf_config, tp=section.tp, pp=section.pp, cp=section.cp,
                   vpp=section.vpp, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
                   temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
-                  offload_between_phases=any(getattr(section, f, False)
-                                             for f in ("param_offload", "grad_offload", "optimizer_offload")))
+                  sequence_parallel=section.sequence_parallel,
+                  **{f: getattr(section, f, False) for f in ("param_offload", "grad_offload", "optimizer_offload")})
+    if role in ("actor", "critic"):
+        steps = total_steps if total_steps is not None else cfg.trainer.total_steps
+        decay = None if steps is None else lr_schedule_steps(cfg, role, steps)
+        recompute = section.recompute_granularity
+        common.update(recompute_granularity=None if recompute == "none" else recompute,
+                      recompute_method=section.recompute_method, recompute_num_layers=section.recompute_num_layers)
     if role == "actor":
         a = cfg.actor
         return MegatronWorkerConfig(
             **common, engine=_engine_config(cfg, a, micro=a.ppo_micro_batch_size_per_gpu,
-                                            forward_micro=a.log_prob_micro_batch_size_per_gpu),
-            ppo_mini_batch_size=a.ppo_mini_batch_size * n, ppo_epochs=a.ppo_epochs,
+                                            forward_micro=a.log_prob_micro_batch_size_per_gpu, lr_decay_steps=decay),
+            ppo_mini_batch_size=a.ppo_mini_batch_size * n, ppo_epochs=a.ppo_epochs, shuffle=a.shuffle,
             actor=ActorLossConfig(policy_loss=a.policy_loss, clip_ratio_low=a.clip_ratio_low,
                                   clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
                                   loss_agg_mode=a.loss_agg_mode, norm_length=cfg.rollout.response_length,
@@ -83,7 +97,7 @@ def worker_config(cfg, role: str):
         c = cfg.critic
         return MegatronWorkerConfig(
             **common, engine=_engine_config(cfg, c, micro=c.ppo_micro_batch_size_per_gpu,
-                                            forward_micro=c.forward_micro_batch_size_per_gpu),
+                                            forward_micro=c.forward_micro_batch_size_per_gpu, lr_decay_steps=decay),
             ppo_mini_batch_size=c.ppo_mini_batch_size * n, ppo_epochs=c.ppo_epochs,
             critic=CriticLossConfig(cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode,
                                     norm_length=cfg.rollout.response_length))
@@ -105,18 +119,19 @@ def rollout_settings(cfg, tokenizer):
                            gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.trainer.seed)
 
 
-def _role_init_args(cfg, role: str, tokenizer):
+def _role_init_args(cfg, role: str, tokenizer, total_steps: int | None):
     from megaflow.single_controller import ClassWithInitArgs
 
     cls = _import(_ROLE_CLASSES[role])
     if role == "actor":
-        return ClassWithInitArgs(cls, worker_config(cfg, role), rollout_settings(cfg, tokenizer))
-    return ClassWithInitArgs(cls, worker_config(cfg, role))
+        return ClassWithInitArgs(cls, worker_config(cfg, role, total_steps), rollout_settings(cfg, tokenizer))
+    return ClassWithInitArgs(cls, worker_config(cfg, role, total_steps))
 
 
-def build_worker_groups(cfg, tokenizer) -> WorkerGroups:
+def build_worker_groups(cfg, tokenizer, total_steps: int | None = None) -> WorkerGroups:
     """Create the resource pools and worker groups of every enabled role and initialise
     their models (actor first: its vLLM engines start inside the actor processes).
+    ``total_steps``: training steps of the run (the LR decay horizon, see :func:`worker_config`).
 
     Raises:
         WorkerError: a rank failed to start, naming the role and rank.
@@ -135,7 +150,7 @@ def build_worker_groups(cfg, tokenizer) -> WorkerGroups:
                             max_colocate_count=1, use_gpu=bool(res.use_gpu),
                             num_cpus_per_process=res.num_cpus_per_proc, name_prefix=f"megaflow_{pool_name}")
         pools.append(pool)
-        members = {role: _role_init_args(cfg, role, tokenizer) for role in roles}
+        members = {role: _role_init_args(cfg, role, tokenizer, total_steps) for role in roles}
         if len(members) == 1:
             (role, init_args), = members.items()
             views[role] = RayWorkerGroup(pool, init_args, name_prefix=role)

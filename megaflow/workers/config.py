@@ -64,7 +64,16 @@ class MegatronWorkerConfig:
     ppo_mini_batch_size: Optional[int] = None  # rows per optimizer step over all DP ranks; None = all
     ppo_epochs: int = 1
     temperature: float = 1.0  # rollout temperature when the batch's meta_info has none
-    offload_between_phases: bool = False
+    # What stays on the host between phases (each part reloaded only for the phase that uses it).
+    param_offload: bool = False
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+    shuffle: bool = False  # permute a rank's rows before cutting them into mini-batches, each PPO epoch
+    # megatron-core TransformerConfig knobs of the model build (scale features)
+    sequence_parallel: bool = False
+    recompute_granularity: Optional[str] = None  # None, "selective" or "full"
+    recompute_method: Optional[str] = None  # "uniform" or "block" (full only)
+    recompute_num_layers: Optional[int] = None  # full only
     actor: ActorLossConfig = dataclasses.field(default_factory=ActorLossConfig)
     critic: CriticLossConfig = dataclasses.field(default_factory=CriticLossConfig)
 
@@ -84,6 +93,21 @@ class MegatronWorkerConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def model_overrides(self) -> dict[str, Any]:
+        """``TransformerConfig`` fields of the scale features (sequence parallelism,
+        activation recomputation) for :func:`megaflow.megatron.model.build_gpt_model`."""
+        out: dict[str, Any] = {"sequence_parallel": self.sequence_parallel and self.tp > 1}
+        if self.recompute_granularity == "full":
+            out.update(recompute_granularity="full", recompute_method=self.recompute_method or "uniform",
+                       recompute_num_layers=self.recompute_num_layers or 1)
+        elif self.recompute_granularity == "selective":
+            out.update(recompute_granularity="selective")
+        elif self.recompute_granularity is not None:
+            raise ValueError(f"MegatronWorkerConfig.recompute_granularity={self.recompute_granularity!r}; "
+                             f"choose None, 'selective' or 'full'")
+        return out
 
     def resolve_hf_config(self) -> dict:
         """The HF config dict (``hf_config`` or ``model_path/config.json``).

@@ -70,7 +70,7 @@ class MegatronWorker(Worker):
         self.info = initialize_parallel(tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, vpp=cfg.vpp, seed=cfg.seed)
         hf_config = cfg.resolve_hf_config()
         model_parallel_manual_seed(cfg.seed)
-        model = build_gpt_model(hf_config, role=self.role, dtype=cfg.torch_dtype)
+        model = build_gpt_model(hf_config, role=self.role, dtype=cfg.torch_dtype, **cfg.model_overrides)
         self._load_weights(model, hf_config)
         self.engine = MegatronEngine(model, self.info, cfg.engine,
                                      vocab_size=read_hf_architecture(hf_config).vocab_size,
@@ -94,8 +94,9 @@ class MegatronWorker(Worker):
             self.engine.reload()
 
     def _after_phase(self) -> None:
-        if self.config.offload_between_phases:
-            self.engine.offload()
+        cfg = self.config
+        if cfg.param_offload or cfg.grad_offload or cfg.optimizer_offload:
+            self.engine.offload(params=cfg.param_offload, grads=cfg.grad_offload, optimizer=cfg.optimizer_offload)
 
     def _forward(self, data: DataProto, **kwargs) -> Optional[dict[str, torch.Tensor]]:
         self._before_phase()
@@ -116,13 +117,31 @@ class MegatronWorker(Worker):
         steps = []
         self._before_phase()
         try:
-            for _ in range(cfg.ppo_epochs):
+            for epoch in range(cfg.ppo_epochs):
+                order = self._mini_batch_order(rows, per_rank, epoch)
                 for start in range(0, rows, per_rank):
-                    mini = {k: v[start:start + per_rank] for k, v in tensors.items()}
+                    index = slice(start, start + per_rank) if order is None else order[start:start + per_rank]
+                    mini = {k: v[index] for k, v in tensors.items()}
                     steps.append(self.engine.train_step(mini, loss_fn, **kwargs))
         finally:
             self._after_phase()
         return DataProto.from_dict(meta_info={"metrics": losses.mean_metrics(steps, self.role)})
+
+    def _mini_batch_order(self, rows: int, per_rank: int, epoch: int) -> Optional[torch.Tensor]:
+        """Row order of one PPO epoch ``[rows]`` (int64) with ``config.shuffle``; None: in order.
+
+        The permutation is drawn from a generator seeded by (``config.seed``, the number of
+        optimizer steps taken so far, ``epoch``, DP rank), so it is reproducible across a
+        checkpoint resume (the step count is part of the saved LR schedule) and independent
+        of the global RNG streams. With one mini-batch the order cannot change the update
+        (the mini-batch holds the same rows), so it stays the identity.
+        """
+        if not self.config.shuffle or rows <= per_rank:
+            return None
+        steps = int(self.engine.scheduler.num_steps)
+        seed = ((self.config.seed * 1_000_003 + steps) * 1_009 + epoch) * 1_013 + self.info.dp_rank
+        generator = torch.Generator().manual_seed(seed % 2**63)
+        return torch.randperm(rows, generator=generator)
 
     # checkpoints (collective: every rank of the group)
     @register(Dispatch.ONE_TO_ALL)

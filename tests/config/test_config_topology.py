@@ -33,8 +33,8 @@ def test_critic_tp_is_checked_against_the_same_model(tiny):
 
 
 def test_pp_must_divide_the_layers(tiny):
-    tree = tiny(actor={"pp": 2, "vpp": 4}, resources={"use_gpu": False, "procs_per_node": 2})
-    with pytest.raises(ConfigError, match=r"^actor\.pp: pp=2 x vpp=4 must divide the model's num_hidden_layers=4"):
+    tree = tiny(actor={"pp": 3}, resources={"use_gpu": False, "procs_per_node": 3})
+    with pytest.raises(ConfigError, match=r"^actor\.pp: pp=3 must divide the model's num_hidden_layers=4"):
         config_from_dict(tree)
 
 

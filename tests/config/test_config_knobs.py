@@ -1,0 +1,53 @@
+"""Knobs that are refused at load until they are built, and the LR-schedule horizon.
+
+Each refusal is a ``ConfigError`` naming the dotted key, raised by ``config_from_dict``
+(what ``load_config`` and ``--dry-run`` run before any process starts).
+"""
+from __future__ import annotations
+
+import pytest
+
+from megaflow.config import ConfigError, config_from_dict, lr_schedule_steps
+
+
+@pytest.mark.parametrize("sections, key, fragment", [
+    ({"actor": {"cp": 2}, "resources": {"procs_per_node": 2}}, "actor.cp", "context parallelism is not supported"),
+    ({"actor": {"pp": 2, "vpp": 2}, "resources": {"procs_per_node": 2}}, "actor.vpp",
+     "virtual pipeline stages are not supported"),
+    ({"rollout": {"engine": "hf"}}, "rollout.engine", "'hf'"),
+    ({"actor": {"recompute_method": "uniform"}}, "actor.recompute_method", "applies to actor.recompute_granularity='full'"),
+    ({"critic": {"recompute_granularity": "selective", "recompute_num_layers": 2}}, "critic.recompute_num_layers",
+     "applies to critic.recompute_granularity='full'"),
+    ({"actor": {"recompute_granularity": "full", "recompute_num_layers": 0}}, "actor.recompute_num_layers", "> 0"),
+    ({"actor": {"optim": {"lr_warmup_steps": 4, "lr_decay_steps": 4}}}, "actor.optim.lr_decay_steps",
+     "must exceed actor.optim.lr_warmup_steps=4"),
+])
+def test_unbuilt_or_inconsistent_knobs_are_refused_by_name(tiny, sections, key, fragment):
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(tiny(**sections))
+    assert err.value.key == key
+    assert fragment in str(err.value)
+
+
+def test_full_recompute_knobs_are_accepted(tiny):
+    cfg = config_from_dict(tiny(actor={"recompute_granularity": "full", "recompute_method": "block",
+                                       "recompute_num_layers": 2}))
+    assert (cfg.actor.recompute_method, cfg.actor.recompute_num_layers) == ("block", 2)
+
+
+def test_decay_horizon_is_the_runs_optimizer_steps(tiny):
+    # 16 prompts per step / 4 per mini-batch = 4 mini-batches, x 3 PPO epochs = 12 updates per step
+    cfg = config_from_dict(tiny(actor={"ppo_mini_batch_size": 4, "ppo_epochs": 3, "ppo_micro_batch_size_per_gpu": 4,
+                                       "optim": {"lr_decay_style": "cosine", "lr_warmup_steps": 5}}))
+    assert lr_schedule_steps(cfg, "actor", 10) == 120
+    explicit = config_from_dict(tiny(actor={"optim": {"lr_decay_style": "linear", "lr_decay_steps": 50}}))
+    assert lr_schedule_steps(explicit, "actor", 10) == 50
+
+
+def test_warmup_as_long_as_the_run_is_refused_for_a_decaying_schedule(tiny):
+    cfg = config_from_dict(tiny(actor={"optim": {"lr_decay_style": "cosine", "lr_warmup_steps": 8}}))
+    with pytest.raises(ConfigError) as err:
+        lr_schedule_steps(cfg, "actor", 8)  # one update per step: 8 updates, all warm-up
+    assert err.value.key == "actor.optim.lr_warmup_steps" and "trainer.total_steps" in str(err.value)
+    constant = config_from_dict(tiny(actor={"optim": {"lr_warmup_steps": 8}}))
+    assert lr_schedule_steps(constant, "actor", 8) == 9  # constant: only needs to exceed the warm-up

@@ -1,0 +1,191 @@
+"""Scale knobs of the Megatron engine, run for real in one 2-rank (TP=2) gloo world:
+
+* activation recomputation (``selective``, ``full`` with the ``uniform`` and ``block``
+  methods) gives the same log-probs, loss, grad norm and gradients as no recomputation
+  (within 1e-6, fp32), and it is consumed: the tensors that autograd keeps for backward
+  during the forward pass shrink (none > selective > full);
+* the LR schedule built from a recipe (warm-up, then cosine/linear decay over the run's
+  optimizer steps, several per training step) follows megatron-core's closed form at every
+  update, also across a scheduler-state round trip (resume) in the decay phase.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megaflow.utils.launch import run_distributed
+from megatron_testlib import VOCAB, hf_causal_lm, hf_to_megatron_shard, load_shard, make_batch, tiny_llama_config
+
+pytestmark = pytest.mark.slow
+
+RECOMPUTE = {
+    "none": {},
+    "selective": dict(recompute_granularity="selective"),
+    "full_uniform": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "full_block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
+}
+
+
+def _loss(outputs, mb, den):
+    """Token-mean policy-gradient-like loss with a fixed per-token weight."""
+    mask = mb["response_mask"].float()
+    loss = -(outputs["log_probs"] * mb["weights"] * mask).sum() / den.num_tokens
+    return loss, {"pg": loss.detach()}
+
+
+def _batch():
+    batch = make_batch(0)
+    batch["weights"] = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(3))
+    return batch
+
+
+def _saved_bytes_in_forward(module, batch) -> int:
+    """Bytes of the tensors autograd saves for backward during one training-mode forward."""
+    from megaflow.megatron.batch import pack_batch
+    from megaflow.megatron.engine import causal_attention_mask
+
+    packed = pack_batch(batch, max_seq_len=32)
+    ids = packed.input_ids
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    module.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(ids, positions, causal_attention_mask(ids.shape[1], "cpu"))
+    del out
+    return total
+
+
+def _lr_run(info, cfg, hf_state, engine_config, updates: int, resume_after: int):
+    """LRs of ``updates`` updates straight, and with a scheduler-state round trip."""
+    from megaflow.megatron import model as M
+    from megaflow.megatron.engine import MegatronEngine
+
+    def engine():
+        model = M.build_gpt_model(cfg)
+        load_shard(model, hf_to_megatron_shard(hf_state, cfg, tp_rank=info.tp_rank, tp=2, pp_rank=0, pp=1))
+        return MegatronEngine(model, info, engine_config, vocab_size=VOCAB)
+
+    batch = _batch()
+    first = engine()
+    straight = [first.train_step(batch, _loss, temperature=1.0)["lr"] for _ in range(updates)]
+    before = engine()
+    resumed = [before.train_step(batch, _loss, temperature=1.0)["lr"] for _ in range(resume_after)]
+    state = before.scheduler.state_dict()
+    after = engine()
+    after.scheduler.load_state_dict(state)
+    resumed += [after.train_step(batch, _loss, temperature=1.0)["lr"] for _ in range(updates - resume_after)]
+    return straight, resumed
+
+
+def _rank(rank, world, engine_configs, updates, resume_after):
+    from megaflow.megatron import model as M
+    from megaflow.megatron import parallel
+    from megaflow.megatron.engine import EngineConfig, MegatronEngine
+
+    torch.manual_seed(0)
+    cfg = tiny_llama_config()
+    hf_state = hf_causal_lm(cfg, seed=7).state_dict()
+    info = parallel.initialize_parallel(tp=2, pp=1, seed=1)
+    batch = _batch()
+    out = {}
+    for name, overrides in RECOMPUTE.items():
+        model = M.build_gpt_model(cfg, **overrides)
+        load_shard(model, hf_to_megatron_shard(hf_state, cfg, tp_rank=info.tp_rank, tp=2, pp_rank=0, pp=1))
+        engine = MegatronEngine(model, info, EngineConfig(max_seq_len=32, micro_batch_size=2, lr=1e-3,
+                                                          clip_grad=0.0), vocab_size=VOCAB)
+        log_probs = engine.forward(batch, micro_batch_size=3, temperature=0.9)["log_probs"]
+        metrics = engine.train_step(batch, _loss, temperature=0.9)
+        grads = {k: p.main_grad.detach().clone() for k, p in engine.module.named_parameters()}
+        out[name] = dict(log_probs=log_probs, metrics=metrics, grads=grads,
+                         saved=_saved_bytes_in_forward(M.build_gpt_model(cfg, **overrides), batch))
+    out["lr"] = {style: _lr_run(info, cfg, hf_state, ec, updates, resume_after)
+                 for style, ec in engine_configs.items()}
+    parallel.destroy_parallel()
+    return out
+
+
+def _closed_form_lr(k: int, *, lr: float, min_lr: float, warmup: int, decay_steps: int, style: str) -> float:
+    """megatron-core's OptimizerParamScheduler.get_lr at step k (the k-th update, 1-based)."""
+    if warmup > 0 and k <= warmup:
+        return lr * k / warmup
+    if k > decay_steps:
+        return min_lr
+    ratio = (k - warmup) / (decay_steps - warmup)
+    coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0) if style == "cosine" else 1.0 - ratio
+    return min_lr + coeff * (lr - min_lr)
+
+
+TRAINING_STEPS = 3  # x 4 optimizer steps per training step (2 mini-batches x 2 PPO epochs)
+
+
+def _recipe(style: str):
+    from megaflow.config import load_config
+
+    return load_config("tiny_arith_grpo", [
+        f"trainer.total_steps={TRAINING_STEPS}", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
+        "actor.ppo_epochs=2", "actor.ppo_micro_batch_size_per_gpu=2", "actor.optim.lr=0.01",
+        "actor.optim.min_lr=0.001", "actor.optim.lr_warmup_steps=3", f"actor.optim.lr_decay_style={style}"])
+
+
+@pytest.fixture(scope="module")
+def lr_configs():
+    """The actor's engine config as the trainer builds it from a recipe, per decay style."""
+    import dataclasses
+
+    from megaflow.trainer.roles import worker_config
+
+    out = {}
+    for style in ("cosine", "linear"):
+        engine = worker_config(_recipe(style), "actor").engine
+        out[style] = dataclasses.replace(engine, max_seq_len=32, micro_batch_size=2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(lr_configs):
+    return run_distributed(_rank, 2, lr_configs, 4 * TRAINING_STEPS + 2, 7, timeout_s=900)
+
+
+@pytest.mark.parametrize("variant", [v for v in RECOMPUTE if v != "none"])
+def test_recompute_matches_no_recompute(results, variant):
+    for rank in results:
+        base, other = rank["none"], rank[variant]
+        torch.testing.assert_close(other["log_probs"], base["log_probs"], atol=1e-6, rtol=0)
+        assert other["metrics"]["loss"] == pytest.approx(base["metrics"]["loss"], abs=1e-6)
+        assert other["metrics"]["grad_norm"] == pytest.approx(base["metrics"]["grad_norm"], rel=1e-6)
+        for name, grad in base["grads"].items():
+            scale = float(grad.abs().max()) or 1.0
+            torch.testing.assert_close(other["grads"][name] / scale, grad / scale, atol=1e-6, rtol=0, msg=name)
+
+
+def test_recompute_keeps_fewer_activations(results):
+    saved = {name: results[0][name]["saved"] for name in RECOMPUTE}
+    assert saved["none"] > saved["selective"] > saved["full_uniform"] > 0, saved
+    # block recomputes 2 of the 4 layers: between selective-free full recompute and none
+    assert saved["full_uniform"] < saved["full_block"] < saved["none"], saved
+
+
+def test_lr_decay_steps_span_the_whole_run(lr_configs):
+    for engine in lr_configs.values():
+        assert engine.lr_decay_steps == TRAINING_STEPS * 2 * 2  # training steps x mini-batches x epochs
+        assert engine.lr_warmup_steps == 3
+
+
+@pytest.mark.parametrize("style", ["cosine", "linear"])
+def test_lr_schedule_follows_closed_form_and_survives_resume(results, style):
+    expected = [_closed_form_lr(k, lr=0.01, min_lr=0.001, warmup=3, decay_steps=4 * TRAINING_STEPS, style=style)
+                for k in range(1, 4 * TRAINING_STEPS + 3)]
+    for rank in results:
+        straight, resumed = rank["lr"][style]
+        assert straight == pytest.approx(expected, rel=1e-12, abs=1e-15)
+        assert resumed == straight
+    # it decays over the run: still above min_lr until the last update, min_lr at and after it
+    assert expected[4 * TRAINING_STEPS - 2] > 0.001 and expected[4 * TRAINING_STEPS - 1] == pytest.approx(0.001)

@@ -1,0 +1,84 @@
+"""Worker knobs that need no process group: the three offload flags and ``actor.shuffle``.
+
+* each offload flag offloads exactly its part of the engine state between phases;
+* with ``shuffle`` the rows of a rank are permuted before being cut into mini-batches,
+  with a permutation fixed by (seed, optimizer steps so far, epoch, DP rank), so it is
+  reproducible across a resume; with one mini-batch (or shuffle off) the order is kept.
+* the recipe keys reach the worker config (``trainer.roles.worker_config``).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megaflow.workers.config import MegatronWorkerConfig
+from megaflow.workers.megatron_workers import MegatronWorker
+
+HF = {"model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
+      "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 16}
+
+
+class _Engine:
+    def __init__(self, num_steps: int = 0) -> None:
+        self.calls = []
+        self.scheduler = SimpleNamespace(num_steps=num_steps)
+
+    def offload(self, **parts):
+        self.calls.append(parts)
+
+
+def _worker(num_steps=0, dp_rank=0, **config):
+    worker = SimpleNamespace(config=MegatronWorkerConfig(hf_config=HF, **config), engine=_Engine(num_steps),
+                             info=SimpleNamespace(dp_rank=dp_rank))
+    return worker
+
+
+@pytest.mark.parametrize("flags", [dict(param_offload=True), dict(grad_offload=True), dict(optimizer_offload=True),
+                                   dict(param_offload=True, optimizer_offload=True)])
+def test_each_offload_flag_offloads_exactly_its_part(flags):
+    worker = _worker(**flags)
+    MegatronWorker._after_phase(worker)
+    assert worker.engine.calls == [dict(params=flags.get("param_offload", False),
+                                        grads=flags.get("grad_offload", False),
+                                        optimizer=flags.get("optimizer_offload", False))]
+
+
+def test_no_offload_flag_offloads_nothing():
+    worker = _worker()
+    MegatronWorker._after_phase(worker)
+    assert worker.engine.calls == []
+
+
+def _order(worker, rows=12, per_rank=4, epoch=0):
+    return MegatronWorker._mini_batch_order(worker, rows, per_rank, epoch)
+
+
+def test_shuffle_permutes_rows_reproducibly_per_step_epoch_and_rank():
+    order = _order(_worker(shuffle=True, seed=3))
+    assert sorted(order.tolist()) == list(range(12)) and order.tolist() != list(range(12))
+    assert torch.equal(order, _order(_worker(shuffle=True, seed=3)))  # same state -> same order (resume)
+    others = [_order(_worker(shuffle=True, seed=4)), _order(_worker(num_steps=5, shuffle=True, seed=3)),
+              _order(_worker(shuffle=True, seed=3), epoch=1), _order(_worker(dp_rank=1, shuffle=True, seed=3))]
+    for other in others:
+        assert not torch.equal(order, other)
+
+
+def test_order_is_kept_without_shuffle_or_with_one_mini_batch():
+    assert _order(_worker(shuffle=False)) is None
+    assert _order(_worker(shuffle=True), rows=4, per_rank=4) is None
+
+
+def test_recipe_knobs_reach_the_worker_config():
+    from megaflow.config import load_config
+    from megaflow.trainer.roles import worker_config
+
+    cfg = load_config("tiny_arith_grpo", ["actor.shuffle=false", "actor.grad_offload=true",
+                                          "actor.recompute_granularity=full", "actor.recompute_num_layers=2"])
+    wc = worker_config(cfg, "actor")
+    assert (wc.shuffle, wc.param_offload, wc.grad_offload, wc.optimizer_offload) == (False, False, True, False)
+    assert wc.model_overrides == dict(sequence_parallel=False, recompute_granularity="full",
+                                      recompute_method="uniform", recompute_num_layers=1 * 2)
+    default = worker_config(load_config("tiny_arith_grpo", []), "actor")
+    assert default.shuffle is True and default.model_overrides == dict(sequence_parallel=False)
