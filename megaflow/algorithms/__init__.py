@@ -29,6 +29,7 @@ from megaflow.algorithms.kl import (
 from megaflow.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from megaflow.algorithms.policy_loss import (
     POLICY_LOSSES,
+    cispo_policy_loss,
     clipped_surrogate,
     compute_policy_loss,
     entropy_bonus,
@@ -36,10 +37,23 @@ from megaflow.algorithms.policy_loss import (
     gspo_policy_loss,
     ppo_policy_loss,
 )
+from megaflow.algorithms.rollout_correction import (
+    IS_LEVELS,
+    REJECTION_MODES,
+    importance_weights,
+    rejection_mask,
+    rollout_correction_metrics,
+)
 from megaflow.algorithms.response_mask import compute_response_mask, response_lengths
 from megaflow.algorithms.value_loss import clipped_value_loss
 
 __all__ = [
+    "cispo_policy_loss",
+    "IS_LEVELS",
+    "REJECTION_MODES",
+    "importance_weights",
+    "rejection_mask",
+    "rollout_correction_metrics",
     "ADVANTAGE_ESTIMATORS",
     "AdvantageEstimator",
     "AdvantageInputs",

@@ -1,4 +1,4 @@
-"""Policy-gradient losses (PPO clip, dual clip, clip-higher, GSPO) and the entropy bonus.
+"""Policy-gradient losses (PPO clip, dual clip, clip-higher, GSPO, CISPO) and the entropy bonus.
 
 All losses take ``[batch, response_len]`` tensors, return ``(loss, metrics)`` where
 ``loss`` is a differentiable 0-d tensor aggregated by
@@ -86,7 +86,11 @@ def _finish(
     dual_clipped: torch.Tensor,
     response_mask: torch.Tensor,
     aggregation: dict,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    if is_weights is not None:  # rollout correction: detached per-token weights (TIS)
+        check_same_shape("loss", loss_mat, is_weights=is_weights)
+        loss_mat = loss_mat * is_weights.detach().to(loss_mat.dtype)
     loss = aggregate_loss(loss_mat, response_mask, **aggregation)
     with torch.no_grad():
         metrics = {
@@ -110,6 +114,7 @@ def ppo_policy_loss(
     global_num_tokens: Count | None = None,
     global_num_seqs: Count | None = None,
     norm_length: int | float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with token-level ratio ``r_t = exp(log_probs - old_log_probs)``.
 
@@ -125,6 +130,9 @@ def ppo_policy_loss(
         clip_ratio_c: dual-clip constant ``c > 1`` (e.g. 3.0), None = off.
         loss_agg_mode, global_num_tokens, global_num_seqs, norm_length: see
             :func:`megaflow.algorithms.aggregation.aggregate_loss`.
+        is_weights: optional detached per-token weights multiplied into the per-token loss
+            before aggregation (rollout correction,
+            :func:`megaflow.algorithms.rollout_correction.importance_weights`).
 
     Returns:
         ``(loss, metrics)`` with ``clip_fraction`` (tokens where the clip is active),
@@ -145,7 +153,7 @@ def ppo_policy_loss(
     )
     aggregation = dict(mode=loss_agg_mode, global_num_tokens=global_num_tokens,
                        global_num_seqs=global_num_seqs, norm_length=norm_length)
-    return _finish(loss_mat, log_ratio, clipped, dual, response_mask, aggregation)
+    return _finish(loss_mat, log_ratio, clipped, dual, response_mask, aggregation, is_weights)
 
 
 def gspo_policy_loss(
@@ -161,6 +169,7 @@ def gspo_policy_loss(
     global_num_tokens: Count | None = None,
     global_num_seqs: Count | None = None,
     norm_length: int | float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO-token loss: sequence-level ratio, token-level gradient.
 
@@ -189,15 +198,65 @@ def gspo_policy_loss(
     )
     aggregation = dict(mode=loss_agg_mode, global_num_tokens=global_num_tokens,
                        global_num_seqs=global_num_seqs, norm_length=norm_length)
-    return _finish(loss_mat, log_ratio, clipped, dual, response_mask, aggregation)
+    return _finish(loss_mat, log_ratio, clipped, dual, response_mask, aggregation, is_weights)
+
+
+def cispo_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float | None = None,
+    loss_agg_mode: str = "token-mean",
+    global_num_tokens: Count | None = None,
+    global_num_seqs: Count | None = None,
+    norm_length: int | float | None = None,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO: clipped importance-sampling weight times advantage times log-prob.
+
+    MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
+    Attention" (arXiv:2506.13585), the CISPO objective: the per-token loss is
+    ``-sg[min(r_t, 1 + clip_ratio_high)] * A_t * log pi(y_t)`` with
+    ``r_t = exp(log_probs - old_log_probs)``. Unlike PPO's clip, no token's gradient is
+    dropped: the weight is truncated from above (the paper imposes no lower bound, so
+    ``clip_ratio_low`` is not used), and every token keeps ``A_t grad log pi(y_t)``
+    scaled by it. Aggregated with the same modes and global denominators as the other
+    losses.
+
+    Not combinable with a dual clip (``clip_ratio_c`` must be None: the weight is already
+    bounded) nor with sequence-level ratios (CISPO's weight is per token).
+
+    Args and returns: as :func:`ppo_policy_loss`; ``clip_fraction`` is the fraction of
+    tokens whose weight was truncated, ``lower_clip_fraction`` is always 0.
+
+    Raises:
+        ValueError: as :func:`ppo_policy_loss`, and ``clip_ratio_c`` not None.
+    """
+    if clip_ratio_c is not None:
+        raise ValueError("CISPO takes no dual clip (clip_ratio_c must be None): its weight is already bounded")
+    _check_inputs(log_probs, old_log_probs, advantages, response_mask, clip_ratio_low, clip_ratio_high, None)
+    log_probs, old_log_probs, advantages = _zero_masked(response_mask, log_probs, old_log_probs, advantages)
+    log_ratio = torch.clamp(log_probs - old_log_probs, -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+    ratio = log_ratio.detach().exp()
+    upper = 1.0 + clip_ratio_high
+    weight = ratio.clamp_max(upper)
+    loss_mat = -weight * advantages * log_probs
+    aggregation = dict(mode=loss_agg_mode, global_num_tokens=global_num_tokens,
+                       global_num_seqs=global_num_seqs, norm_length=norm_length)
+    return _finish(loss_mat, log_ratio, ratio > upper, torch.zeros_like(ratio, dtype=torch.bool), response_mask,
+                   aggregation, is_weights)
 
 
 PolicyLoss = Callable[..., "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
-POLICY_LOSSES: dict[str, PolicyLoss] = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss}
+POLICY_LOSSES: dict[str, PolicyLoss] = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss}
 
 
 def compute_policy_loss(name: str, *args, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Dispatch to ``POLICY_LOSSES[name]`` (``"ppo"`` or ``"gspo"``) with the shared signature.
+    """Dispatch to ``POLICY_LOSSES[name]`` (``"ppo"``, ``"gspo"`` or ``"cispo"``) with the shared signature.
 
     Raises:
         ValueError: unknown name, listing the valid ones.

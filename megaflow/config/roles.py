@@ -16,7 +16,7 @@ from megaflow.config.typed import Section, check, check_positive
 RecomputeGranularity = Literal["none", "selective", "full"]
 RecomputeMethod = Literal["uniform", "block"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-PolicyLoss = Literal["ppo", "gspo"]
+PolicyLoss = Literal["ppo", "gspo", "cispo"]
 LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
 POLICY_LOSSES: tuple[str, ...] = get_args(PolicyLoss)
 
@@ -131,7 +131,9 @@ class ActorConfig(TrainedRoleConfig):
     shuffle: bool = True
     """Reshuffle the samples into mini-batches each PPO epoch (seeded by trainer.seed)."""
     policy_loss: PolicyLoss = "ppo"
-    """Token-level clipped PPO surrogate, or GSPO's sequence-level ratio (Zheng et al. 2025)."""
+    """Token-level clipped PPO surrogate, GSPO's sequence-level ratio (Zheng et al. 2025), or
+    CISPO's truncated importance weight x advantage x log-prob (MiniMax-M1, 2025; upper bound
+    1 + clip_ratio_high; needs clip_ratio_c=null)."""
     clip_ratio_low: float = 0.2
     """Lower clip range: ratio >= 1 - clip_ratio_low."""
     clip_ratio_high: float = 0.2
@@ -151,6 +153,8 @@ class ActorConfig(TrainedRoleConfig):
         check(self.clip_ratio_low < 1.0, "clip_ratio_low", f"must be < 1, got {self.clip_ratio_low}")
         check(self.clip_ratio_c is None or self.clip_ratio_c > 1.0, "clip_ratio_c",
               f"the dual-clip bound must be > 1 (or null to disable), got {self.clip_ratio_c}")
+        check(self.policy_loss != "cispo" or self.clip_ratio_c is None, "clip_ratio_c",
+              "must be null with {0}='cispo' (CISPO's weight is already bounded; no dual clip)", "policy_loss")
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,63 @@ class KLControlConfig(Section):
 
 
 @dataclass(frozen=True)
+class RolloutCorrectionConfig(Section):
+    """Correction for the gap between the rollout engine's and the trainer's log-probs
+    (``megaflow.algorithms.rollout_correction``: formulas and papers).
+
+    ``delta = log pi_old - log pi_rollout`` per valid token. Importance weights multiply the
+    actor's per-token policy loss; rejected tokens leave the actor's loss and its global
+    token/sequence denominators (the critic still sees every token).
+    """
+
+    is_level: Literal["none", "token", "sequence", "geometric"] = "none"
+    """Truncated importance weights (TIS): per token exp(delta), per sequence exp(sum delta),
+    or the geometric mean exp(mean delta); none disables them."""
+    is_threshold: float = 2.0
+    """Upper truncation C of the weights (> 0)."""
+    rejection: Literal["none", "token", "geometric", "seq_sum", "seq_mean"] = "none"
+    """Mask tokens (token: IcePop) or whole sequences (geometric: seq-mask-TIS/MIS; seq_sum /
+    seq_mean: bounds on the sum / mean of delta) outside [rejection_lower, rejection_upper]."""
+    rejection_lower: float | None = None
+    """Lower bound of the accepted band: a ratio (> 0) for token/geometric, a log-ratio for
+    seq_sum/seq_mean. Required with a rejection mode."""
+    rejection_upper: float | None = None
+    """Upper bound of the accepted band (same units as rejection_lower)."""
+    bypass: bool = False
+    """Use the rollout's log-probs as the old policy's (pi_old = pi_rollout) and skip the
+    old-log-prob forward pass; excludes is_level and rejection (delta would be 0)."""
+    max_mismatch: float | None = None
+    """Stop the run when the step's mean |delta| (nats) exceeds this; null: never."""
+
+    def validate(self) -> None:
+        check_positive(self, "is_threshold", "max_mismatch")
+        if self.rejection == "none":
+            for key in ("rejection_lower", "rejection_upper"):
+                check(getattr(self, key) is None, key, "is only used with a rejection mode: set {0} or remove it",
+                      "rejection")
+        else:
+            for key in ("rejection_lower", "rejection_upper"):
+                check(getattr(self, key) is not None, key, f"required with {{0}}={self.rejection!r}", "rejection")
+            lower, upper = self.rejection_lower, self.rejection_upper
+            check(lower <= upper, "rejection_lower", f"must be <= {{0}} ({upper}), got {lower}", "rejection_upper")
+            if self.rejection in ("token", "geometric"):
+                check(lower > 0, "rejection_lower",
+                      f"bounds a ratio with {{0}}={self.rejection!r}: must be > 0, got {lower}", "rejection")
+        if self.bypass:
+            check(self.is_level == "none", "is_level",
+                  "must be none with {0}=true (the rollout's log-probs are then the old ones: every weight is 1)",
+                  "bypass")
+            check(self.rejection == "none", "rejection",
+                  "must be none with {0}=true (the rollout's log-probs are then the old ones: nothing to reject)",
+                  "bypass")
+
+    @property
+    def active(self) -> bool:
+        """Whether weights or rejection change the actor's update."""
+        return self.is_level != "none" or self.rejection != "none"
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig(Section):
     """Advantage estimation and KL regularisation (megaflow.algorithms)."""
 
@@ -142,6 +199,8 @@ class AlgorithmConfig(Section):
     """Coefficient of the KL loss."""
     kl_loss_type: KLLossType = "low_var_kl"
     """KL estimator of the loss term ("+": straight-through gradient of k2)."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Importance weights / rejection for the rollout-vs-trainer log-prob gap, bypass mode."""
 
     def validate(self) -> None:
         check(0.0 <= self.gamma <= 1.0, "gamma", f"must lie in [0, 1], got {self.gamma}")
@@ -362,7 +421,8 @@ class Config(Section):
 
 
 __all__ = [
-    "Config", "ModelConfig", "DataConfig", "AlgorithmConfig", "KLControlConfig", "ActorConfig", "OptimConfig",
+    "Config", "ModelConfig", "DataConfig", "AlgorithmConfig", "KLControlConfig", "RolloutCorrectionConfig",
+    "ActorConfig", "OptimConfig",
     "ParallelConfig", "RolloutConfig", "RefConfig", "CriticConfig", "RewardModelConfig", "RewardConfig",
     "TrainerConfig", "ResourcesConfig", "PoolConfig", "PlacementConfig", "RayConfig", "ConfigError",
     "ADV_ESTIMATORS", "GROUP_ESTIMATORS", "KL_ESTIMATORS", "KL_LOSS_TYPES", "LOGGERS", "ROLES",

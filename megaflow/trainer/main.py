@@ -5,7 +5,8 @@
 
 Exit codes: 0 success; 1 a layout that does not fit; 2 a config or input error (the
 message names the dotted key, file or value); 3 the cluster is missing resources or a
-worker process/node died (the message names what is missing, or the node, role and rank).
+worker process/node died (the message names what is missing, or the node, role and rank); 4 a
+training-health check stopped the run (``algorithm.rollout_correction.max_mismatch``).
 """
 from __future__ import annotations
 
@@ -199,6 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     from megaflow.launch.cluster import ClusterNotReadyError
     from megaflow.launch.failures import WorkerLostError
+    from megaflow.trainer.stages import RolloutMismatchError
 
     try:
         train(cfg)
@@ -208,6 +210,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (WorkerLostError, ClusterNotReadyError) as exc:
         print(f"megaflow: {exc}", file=sys.stderr)
         return 3
+    except RolloutMismatchError as exc:
+        print(f"megaflow: stopped: {exc}", file=sys.stderr)
+        return 4
     return 0
 
 

@@ -26,7 +26,8 @@ import torch
 
 from megaflow.protocol import DataProto
 from megaflow.trainer.checkpoint import CheckpointManager
-from megaflow.trainer.stages import compute_advantage, compute_data_metrics, kl_in_reward, scores_as_rewards
+from megaflow.trainer.stages import (bypass_old_log_probs, compute_advantage, compute_data_metrics, kl_in_reward,
+                                     rollout_correction, scores_as_rewards)
 
 PROMPT_KEYS = ["input_ids", "attention_mask", "position_ids"]
 
@@ -120,8 +121,11 @@ class RayPPOTrainer:
                 batch = self.add_greedy_baseline(prompts, batch)
         with _timer("reward", t):
             batch = self.score(batch)
-        with _timer("old_log_prob", t):
-            batch = batch.union(g.actor.compute_log_prob(batch))
+        if algo.rollout_correction.bypass:  # pi_old = pi_rollout: no old-log-prob forward
+            batch = bypass_old_log_probs(batch)
+        else:
+            with _timer("old_log_prob", t):
+                batch = batch.union(g.actor.compute_log_prob(batch))
         if g.ref is not None:
             with _timer("ref", t):
                 batch = batch.union(g.ref.compute_ref_log_prob(batch))
@@ -136,8 +140,10 @@ class RayPPOTrainer:
         if g.critic is not None:
             with _timer("update_critic", t):
                 metrics.update(_worker_metrics(g.critic.update_critic(batch)))
+        actor_batch, correction_metrics = rollout_correction(batch, algo.rollout_correction, step=self.global_step)
+        metrics.update(correction_metrics)
         with _timer("update_actor", t):
-            metrics.update(_worker_metrics(g.actor.update_actor(batch)))
+            metrics.update(_worker_metrics(g.actor.update_actor(actor_batch)))
         metrics.update(compute_data_metrics(batch, self.cfg.rollout.response_length))
         metrics.update(rollout_metrics)
         metrics.update(t)

@@ -57,6 +57,72 @@ def compute_advantage(batch: DataProto, estimator: str, *, gamma: float, lam: fl
     return batch.union(DataProto.from_dict({"advantages": advantages, "returns": returns}))
 
 
+class RolloutMismatchError(RuntimeError):
+    """The rollout-vs-trainer log-prob gap exceeded ``algorithm.rollout_correction.max_mismatch``."""
+
+
+def bypass_old_log_probs(batch: DataProto) -> DataProto:
+    """Bypass mode: ``old_log_probs = rollout_log_probs`` (pi_old = pi_rollout), no forward pass.
+
+    Raises:
+        KeyError: the rollout returned no ``rollout_log_probs``.
+    """
+    if "rollout_log_probs" not in batch.batch.keys():
+        raise KeyError("bypass mode needs the rollout's rollout_log_probs")
+    return batch.union(DataProto.from_dict({"old_log_probs": batch.batch["rollout_log_probs"].clone()}))
+
+
+def rollout_correction(batch: DataProto, rc: Any, *, step: int) -> tuple[DataProto, dict[str, float]]:
+    """Rollout-correction stage: the actor's batch and the step's mismatch metrics.
+
+    With importance weights on, the actor's batch gains ``rollout_is_weights`` ``[B, R]``
+    (detached, truncated); with rejection on, its ``response_mask`` has the rejected
+    tokens removed, so they leave the actor's loss and its global denominators (the
+    returned batch is for ``update_actor`` only; the caller keeps the full mask for
+    everything else). Metrics (``rollout_corr/...``) are computed every step when both
+    log-probs exist, whether or not a correction is on.
+
+    Args:
+        batch: needs ``old_log_probs``, ``rollout_log_probs``, ``response_mask``.
+        rc: ``algorithm.rollout_correction`` (:class:`megaflow.config.schema.RolloutCorrectionConfig`).
+        step: the training step (named by the mismatch gate's error).
+
+    Raises:
+        RolloutMismatchError: the mean mismatch exceeds ``rc.max_mismatch``.
+    """
+    from megaflow.algorithms import importance_weights, rejection_mask, rollout_correction_metrics
+
+    b = batch.batch
+    if "rollout_log_probs" not in b.keys() or "old_log_probs" not in b.keys():
+        return batch, {}
+    old, rollout, mask = b["old_log_probs"], b["rollout_log_probs"], b["response_mask"]
+    weights = kept = None
+    extra: dict[str, torch.Tensor] = {}
+    if rc.rejection != "none":
+        kept = rejection_mask(old, rollout, mask, mode=rc.rejection, lower=rc.rejection_lower,
+                              upper=rc.rejection_upper)
+    if rc.is_level != "none":
+        weights = importance_weights(old, rollout, mask if kept is None else kept, level=rc.is_level,
+                                     threshold=rc.is_threshold)
+        extra["rollout_is_weights"] = weights
+    stats = rollout_correction_metrics(old, rollout, mask, weights=weights, kept_mask=kept)
+    if rc.max_mismatch is not None and stats["mismatch_mean"] > rc.max_mismatch:
+        raise RolloutMismatchError(
+            f"step {step}: the mean |log pi_old - log pi_rollout| over the batch is {stats['mismatch_mean']:.3g} "
+            f"nats (max {stats['mismatch_max']:.3g}), above algorithm.rollout_correction.max_mismatch="
+            f"{rc.max_mismatch}; the rollout engine no longer samples the policy being trained")
+    metrics = {f"rollout_corr/{k}": v for k, v in stats.items()}
+    if not extra and kept is None:
+        return batch, metrics
+    actor_batch = DataProto(batch=batch.batch.clone(recurse=False), non_tensor_batch=dict(batch.non_tensor_batch),
+                            meta_info=dict(batch.meta_info))
+    for key, value in extra.items():
+        actor_batch.batch[key] = value
+    if kept is not None:
+        actor_batch.batch["response_mask"] = kept
+    return actor_batch, metrics
+
+
 def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
     if x.numel() == 0:
         return {}
@@ -107,4 +173,5 @@ def compute_data_metrics(batch: DataProto, max_response_length: int) -> dict[str
     return metrics
 
 
-__all__ = ["kl_in_reward", "scores_as_rewards", "compute_advantage", "compute_data_metrics"]
+__all__ = ["kl_in_reward", "scores_as_rewards", "compute_advantage", "compute_data_metrics", "bypass_old_log_probs",
+           "rollout_correction", "RolloutMismatchError"]

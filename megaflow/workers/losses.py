@@ -28,7 +28,11 @@ def _shares(prefix: str, metrics: dict, mask: torch.Tensor, den: GlobalDenominat
 
 
 def actor_loss_fn(cfg: ActorLossConfig) -> Callable:
-    """``pg_loss - entropy_coeff * entropy + kl_loss_coef * kl`` (PPO/GSPO; GRPO KL loss)."""
+    """``pg_loss - entropy_coeff * entropy + kl_loss_coef * kl`` (PPO/GSPO/CISPO; GRPO KL loss).
+
+    A micro-batch field ``rollout_is_weights`` (rollout correction) multiplies the per-token
+    policy loss; rejected tokens arrive already removed from ``response_mask``.
+    """
 
     def loss_fn(outputs: dict, mb: dict, den: GlobalDenominators):
         mask = mb["response_mask"]
@@ -36,7 +40,7 @@ def actor_loss_fn(cfg: ActorLossConfig) -> Callable:
         pg, pg_metrics = compute_policy_loss(
             cfg.policy_loss, outputs["log_probs"], mb["old_log_probs"], mb["advantages"], mask,
             clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
-            clip_ratio_c=cfg.clip_ratio_c, **agg)
+            clip_ratio_c=cfg.clip_ratio_c, is_weights=mb.get("rollout_is_weights"), **agg)
         loss, metrics = pg, {"actor/pg_loss": pg.detach()}
         metrics.update(_shares("actor", pg_metrics, mask, den))
         if cfg.needs_entropy:

@@ -1,0 +1,88 @@
+"""The rollout-correction stage of the controller (on a batch with a hole and an empty
+response) and the refusals of ``algorithm.rollout_correction`` / CISPO at load."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megaflow.config import ConfigError, config_from_dict
+
+MASK = torch.tensor([[1, 1, 1], [1, 0, 1], [0, 0, 0]])
+OLD = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -9.0, -1.2], [-4.0, -4.0, -4.0]])
+ROLLOUT = torch.tensor([[-1.2, -1.5, -0.5], [-0.1, 5.0, -2.2], [0.0, 0.0, 0.0]])
+# delta = old - rollout on valid tokens: row 0 [0.2, -0.5, 0], row 1 [-0.2, -, 1.0]
+
+
+def _batch():
+    from megaflow.protocol import DataProto
+
+    return DataProto.from_dict({"old_log_probs": OLD, "rollout_log_probs": ROLLOUT, "response_mask": MASK,
+                                "advantages": torch.ones(3, 3)})
+
+
+def _rc(tiny, **values):
+    return config_from_dict(tiny(algorithm={"rollout_correction": values})).algorithm.rollout_correction
+
+
+def test_stage_adds_weights_and_rejection_for_the_actor_only(tiny):
+    from megaflow.trainer.stages import rollout_correction
+
+    batch = _batch()
+    rc = _rc(tiny, is_level="token", rejection="token", rejection_lower=0.7, rejection_upper=1.5)
+    actor_batch, metrics = rollout_correction(batch, rc, step=3)
+    kept = [[1, 0, 1], [1, 0, 0], [0, 0, 0]]
+    assert actor_batch.batch["response_mask"].tolist() == kept
+    assert batch.batch["response_mask"].tolist() == MASK.tolist()  # the caller's batch is untouched
+    w = actor_batch.batch["rollout_is_weights"]
+    assert torch.all(w[torch.tensor(kept) == 0] == 0) and float(w[0, 0]) == pytest.approx(math.exp(0.2))
+    assert metrics["rollout_corr/rejected_token_fraction"] == pytest.approx(2 / 5)
+    assert metrics["rollout_corr/rejected_seq_fraction"] == 0.0
+
+
+def test_stage_metrics_without_correction_and_the_mismatch_gate(tiny):
+    from megaflow.trainer.stages import RolloutMismatchError, rollout_correction
+
+    batch = _batch()
+    same, metrics = rollout_correction(batch, _rc(tiny), step=1)
+    assert same is batch and metrics["rollout_corr/mismatch_max"] == pytest.approx(1.0)
+    with pytest.raises(RolloutMismatchError, match=r"step 7: .* 0\.38 nats .*max_mismatch=0\.1"):
+        rollout_correction(batch, _rc(tiny, max_mismatch=0.1), step=7)
+
+
+def test_bypass_uses_the_rollout_log_probs(tiny):
+    from megaflow.trainer.stages import bypass_old_log_probs, rollout_correction
+    from megaflow.protocol import DataProto
+
+    batch = bypass_old_log_probs(DataProto.from_dict({"rollout_log_probs": ROLLOUT, "response_mask": MASK}))
+    assert torch.equal(batch.batch["old_log_probs"], ROLLOUT)
+    _, metrics = rollout_correction(batch, _rc(tiny, bypass=True), step=1)
+    assert metrics["rollout_corr/mismatch_max"] == 0.0  # on-policy by construction: PPO ratio = pi / pi_rollout
+
+
+@pytest.mark.parametrize("values, key, fragment", [
+    (dict(is_threshold=-1.0), "algorithm.rollout_correction.is_threshold", "> 0"),
+    (dict(rejection="token"), "algorithm.rollout_correction.rejection_lower", "required with"),
+    (dict(rejection="seq_sum", rejection_lower=1.0, rejection_upper=-1.0), "algorithm.rollout_correction.rejection_lower",
+     "must be <= algorithm.rollout_correction.rejection_upper"),
+    (dict(rejection="geometric", rejection_lower=-0.5, rejection_upper=2.0),
+     "algorithm.rollout_correction.rejection_lower", "bounds a ratio"),
+    (dict(rejection_upper=2.0), "algorithm.rollout_correction.rejection_upper", "only used with a rejection mode"),
+    (dict(bypass=True, is_level="token"), "algorithm.rollout_correction.is_level", "must be none with"),
+    (dict(bypass=True, rejection="token", rejection_lower=0.5, rejection_upper=2.0),
+     "algorithm.rollout_correction.rejection", "must be none with"),
+    (dict(max_mismatch=0.0), "algorithm.rollout_correction.max_mismatch", "> 0"),
+])
+def test_bad_rollout_correction_config_is_refused_by_key(tiny, values, key, fragment):
+    with pytest.raises(ConfigError) as err:
+        _rc(tiny, **values)
+    assert err.value.key == key and fragment in str(err.value)
+
+
+def test_cispo_with_dual_clip_is_refused(tiny):
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(tiny(actor={"policy_loss": "cispo"}))  # clip_ratio_c defaults to 3.0
+    assert err.value.key == "actor.clip_ratio_c" and "cispo" in str(err.value)
+    cfg = config_from_dict(tiny(actor={"policy_loss": "cispo", "clip_ratio_c": None}))
+    assert cfg.actor.policy_loss == "cispo"
