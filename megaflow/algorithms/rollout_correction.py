@@ -66,6 +66,14 @@ def _per_sequence(delta: torch.Tensor, valid: torch.Tensor, how: str) -> torch.T
     return total / valid.sum(-1).clamp_min(1)
 
 
+def _log_statistic(delta: torch.Tensor, valid: torch.Tensor, how: str) -> torch.Tensor:
+    """``[batch, response_len]``: ``delta`` itself (``"token"``) or each row's ``"sum"`` /
+    ``"mean"`` of it broadcast over the row."""
+    if how == "token":
+        return delta
+    return _per_sequence(delta, valid, how)[:, None].expand_as(delta)
+
+
 def importance_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
                        response_mask: torch.Tensor, *, level: str, threshold: float) -> torch.Tensor:
     """Truncated importance weights ``min(w, threshold)`` (TIS), ``[batch, response_len]``.
@@ -88,10 +96,7 @@ def importance_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
     if not threshold > 0:
         raise ValueError(f"importance-weight threshold must be > 0, got {threshold!r}")
     delta, valid = _delta(old_log_probs, rollout_log_probs, response_mask)
-    if level == "token":
-        log_w = delta
-    else:
-        log_w = _per_sequence(delta, valid, "sum" if level == "sequence" else "mean")[:, None].expand_as(delta)
+    log_w = _log_statistic(delta, valid, {"token": "token", "sequence": "sum", "geometric": "mean"}[level])
     w = log_w.clamp(-_LOG_LIMIT, _LOG_LIMIT).exp().clamp_max(threshold)
     return torch.where(valid, w, torch.zeros_like(w))
 
@@ -120,10 +125,8 @@ def rejection_mask(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
     if mode in RATIO_BOUND_MODES and not lower > 0:
         raise ValueError(f"rejection mode {mode!r} bounds a ratio: lower must be > 0, got {lower!r}")
     delta, valid = _delta(old_log_probs, rollout_log_probs, response_mask)
-    if mode == "token":
-        stat = delta
-    else:
-        stat = _per_sequence(delta, valid, "sum" if mode == "seq_sum" else "mean")[:, None].expand_as(delta)
+    stat = _log_statistic(delta, valid, {"token": "token", "seq_sum": "sum", "geometric": "mean",
+                                         "seq_mean": "mean"}[mode])
     if mode in RATIO_BOUND_MODES:  # compare in log space: exp(stat) in [lower, upper]
         lo, hi = math.log(lower), math.log(upper)
     else:
