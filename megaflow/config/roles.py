@@ -126,6 +126,15 @@ class ActorConfig(TrainedRoleConfig):
     """Samples per forward/backward on one rank during the update."""
     log_prob_micro_batch_size_per_gpu: int = 8
     """Samples per forward when recomputing old log-probs."""
+    use_dynamic_bsz: bool = False
+    """Token-budget micro-batches (verl's dynamic batch size): rows grouped by length into
+    micro-batches of at most ``*_max_token_len_per_gpu`` padded tokens, replacing the
+    ``*_micro_batch_size_per_gpu`` row counts. The update equals the fixed split's (global
+    loss denominators)."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """With use_dynamic_bsz: padded tokens per micro-batch of the update (rows x longest row)."""
+    log_prob_max_token_len_per_gpu: int = 16384
+    """With use_dynamic_bsz: padded tokens per micro-batch of the old-log-prob forward."""
     ppo_epochs: int = 1
     """Passes over the step's batch."""
     shuffle: bool = True
@@ -148,7 +157,8 @@ class ActorConfig(TrainedRoleConfig):
     def validate(self) -> None:
         super().validate()
         check_positive(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu",
-                       "log_prob_micro_batch_size_per_gpu", "ppo_epochs", "clip_ratio_low", "clip_ratio_high")
+                       "log_prob_micro_batch_size_per_gpu", "ppo_epochs", "clip_ratio_low", "clip_ratio_high",
+                       "ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu")
         check_positive(self, "entropy_coeff", allow_zero=True)
         check(self.clip_ratio_low < 1.0, "clip_ratio_low", f"must be < 1, got {self.clip_ratio_low}")
         check(self.clip_ratio_c is None or self.clip_ratio_c > 1.0, "clip_ratio_c",
@@ -205,12 +215,16 @@ class RefConfig(ParallelConfig):
     """Run a reference group; required when algorithm.use_kl_in_reward or use_kl_loss."""
     log_prob_micro_batch_size_per_gpu: int = 8
     """Samples per forward on one rank."""
+    use_dynamic_bsz: bool = False
+    """Token-budget micro-batches of at most log_prob_max_token_len_per_gpu padded tokens."""
+    log_prob_max_token_len_per_gpu: int = 16384
+    """With use_dynamic_bsz: padded tokens per micro-batch of the forward."""
     param_offload: bool = False
     """Keep parameters on the host between its forward passes."""
 
     def validate(self) -> None:
         super().validate()
-        check_positive(self, "log_prob_micro_batch_size_per_gpu")
+        check_positive(self, "log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu")
 
 
 @dataclass(frozen=True)
@@ -231,6 +245,12 @@ class CriticConfig(TrainedRoleConfig):
     """Samples per forward/backward on one rank during the update."""
     forward_micro_batch_size_per_gpu: int = 8
     """Samples per forward when computing values."""
+    use_dynamic_bsz: bool = False
+    """Token-budget micro-batches (see actor.use_dynamic_bsz)."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """With use_dynamic_bsz: padded tokens per micro-batch of the update."""
+    forward_max_token_len_per_gpu: int = 16384
+    """With use_dynamic_bsz: padded tokens per micro-batch of the value forward."""
     ppo_epochs: int = 1
     """Passes over the step's batch."""
     cliprange_value: float = 0.5
@@ -241,7 +261,8 @@ class CriticConfig(TrainedRoleConfig):
     def validate(self) -> None:
         super().validate()
         check_positive(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu",
-                       "forward_micro_batch_size_per_gpu", "ppo_epochs", "cliprange_value")
+                       "forward_micro_batch_size_per_gpu", "ppo_epochs", "cliprange_value",
+                       "ppo_max_token_len_per_gpu", "forward_max_token_len_per_gpu")
 
 
 @dataclass(frozen=True)

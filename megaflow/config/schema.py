@@ -255,6 +255,9 @@ class TrainerConfig(Section):
     """Validate every N steps and after the last; 0: never."""
     val_before_train: bool = False
     """Validate once before the first step."""
+    balance_batch: bool = False
+    """Reorder each step's samples so every actor DP rank gets about the same number of tokens
+    (sequence-length balancing); changes which samples share a mini-batch."""
     output_dir: str = "outputs"
     """Root of run directories: <output_dir>/<project_name>/<experiment_name>."""
     resume: str = "auto"

@@ -158,7 +158,7 @@ def train_batch_sizes(cfg: Config, role: str) -> TrainBatchSizes:
           f"a mini-batch of {section.ppo_mini_batch_size} prompts x rollout.n={n} = {mini} samples "
           f"does not split over {role} dp={par.dp} (pool {par.pool!r}: {par.world_size} ranks / tp*pp*cp)")
     per_rank = mini // par.dp
-    check(per_rank % section.ppo_micro_batch_size_per_gpu == 0, micro_key,
+    check(section.use_dynamic_bsz or per_rank % section.ppo_micro_batch_size_per_gpu == 0, micro_key,
           f"{per_rank} samples per DP rank per mini-batch do not split into micro-batches of "
           f"{section.ppo_micro_batch_size_per_gpu}")
     num_mini = prompts // section.ppo_mini_batch_size
@@ -185,6 +185,36 @@ def num_training_steps(cfg: Config, num_train_prompts: int) -> int:
         raise ConfigError("data.train_batch_size", f"{cfg.data.train_batch_size} prompts per step but the "
                                                    f"training set has only {num_train_prompts}")
     return per_epoch * cfg.trainer.total_epochs
+
+
+#: role -> (update budget key or None, forward budget key) of the token-budget micro-batches
+TOKEN_BUDGET_KEYS = {"actor": ("ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu"),
+                     "critic": ("ppo_max_token_len_per_gpu", "forward_max_token_len_per_gpu"),
+                     "ref": (None, "log_prob_max_token_len_per_gpu")}
+
+
+def token_budgets(cfg: Config, role: str) -> tuple[int | None, int | None]:
+    """``(update, forward)`` padded-token budgets per micro-batch of ``role`` with
+    ``use_dynamic_bsz``; ``(None, None)`` without (fixed row counts).
+
+    Raises:
+        ConfigError (at ``<role>.<budget key>``): a budget below the longest possible
+            sequence (``data.max_prompt_length + rollout.response_length``).
+    """
+    section = getattr(cfg, role)
+    if role not in TOKEN_BUDGET_KEYS or not section.use_dynamic_bsz:
+        return None, None
+    out = []
+    for key in TOKEN_BUDGET_KEYS[role]:
+        if key is None:
+            out.append(None)
+            continue
+        budget = getattr(section, key)
+        check(budget >= max_seq_len(cfg), f"{role}.{key}",
+              f"{{0}}={budget} tokens cannot hold the longest sequence: data.max_prompt_length + "
+              f"rollout.response_length = {max_seq_len(cfg)}", f"{role}.{key}")
+        out.append(budget)
+    return out[0], out[1]
 
 
 def lr_schedule_steps(cfg: Config, role: str, total_steps: int) -> int:
@@ -317,6 +347,9 @@ def validate_config(cfg: Config) -> None:
         check(cfg.resources.use_gpu or not getattr(cfg, role).sequence_parallel, f"{role}.sequence_parallel",
               "not available on CPU (megatron-core's local layer spec refuses it); set it false or {0}=true",
               "resources.use_gpu")
+    for role in TOKEN_BUDGET_KEYS:
+        if role in enabled_roles(cfg):
+            token_budgets(cfg, role)
     _check_colocated_meshes(cfg)
     generation_sizes(cfg)  # t_g | t and p_g | p; with t | heads this gives t_g | heads
     for role in TRAINED_ROLES:
@@ -327,5 +360,5 @@ def validate_config(cfg: Config) -> None:
 __all__ = [
     "RoleParallel", "GenerationSizes", "TrainBatchSizes", "ClusterRequirements", "enabled_roles",
     "role_model_spec", "role_parallel", "generation_sizes", "train_batch_sizes", "num_samples_per_step",
-    "max_seq_len", "num_training_steps", "lr_schedule_steps", "cluster_requirements", "validate_config", "TRAINED_ROLES",
+    "max_seq_len", "num_training_steps", "lr_schedule_steps", "token_budgets", "TOKEN_BUDGET_KEYS", "cluster_requirements", "validate_config", "TRAINED_ROLES",
 ]

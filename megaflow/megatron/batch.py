@@ -59,6 +59,19 @@ class PackedBatch:
                            self.response_index[start:stop], self.response_valid[start:stop],
                            {k: v[start:stop] for k, v in self.fields.items()})
 
+    def select(self, index: torch.Tensor, width: int) -> "PackedBatch":
+        """Rows ``index`` (int64 ``[k]``), cut to the first ``width`` positions.
+
+        ``width`` must cover the selected rows' real tokens; response positions past it
+        (response padding) are clamped into the cut like :func:`pack_batch` does.
+        """
+        if int(self.lengths[index].max()) > width:
+            raise ValueError(f"width {width} is shorter than the longest selected row "
+                             f"({int(self.lengths[index].max())} tokens)")
+        return PackedBatch(self.input_ids[index, :width], self.lengths[index],
+                           self.response_index[index].clamp_max(width - 1), self.response_valid[index],
+                           {k: v[index] for k, v in self.fields.items()})
+
     def pad_rows(self, multiple: int, zero_keys: tuple[str, ...] = ()) -> tuple["PackedBatch", int]:
         """Append copies of row 0 until the row count divides ``multiple``.
 
@@ -164,4 +177,39 @@ def pack_batch(batch: Mapping[str, torch.Tensor], *, max_seq_len: int,
     return PackedBatch(packed, lengths, response_index, resp_real, fields)
 
 
-__all__ = ["PackedBatch", "pack_batch", "REQUIRED_KEYS"]
+def token_budget_groups(lengths: torch.Tensor, max_tokens: int, *, width_multiple: int = 1
+                        ) -> list[tuple[torch.Tensor, int]]:
+    """Group rows into micro-batches of at most ``max_tokens`` padded tokens.
+
+    Rows are taken longest first (stable for equal lengths); a micro-batch grows while
+    ``rows x width <= max_tokens``, where ``width`` is its longest row rounded up to
+    ``width_multiple``. Sorting by length keeps the padding inside a micro-batch small
+    (first-fit decreasing on one dimension).
+
+    Args:
+        lengths: ``[rows]`` real tokens per row.
+        max_tokens: the budget (padded tokens per micro-batch).
+        width_multiple: the packed width's multiple (TP size with sequence parallelism).
+
+    Returns:
+        ``[(row index int64 [k], width)]`` covering every row exactly once, in order of
+        decreasing width.
+
+    Raises:
+        ValueError: a row longer than the budget.
+    """
+    order = torch.sort(lengths, descending=True, stable=True).indices
+    groups: list[tuple[torch.Tensor, int]] = []
+    start = 0
+    while start < len(order):
+        width = -(-int(lengths[order[start]]) // width_multiple) * width_multiple
+        if width > max_tokens:
+            raise ValueError(f"a {int(lengths[order[start]])}-token sequence does not fit a micro-batch "
+                             f"budget of {max_tokens} tokens")
+        count = max(1, min(len(order) - start, max_tokens // width))
+        groups.append((order[start:start + count], width))
+        start += count
+    return groups
+
+
+__all__ = ["PackedBatch", "pack_batch", "token_budget_groups", "REQUIRED_KEYS"]

@@ -20,7 +20,7 @@ from typing import Callable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from megaflow.megatron.batch import PackedBatch, pack_batch
+from megaflow.megatron.batch import PackedBatch, pack_batch, token_budget_groups
 from megaflow.megatron.engine_config import EngineConfig, GlobalDenominators
 from megaflow.megatron.logprobs import vocab_parallel_log_probs
 from megaflow.megatron.parallel import ParallelInfo
@@ -109,17 +109,30 @@ class MegatronEngine:
         return None if self.optimizer is None else self.optimizer.param_groups[0]["lr"]
 
     # ------------------------------------------------------------------ micro-batches
-    def _micro_batches(self, packed: PackedBatch, micro_batch_size: int):
-        padded, num_pad = packed.pad_rows(micro_batch_size, zero_keys=self.config.loss_mask_keys)
-        chunks = [padded.rows(i, i + micro_batch_size)
-                  for i in range(0, padded.num_rows, micro_batch_size)]
-        return chunks, num_pad
+    def _micro_batches(self, packed: PackedBatch, micro_batch_size: int, max_tokens: Optional[int] = None
+                       ) -> tuple[list[PackedBatch], Optional[torch.Tensor]]:
+        """Cut ``packed`` into micro-batches: ``micro_batch_size`` rows each (the last one
+        padded with zero-loss copies), or with ``max_tokens`` groups of rows of at most that
+        many padded tokens, each cut to its own width (:func:`token_budget_groups`).
 
-    def _forward_step(self, mask: torch.Tensor, head: Callable, data_iterator, model):
+        Returns:
+            ``(chunks, order)``: ``order`` ``[rows]`` is the row index of the concatenated
+            chunks (None for the fixed split, whose chunks keep the row order).
+        """
+        if max_tokens is None:
+            padded, _ = packed.pad_rows(micro_batch_size, zero_keys=self.config.loss_mask_keys)
+            return [padded.rows(i, i + micro_batch_size) for i in range(0, padded.num_rows, micro_batch_size)], None
+        multiple = self.info.tp_size if self.module.config.sequence_parallel else 1
+        groups = token_budget_groups(packed.lengths, max_tokens, width_multiple=multiple)
+        if self.info.pp_size > 1:  # stages exchange activations of per-micro-batch shapes
+            self.module.config.variable_seq_lengths = True
+        return [packed.select(index, width) for index, width in groups], torch.cat([i for i, _ in groups])
+
+    def _forward_step(self, head: Callable, data_iterator, model):
         mb: PackedBatch = next(data_iterator)
         ids = mb.input_ids.to(self.device, non_blocking=True)
         positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-        output = model(ids, positions, mask)
+        output = model(ids, positions, causal_attention_mask(ids.shape[1], self.device))
         return output, partial(head, mb)
 
     def _head_outputs(self, mb: PackedBatch, output: torch.Tensor, temperature: float,
@@ -147,9 +160,8 @@ class MegatronEngine:
              micro_batch_size: int) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        mask = causal_attention_mask(seq_len, self.device)
         return get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, mask, head),
+            forward_step_func=partial(self._forward_step, head),
             data_iterator=iter(chunks), model=self.model, num_microbatches=len(chunks),
             seq_length=seq_len, micro_batch_size=micro_batch_size, forward_only=forward_only)
 
@@ -204,13 +216,19 @@ class MegatronEngine:
         self._require_loaded("params")
         mbs = micro_batch_size or self.config.forward_micro_batch_size
         packed = self._pack(batch)
-        chunks, num_pad = self._micro_batches(packed, mbs)
+        budget = None if micro_batch_size else self.config.forward_max_tokens_per_micro_batch
+        chunks, order = self._micro_batches(packed, mbs, budget)
         head = partial(self._forward_head, temperature, with_entropy)
         self.model.eval()
         store = self._run(chunks, True, head, packed.seq_len, mbs)
         if not self.info.is_last_pp_stage:
             return None
         outputs = {k: torch.cat([d[k] for d in store]) for k in store[0]}
+        if order is not None:  # token-budget groups: back to the batch's row order
+            restored = {k: torch.empty_like(v) for k, v in outputs.items()}
+            for k, v in outputs.items():
+                restored[k][order.to(v.device)] = v
+            outputs = restored
         return {k: v[: packed.num_rows].cpu() for k, v in outputs.items()}
 
     def _forward_head(self, temperature, with_entropy, mb, output):
@@ -261,7 +279,8 @@ class MegatronEngine:
         mbs = micro_batch_size or self.config.micro_batch_size
         packed = self._pack(batch)
         denominators = self.global_denominators(batch)
-        chunks, _ = self._micro_batches(packed, mbs)
+        budget = None if micro_batch_size else self.config.max_tokens_per_micro_batch
+        chunks, _ = self._micro_batches(packed, mbs, budget)
         scale = len(chunks) * self.info.dp_size
         head = partial(self._loss_head, loss_fn, denominators, scale, temperature, with_entropy)
         self.model.train()

@@ -34,6 +34,11 @@ class EngineConfig:
     max_seq_len: int = 2048  # longest sequence (real tokens) accepted
     micro_batch_size: int = 4  # rows per micro-batch in train_step
     forward_micro_batch_size: int = 8  # rows per micro-batch in forward
+    # Token-budget micro-batches (verl's dynamic batch size): when set, rows are grouped by length
+    # into micro-batches of at most this many padded tokens (rows x the micro-batch's longest
+    # sequence), replacing the fixed row counts above.
+    max_tokens_per_micro_batch: Optional[int] = None  # train_step
+    forward_max_tokens_per_micro_batch: Optional[int] = None  # forward
     lr: float = 1e-6
     min_lr: float = 0.0
     lr_warmup_init: float = 0.0
@@ -54,6 +59,11 @@ class EngineConfig:
         for name in ("max_seq_len", "micro_batch_size", "forward_micro_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_tokens_per_micro_batch", "forward_max_tokens_per_micro_batch"):
+            budget = getattr(self, name)
+            if budget is not None and budget < self.max_seq_len:
+                raise ValueError(f"EngineConfig.{name}={budget} is below max_seq_len={self.max_seq_len}: "
+                                 f"the longest sequence would not fit in one micro-batch")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"EngineConfig needs 0 <= min_lr <= lr, got min_lr={self.min_lr}, "
                              f"lr={self.lr}")

@@ -28,12 +28,16 @@ def _import(path: str):
     return getattr(importlib.import_module(module), name)
 
 
-def _engine_config(cfg, section, *, micro: int | None, forward_micro: int | None,
+def _engine_config(cfg, role: str, *, micro: int | None, forward_micro: int | None,
                    lr_decay_steps: int | None = None):
+    from megaflow.config.topology import max_seq_len, token_budgets
     from megaflow.megatron.engine_config import EngineConfig
 
+    section = getattr(cfg, role)
     optim = getattr(section, "optim", None)
-    kwargs: dict[str, Any] = dict(max_seq_len=cfg.data.max_prompt_length + cfg.rollout.response_length)
+    update_budget, forward_budget = token_budgets(cfg, role)
+    kwargs: dict[str, Any] = dict(max_seq_len=max_seq_len(cfg), max_tokens_per_micro_batch=update_budget,
+                                  forward_max_tokens_per_micro_batch=forward_budget)
     if micro is not None:
         kwargs["micro_batch_size"] = micro
     if forward_micro is not None:
@@ -85,7 +89,7 @@ def worker_config(cfg, role: str, total_steps: int | None = None):
     if role == "actor":
         a = cfg.actor
         return MegatronWorkerConfig(
-            **common, engine=_engine_config(cfg, a, micro=a.ppo_micro_batch_size_per_gpu,
+            **common, engine=_engine_config(cfg, "actor", micro=a.ppo_micro_batch_size_per_gpu,
                                             forward_micro=a.log_prob_micro_batch_size_per_gpu, lr_decay_steps=decay),
             ppo_mini_batch_size=a.ppo_mini_batch_size * n, ppo_epochs=a.ppo_epochs, shuffle=a.shuffle,
             actor=ActorLossConfig(policy_loss=a.policy_loss, clip_ratio_low=a.clip_ratio_low,
@@ -96,13 +100,13 @@ def worker_config(cfg, role: str, total_steps: int | None = None):
     if role == "critic":
         c = cfg.critic
         return MegatronWorkerConfig(
-            **common, engine=_engine_config(cfg, c, micro=c.ppo_micro_batch_size_per_gpu,
+            **common, engine=_engine_config(cfg, "critic", micro=c.ppo_micro_batch_size_per_gpu,
                                             forward_micro=c.forward_micro_batch_size_per_gpu, lr_decay_steps=decay),
             ppo_mini_batch_size=c.ppo_mini_batch_size * n, ppo_epochs=c.ppo_epochs,
             critic=CriticLossConfig(cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode,
                                     norm_length=cfg.rollout.response_length))
     forward_micro = section.log_prob_micro_batch_size_per_gpu if role == "ref" else section.micro_batch_size_per_gpu
-    return MegatronWorkerConfig(**common, engine=_engine_config(cfg, section, micro=None, forward_micro=forward_micro))
+    return MegatronWorkerConfig(**common, engine=_engine_config(cfg, role, micro=None, forward_micro=forward_micro))
 
 
 def rollout_settings(cfg, tokenizer):

@@ -57,6 +57,49 @@ def compute_advantage(batch: DataProto, estimator: str, *, gamma: float, lam: fl
     return batch.union(DataProto.from_dict({"advantages": advantages, "returns": returns}))
 
 
+def balanced_dp_order(lengths: torch.Tensor, dp_size: int) -> torch.Tensor:
+    """A row order whose ``dp_size`` contiguous equal chunks carry near-equal token totals.
+
+    The dispatch gives DP rank ``d`` the ``d``-th contiguous chunk of the batch; reordering
+    the rows by this permutation first balances the ranks' work (sequence-length balancing,
+    verl's ``balance_batch``). Longest-processing-time greedy (Graham 1969): rows in order of
+    decreasing length, each to the rank with the fewest tokens among those with room (every
+    rank gets exactly ``rows / dp_size`` rows). Within a rank, rows keep their batch order.
+
+    Args:
+        lengths: ``[rows]`` tokens per row (attention-mask sums).
+        dp_size: number of DP ranks; must divide ``rows``.
+
+    Returns:
+        int64 ``[rows]``: the batch's rows in their new order.
+
+    Raises:
+        ValueError: ``rows`` not divisible by ``dp_size``.
+    """
+    rows = len(lengths)
+    if dp_size < 1 or rows % dp_size:
+        raise ValueError(f"{rows} rows do not split evenly over dp_size={dp_size}")
+    per_rank = rows // dp_size
+    totals, members = [0] * dp_size, [[] for _ in range(dp_size)]
+    for row in torch.sort(lengths, descending=True, stable=True).indices.tolist():
+        rank = min((r for r in range(dp_size) if len(members[r]) < per_rank), key=lambda r: (totals[r], r))
+        members[rank].append(row)
+        totals[rank] += int(lengths[row])
+    return torch.tensor([row for m in members for row in sorted(m)], dtype=torch.int64)
+
+
+def balance_batch(batch: DataProto, dp_size: int) -> tuple[DataProto, dict[str, float]]:
+    """Reorder ``batch`` with :func:`balanced_dp_order` on its ``attention_mask`` lengths.
+
+    Returns the reordered batch and ``perf/dp_tokens_imbalance`` (max / mean tokens per rank,
+    1 = perfectly balanced).
+    """
+    lengths = batch.batch["attention_mask"].sum(-1)
+    order = balanced_dp_order(lengths, dp_size)
+    per_rank = lengths[order].reshape(dp_size, -1).sum(-1).float()
+    return batch[order], {"perf/dp_tokens_imbalance": float(per_rank.max() / per_rank.mean().clamp_min(1))}
+
+
 class RolloutMismatchError(RuntimeError):
     """The rollout-vs-trainer log-prob gap exceeded ``algorithm.rollout_correction.max_mismatch``."""
 
@@ -174,4 +217,5 @@ def compute_data_metrics(batch: DataProto, max_response_length: int) -> dict[str
 
 
 __all__ = ["kl_in_reward", "scores_as_rewards", "compute_advantage", "compute_data_metrics", "bypass_old_log_probs",
+           "balanced_dp_order", "balance_batch",
            "rollout_correction", "RolloutMismatchError"]

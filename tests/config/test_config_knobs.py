@@ -51,3 +51,20 @@ def test_warmup_as_long_as_the_run_is_refused_for_a_decaying_schedule(tiny):
     assert err.value.key == "actor.optim.lr_warmup_steps" and "trainer.total_steps" in str(err.value)
     constant = config_from_dict(tiny(actor={"optim": {"lr_warmup_steps": 8}}))
     assert lr_schedule_steps(constant, "actor", 8) == 9  # constant: only needs to exceed the warm-up
+
+
+def test_token_budgets_reach_the_engines_and_small_budgets_are_refused(tiny):
+    from megaflow.trainer.roles import worker_config
+
+    tree = tiny(actor={"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 3000,
+                       "log_prob_max_token_len_per_gpu": 4000, "ppo_micro_batch_size_per_gpu": 3},
+                data={"max_prompt_length": 100}, rollout={"response_length": 200})
+    cfg = config_from_dict(tree)  # the row count 3 is not checked against the split any more
+    engine = worker_config(cfg, "actor").engine
+    assert (engine.max_tokens_per_micro_batch, engine.forward_max_tokens_per_micro_batch) == (3000, 4000)
+    fixed = worker_config(config_from_dict(tiny()), "actor").engine
+    assert (fixed.max_tokens_per_micro_batch, fixed.forward_max_tokens_per_micro_batch) == (None, None)
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(tiny(actor={"use_dynamic_bsz": True, "log_prob_max_token_len_per_gpu": 250},
+                              data={"max_prompt_length": 100}, rollout={"response_length": 200}))
+    assert err.value.key == "actor.log_prob_max_token_len_per_gpu" and "= 300" in str(err.value)

@@ -189,3 +189,74 @@ def test_lr_schedule_follows_closed_form_and_survives_resume(results, style):
         assert resumed == straight
     # it decays over the run: still above min_lr until the last update, min_lr at and after it
     assert expected[4 * TRAINING_STEPS - 2] > 0.001 and expected[4 * TRAINING_STEPS - 1] == pytest.approx(0.001)
+
+
+# ---------------------------------------------------------------- token-budget micro-batches
+BUDGET = 26  # padded tokens per micro-batch: 2 rows of the longest (13-token) sequences
+
+
+def _dynamic_rank(rank, world, layouts):
+    import dataclasses
+
+    from megaflow.megatron import model as M
+    from megaflow.megatron import parallel
+    from megaflow.megatron.engine import EngineConfig, MegatronEngine
+
+    torch.manual_seed(0)
+    cfg = tiny_llama_config()
+    hf_state = hf_causal_lm(cfg, seed=7).state_dict()
+    out = []
+    for tp, pp in layouts:
+        info = parallel.initialize_parallel(tp=tp, pp=pp, seed=1)
+        fixed = EngineConfig(max_seq_len=16, micro_batch_size=2, forward_micro_batch_size=4, lr=1e-3, clip_grad=0.0)
+        dynamic = dataclasses.replace(fixed, max_tokens_per_micro_batch=BUDGET,
+                                      forward_max_tokens_per_micro_batch=BUDGET)
+        res = {"last_stage": info.is_last_pp_stage}
+        for name, ec in (("fixed", fixed), ("dynamic", dynamic)):
+            model = M.build_gpt_model(cfg)
+            load_shard(model, hf_to_megatron_shard(hf_state, cfg, tp_rank=info.tp_rank, tp=tp, pp_rank=info.pp_rank,
+                                                   pp=pp))
+            engine = MegatronEngine(model, info, ec, vocab_size=VOCAB)
+            batch = _batch()
+            fwd = engine.forward(batch, temperature=0.9)
+            metrics = engine.train_step(batch, _loss, temperature=0.9)
+            res[name] = dict(fwd=fwd, metrics=metrics,
+                             grads={k: p.main_grad.detach().clone() for k, p in engine.module.named_parameters()})
+        out.append(res)
+        parallel.destroy_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def dynamic_results():
+    return run_distributed(_dynamic_rank, 2, [(2, 1), (1, 2)], timeout_s=900)
+
+
+def test_token_budget_groups_cover_every_row_within_the_budget():
+    from megaflow.megatron.batch import token_budget_groups
+
+    lengths = torch.tensor([5, 13, 2, 13, 7, 9, 1])
+    groups = token_budget_groups(lengths, 26)
+    assert sorted(torch.cat([i for i, _ in groups]).tolist()) == list(range(7))
+    for index, width in groups:
+        assert width == int(lengths[index].max()) and len(index) * width <= 26
+    assert [(i.tolist(), w) for i, w in groups] == [([1, 3], 13), ([5, 4], 9), ([0, 2, 6], 5)]
+    # widths rounded up to 4: 16 fits once in 26, 12 twice, 8 three times
+    assert [(len(i), w) for i, w in token_budget_groups(lengths, 26, width_multiple=4)] == [(1, 16), (1, 16), (2, 12), (3, 8)]
+    with pytest.raises(ValueError, match="13-token sequence does not fit a micro-batch budget of 12"):
+        token_budget_groups(lengths, 12)
+
+
+@pytest.mark.parametrize("layout", [0, 1], ids=["tp2", "pp2"])
+def test_token_budget_micro_batches_equal_fixed_micro_batches(dynamic_results, layout):
+    for rank in dynamic_results:
+        res = rank[layout]
+        fixed, dynamic = res["fixed"], res["dynamic"]
+        if res["last_stage"]:
+            torch.testing.assert_close(dynamic["fwd"]["log_probs"], fixed["fwd"]["log_probs"], atol=1e-6, rtol=1e-6)
+            assert dynamic["metrics"]["loss"] == pytest.approx(fixed["metrics"]["loss"], abs=1e-6)
+        assert dynamic["metrics"]["grad_norm"] == pytest.approx(fixed["metrics"]["grad_norm"], rel=1e-6)
+        # other micro-batch groupings sum the same terms in another order: fp32 noise only
+        for name, grad in fixed["grads"].items():
+            error = float((dynamic["grads"][name] - grad).norm()) / max(float(grad.norm()), 1e-12)
+            assert error < 5e-6, (name, error)

@@ -33,6 +33,9 @@ class FakeActor:
             "position_ids": torch.cumsum(am, -1) - 1,
             "rollout_log_probs": -torch.ones(b, R) * 0.5})
 
+    def mesh_info(self, mesh):
+        return SimpleNamespace(dp_size=2)
+
     def compute_log_prob(self, batch):
         self.calls.append(("log_prob", len(batch)))
         return DataProto.from_dict({"old_log_probs": batch.batch["rollout_log_probs"].clone()})
@@ -84,18 +87,23 @@ def reward_fn(batch: DataProto) -> DataProto:
     return DataProto.from_dict({"token_level_scores": out})
 
 
-def make_cfg(tmp_path, total_steps=3, resume="disable"):
+def make_cfg(tmp_path, total_steps=3, resume="disable", balance_batch=False):
+    from megaflow.config.schema import RolloutCorrectionConfig
+
     ns = SimpleNamespace
     return ns(
         algorithm=ns(adv_estimator="grpo", gamma=1.0, lam=1.0, norm_adv_by_std=True, use_kl_in_reward=False,
-                     kl_penalty="k1", kl_ctrl=ns(type="fixed", kl_coef=0.001, target_kl=None, horizon=None)),
+                     kl_penalty="k1", kl_ctrl=ns(type="fixed", kl_coef=0.001, target_kl=None, horizon=None),
+                     rollout_correction=RolloutCorrectionConfig()),
         rollout=ns(n=3, temperature=1.0, top_p=1.0, top_k=-1, response_length=R, val_do_sample=False),
-        trainer=ns(total_steps=total_steps, test_freq=0, save_freq=1, seed=7, resume=resume))
+        actor=ns(optim=ns(clip_grad=1.0)),
+        trainer=ns(total_steps=total_steps, test_freq=0, save_freq=1, seed=7, resume=resume,
+                   balance_batch=balance_batch))
 
 
-def run(tmp_path, total_steps, resume="disable"):
+def run(tmp_path, total_steps, resume="disable", balance_batch=False):
     actor = FakeActor()
-    trainer = RayPPOTrainer(make_cfg(tmp_path, total_steps, resume), WorkerGroups(actor=actor), reward_fn,
+    trainer = RayPPOTrainer(make_cfg(tmp_path, total_steps, resume, balance_batch), WorkerGroups(actor=actor), reward_fn,
                             Loader(), checkpoints=CheckpointManager(tmp_path / "ckpt"))
     return trainer, actor
 
@@ -136,3 +144,22 @@ def test_resume_continues_exactly(tmp_path):
         assert torch.equal(a.batch["responses"], b.batch["responses"])
         assert torch.equal(a.batch["advantages"], b.batch["advantages"])
         assert a.non_tensor_batch["ground_truth"].tolist() == b.non_tensor_batch["ground_truth"].tolist()
+
+
+def test_balance_batch_gives_each_dp_rank_equal_rows_and_balanced_tokens(tmp_path):
+    from megaflow.trainer.stages import balanced_dp_order
+
+    lengths = torch.tensor([9, 1, 8, 2, 7, 3])
+    order = balanced_dp_order(lengths, 2)
+    assert sorted(order.tolist()) == list(range(6))
+    chunks = lengths[order].reshape(2, 3).sum(-1).tolist()
+    assert sorted(chunks) == [14, 16]  # the best possible here; the batch-order split gives 18 and 12
+    trainer, actor = run(tmp_path, total_steps=1, balance_batch=True)
+    metrics = trainer.train_step(next(iter(trainer.train_loader)))
+    batch = actor.updates[0]
+    per_rank = batch.batch["attention_mask"].sum(-1).reshape(2, 3).sum(-1)
+    assert metrics["perf/dp_tokens_imbalance"] == pytest.approx(float(per_rank.max() / per_rank.float().mean()))
+    assert int((per_rank[0] - per_rank[1]).abs()) <= int(batch.batch["attention_mask"].sum(-1).max())
+    # the groups survive the reorder: GRPO statistics are per uid, not per position
+    uids = batch.non_tensor_batch["uid"]
+    assert sorted(np.unique(uids, return_counts=True)[1].tolist()) == [3, 3]
