@@ -27,23 +27,29 @@ def build_tiny_llama(path: str, seed: int = 0, **overrides) -> str:
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **overrides})).float()
-    # Wider logits than the default init (std 0.02): greedy continuations without near-ties
-    # and sampled tokens with spread-out log-probs.
-    with torch.no_grad():
-        if model.config.tie_word_embeddings:
-            # A tied head is the embedding: scaling it alone makes the residual stream the
-            # input token's embedding and every greedy response repeats its last prompt
-            # token, whatever the layers hold. Widen the logits through the final norm and
-            # let the layers' output projections outweigh the embedding instead.
-            model.model.embed_tokens.weight.mul_(3.0)
-            model.model.norm.weight.mul_(5.0)
-            for name, param in model.named_parameters():
-                if name.endswith(("o_proj.weight", "down_proj.weight")):
-                    param.mul_(30.0)
-        else:
-            model.lm_head.weight.mul_(10.0)
+    widen_logits(model)
     model.save_pretrained(path)
     return path
+
+
+@torch.no_grad()
+def widen_logits(model) -> None:
+    """Scale a freshly initialised HF Llama (std 0.02) in place for wider logits: greedy
+    continuations without near-ties and sampled tokens with spread-out log-probs.
+
+    Untied: the LM head x10. Tied: the head is the embedding, and scaling it alone makes
+    the residual stream the input token's embedding, so every greedy response repeats its
+    last prompt token whatever the layers hold; instead the final norm widens the logits
+    and the layers' output projections outweigh the embedding.
+    """
+    if model.config.tie_word_embeddings:
+        model.model.embed_tokens.weight.mul_(3.0)
+        model.model.norm.weight.mul_(5.0)
+        for name, param in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.mul_(30.0)
+    else:
+        model.lm_head.weight.mul_(10.0)
 
 
 def load_hf(model_dir: str, state_dict: dict[str, torch.Tensor] | None = None):

