@@ -113,9 +113,13 @@ class RayPPOTrainer:
     def train_step(self, prompts: DataProto) -> dict[str, float]:
         """One PPO/GRPO step on a batch of prompts; returns the step's metrics."""
         g, algo, t = self.groups, self.cfg.algorithm, {}
+        from megaflow.workers.actor_rollout import check_synced
+
+        with _timer("sync", t):  # the actor's weights -> the rollout engines; versions checked on every rank
+            sync_metrics = check_synced(g.actor.sync_rollout_weights())
         with _timer("gen", t):
             batch = self.rollout(prompts, self.cfg.rollout.n, greedy=False)
-        rollout_metrics = batch.meta_info.pop("rollout_metrics", {})
+        rollout_metrics = {**batch.meta_info.pop("rollout_metrics", {}), **sync_metrics}
         if algo.adv_estimator == "remax":
             with _timer("gen_greedy", t):
                 batch = self.add_greedy_baseline(prompts, batch)

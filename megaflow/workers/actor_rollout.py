@@ -1,14 +1,17 @@
 """The actor with its colocated rollout engine: the 3D-HybridEngine in one worker.
 
 Each rank holds its Megatron training shard (layout p-t-d) and one vLLM engine shard of
-the generation layout (p_g-t_g-d_g-d). ``generate_sequences`` first makes sure the
-engine serves the actor's current weights: when the actor has changed since the last
-sync (an update, a checkpoint load, start-up), the
+the generation layout (p_g-t_g-d_g-d). ``sync_rollout_weights`` (a step of its own in
+``RayPPOTrainer.train_step``) makes the engine serve the actor's current weights: when
+the actor has changed since the last sync (an update, a checkpoint load, start-up), the
 :class:`~megaflow.hybrid_engine.reshard.MicroDPResharder` all-gathers each parameter
 inside its micro-DP group into the generation layout, the shard is converted to vLLM's
 names and layouts (:mod:`megaflow.hybrid_engine.rollout_weights`) and pushed into the
 engine, and the generation buffers are released again (train -> generate -> train). The
-engine's weight version increments and its prefix cache is reset on every sync.
+engine's weight version increments and its prefix cache is reset on every sync; the
+controller checks with :func:`check_synced` that every rank serves the actor's version.
+``generate_sequences`` still syncs first when a caller did not (validation), so no
+rollout ever runs on weights older than the actor's.
 
 Dispatch: ``generate_sequences`` is registered on the ``rollout`` mesh
 (``dp_rank`` = generation replica, collected from generation TP rank 0), the actor's
@@ -161,13 +164,40 @@ class ActorRolloutWorker(ActorWorker):
         return torch.cat(parts, dim=0)
 
     # ------------------------------------------------------------------ registered methods
+    @register(Dispatch.ONE_TO_ALL)
+    def sync_rollout_weights(self) -> dict[str, float]:
+        """Push the actor's weights into the engine if they changed since the last sync
+        (collective: every rank, in lockstep).
+
+        Returns:
+            This rank's ``rollout/weight_version`` (engine syncs so far),
+            ``rollout/synced_actor_version`` and ``rollout/actor_version`` (equal after a
+            sync), and, when weights moved, ``timing_s/reshard``, ``reshard/bytes_received``
+            and ``reshard/bytes_sent``.
+        """
+        synced = self._synced_version != self._actor_version
+        self._sync_rollout_weights()
+        return self._sync_metrics(synced)
+
+    def _sync_metrics(self, synced: bool) -> dict[str, float]:
+        metrics = {"rollout/weight_version": float(self.rollout.weight_version),
+                   "rollout/synced_actor_version": float(self._synced_version),
+                   "rollout/actor_version": float(self._actor_version)}
+        if synced and self.last_reshard_stats is not None:
+            s = self.last_reshard_stats
+            metrics.update({"timing_s/reshard": s.seconds, "reshard/bytes_received": float(s.bytes_received),
+                            "reshard/bytes_sent": float(s.bytes_sent)})
+        return metrics
+
     @register(nd_compute("rollout"))
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Rollout on this rank's generation replica (all ranks of a replica in lockstep).
 
         ``meta_info`` carries the sampling parameters (:mod:`megaflow.rollout.sampling`);
         its ``seed`` is offset by the replica index so that replicas draw distinct samples.
-        Adds ``meta_info["metrics"]`` with the reshard's bytes and time of this call's sync.
+        Weights: synced first if the caller did not call :meth:`sync_rollout_weights`
+        since the actor last changed. Adds ``meta_info["metrics"]`` with the engine's
+        weight version and, when this call synced, the reshard's bytes and time.
         """
         synced = self._synced_version != self._actor_version
         self._sync_rollout_weights()
@@ -175,11 +205,8 @@ class ActorRolloutWorker(ActorWorker):
         if meta.get("seed") is not None:
             meta["seed"] = int(meta["seed"]) + self._gen_replica * _REPLICA_SEED_STRIDE
         out = self.rollout.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch, meta))
-        metrics = {"rollout/weight_version": float(self.rollout.weight_version)}
-        if synced and self.last_reshard_stats is not None:
-            s = self.last_reshard_stats
-            metrics.update({"timing_s/reshard": s.seconds, "reshard/bytes_received": float(s.bytes_received),
-                            "reshard/bytes_sent": float(s.bytes_sent)})
+        metrics = self._sync_metrics(synced)
+        del metrics["rollout/synced_actor_version"], metrics["rollout/actor_version"]
         out.meta_info["metrics"] = metrics
         return out
 
@@ -202,4 +229,31 @@ class ActorRolloutWorker(ActorWorker):
         return self.rollout.weight_version
 
 
-__all__ = ["ActorRolloutWorker", "RolloutSettings"]
+def check_synced(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Controller-side check of a :meth:`ActorRolloutWorker.sync_rollout_weights` call.
+
+    Args:
+        per_rank: every rank's return value, index = rank.
+
+    Returns:
+        The metrics of rank 0 (``rollout/weight_version`` and the reshard figures when
+        weights moved), without the version bookkeeping.
+
+    Raises:
+        RuntimeError: a rank whose engine does not serve the actor's current version, or
+            ranks whose engines received different numbers of syncs (naming the ranks).
+    """
+    stale = [r for r, m in enumerate(per_rank) if m["rollout/synced_actor_version"] != m["rollout/actor_version"]]
+    if stale:
+        raise RuntimeError(f"weight sync: the engines of ranks {stale} do not serve the actor's current weights "
+                           f"(synced actor version {[per_rank[r]['rollout/synced_actor_version'] for r in stale]}, "
+                           f"actor version {[per_rank[r]['rollout/actor_version'] for r in stale]})")
+    versions = sorted({m["rollout/weight_version"] for m in per_rank})
+    if len(versions) > 1:
+        by_version = {v: [r for r, m in enumerate(per_rank) if m["rollout/weight_version"] == v] for v in versions}
+        raise RuntimeError(f"weight sync: the engines disagree on their weight version (version: ranks) {by_version}")
+    return {k: v for k, v in per_rank[0].items()
+            if k not in ("rollout/synced_actor_version", "rollout/actor_version")}
+
+
+__all__ = ["ActorRolloutWorker", "RolloutSettings", "check_synced"]

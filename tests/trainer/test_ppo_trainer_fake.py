@@ -33,6 +33,11 @@ class FakeActor:
             "position_ids": torch.cumsum(am, -1) - 1,
             "rollout_log_probs": -torch.ones(b, R) * 0.5})
 
+    def sync_rollout_weights(self):
+        """One rank's view (ActorRolloutWorker.sync_rollout_weights): its engine serves the actor's version."""
+        v = float(self.version)
+        return [{"rollout/weight_version": v, "rollout/synced_actor_version": v, "rollout/actor_version": v}]
+
     def mesh_info(self, mesh):
         return SimpleNamespace(dp_size=2)
 

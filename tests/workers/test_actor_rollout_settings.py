@@ -17,3 +17,24 @@ def test_non_positive_generation_tp_is_refused():
 
 def test_supported_layouts_construct():
     assert RolloutSettings(gen_tp=2).gen_pp == 1
+
+
+def _rank(engine_version, synced, actor, **extra):
+    return {"rollout/weight_version": float(engine_version), "rollout/synced_actor_version": float(synced),
+            "rollout/actor_version": float(actor), **extra}
+
+
+def test_check_synced_returns_rank_0_metrics_without_the_bookkeeping():
+    from megaflow.workers.actor_rollout import check_synced
+
+    ranks = [_rank(3, 2, 2, **{"reshard/bytes_received": 10.0}), _rank(3, 2, 2, **{"reshard/bytes_received": 12.0})]
+    assert check_synced(ranks) == {"rollout/weight_version": 3.0, "reshard/bytes_received": 10.0}
+
+
+def test_check_synced_names_the_stale_ranks_and_disagreeing_versions():
+    from megaflow.workers.actor_rollout import check_synced
+
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] do not serve the actor's current weights.*\[1\.0\].*\[2\.0\]"):
+        check_synced([_rank(2, 2, 2), _rank(1, 1, 2)])
+    with pytest.raises(RuntimeError, match=r"disagree on their weight version.*\{2\.0: \[0\], 3\.0: \[1\]\}"):
+        check_synced([_rank(2, 2, 2), _rank(3, 2, 2)])
