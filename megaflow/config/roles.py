@@ -135,6 +135,10 @@ class ActorConfig(TrainedRoleConfig):
     """With use_dynamic_bsz: padded tokens per micro-batch of the update (rows x longest row)."""
     log_prob_max_token_len_per_gpu: int = 16384
     """With use_dynamic_bsz: padded tokens per micro-batch of the old-log-prob forward."""
+    logits_chunk_tokens: int | None = None
+    """Project onto the vocabulary and take the vocab-parallel softmax this many response
+    tokens at a time (recomputed in backward), so no pass holds [tokens, vocab] logits;
+    null: the model's output layer over every position."""
     ppo_epochs: int = 1
     """Passes over the step's batch."""
     shuffle: bool = True
@@ -158,7 +162,7 @@ class ActorConfig(TrainedRoleConfig):
         super().validate()
         check_positive(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu",
                        "log_prob_micro_batch_size_per_gpu", "ppo_epochs", "clip_ratio_low", "clip_ratio_high",
-                       "ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu")
+                       "ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu", "logits_chunk_tokens")
         check_positive(self, "entropy_coeff", allow_zero=True)
         check(self.clip_ratio_low < 1.0, "clip_ratio_low", f"must be < 1, got {self.clip_ratio_low}")
         check(self.clip_ratio_c is None or self.clip_ratio_c > 1.0, "clip_ratio_c",
@@ -219,12 +223,16 @@ class RefConfig(ParallelConfig):
     """Token-budget micro-batches of at most log_prob_max_token_len_per_gpu padded tokens."""
     log_prob_max_token_len_per_gpu: int = 16384
     """With use_dynamic_bsz: padded tokens per micro-batch of the forward."""
+    logits_chunk_tokens: int | None = None
+    """Project onto the vocabulary and take the vocab-parallel softmax this many response
+    tokens at a time (recomputed in backward), so no pass holds [tokens, vocab] logits;
+    null: the model's output layer over every position."""
     param_offload: bool = False
     """Keep parameters on the host between its forward passes."""
 
     def validate(self) -> None:
         super().validate()
-        check_positive(self, "log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu")
+        check_positive(self, "log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu", "logits_chunk_tokens")
 
 
 @dataclass(frozen=True)

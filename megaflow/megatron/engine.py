@@ -22,13 +22,52 @@ import torch.distributed as dist
 
 from megaflow.megatron.batch import PackedBatch, pack_batch, token_budget_groups
 from megaflow.megatron.engine_config import EngineConfig, GlobalDenominators
-from megaflow.megatron.logprobs import vocab_parallel_log_probs
+from megaflow.megatron.logprobs import chunked_vocab_parallel_log_probs, vocab_parallel_log_probs
 from megaflow.megatron.parallel import ParallelInfo
 
 #: ``loss_fn(outputs, micro_batch, denominators) -> (loss share, metric shares)``.
 #: ``outputs``: ``log_probs`` (and ``entropy`` when requested) ``[mb, R]`` for an actor, or
 #: ``values`` ``[mb, R]`` for a critic; ``micro_batch``: the batch's other fields for these rows.
 LossFn = Callable[[dict, dict, GlobalDenominators], tuple[torch.Tensor, dict]]
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _output_layer_returns_hidden(model: torch.nn.Module) -> None:
+    """Make ``model.output_layer`` return its input (hidden states in the TP region) instead
+    of logits, so the engine projects onto the vocabulary in chunks
+    (:func:`~megaflow.megatron.logprobs.chunked_vocab_parallel_log_probs`).
+
+    The input goes through the region mapping the ColumnParallelLinear would apply: with
+    sequence parallelism an all-gather of the sequence (reduce-scatter of its gradient),
+    otherwise an identity whose gradient is all-reduced over the TP group.
+    """
+    from megatron.core import tensor_parallel
+
+    layer = model.output_layer
+    sequence_parallel = bool(getattr(layer, "sequence_parallel", False))
+
+    def hidden_in_tp_region(input_, weight=None, runtime_gather_output=None):
+        if sequence_parallel:
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True)
+        else:
+            hidden = tensor_parallel.copy_to_tensor_model_parallel_region(input_)
+        # GPTModel transposes the output to [b, s, h], so the gradient arrives non-contiguous;
+        # megatron-core's region backward all-reduces ``grad.contiguous()`` (a copy) and
+        # returns the un-reduced original in that case: hand it a contiguous gradient.
+        return _ContiguousGrad.apply(hidden), None
+
+    layer.forward = hidden_in_tp_region
 
 
 def causal_attention_mask(seq_len: int, device: torch.device | str) -> torch.Tensor:
@@ -68,6 +107,8 @@ class MegatronEngine:
         self.optimizer = self.scheduler = None
         self.device = next(model.parameters()).device
         self._offloaded: set[str] = set()
+        if config.logits_chunk_tokens is not None and role == "actor" and info.is_last_pp_stage:
+            _output_layer_returns_hidden(self.module)
         if train:
             self._setup_training()
 
@@ -145,16 +186,28 @@ class MegatronEngine:
         if self.role == "reward":  # score after reading token t: head(h_t)
             at_token = (index + 1).clamp_max(mb.seq_len - 1)
             return {"scores": output.squeeze(-1).gather(1, at_token).float() * valid}
-        logits = output.gather(1, index.unsqueeze(-1).expand(-1, -1, output.shape[-1]))
+        at_response = output.gather(1, index.unsqueeze(-1).expand(-1, -1, output.shape[-1]))
         labels = mb.input_ids.to(self.device).gather(1, (index + 1).clamp_max(mb.seq_len - 1))
-        log_probs, entropy = vocab_parallel_log_probs(
-            logits, torch.where(valid, labels, torch.zeros_like(labels)),
-            tp_group=self.info.tp_group, vocab_size=self.vocab_size, temperature=temperature,
-            with_entropy=with_entropy)
+        labels = torch.where(valid, labels, torch.zeros_like(labels))
+        common = dict(tp_group=self.info.tp_group, vocab_size=self.vocab_size, temperature=temperature,
+                      with_entropy=with_entropy)
+        if self.config.logits_chunk_tokens is None:  # the model returned logits
+            log_probs, entropy = vocab_parallel_log_probs(at_response, labels, **common)
+        else:  # the model returned hidden states: project and normalise chunk by chunk
+            log_probs, entropy = chunked_vocab_parallel_log_probs(
+                at_response, self._output_weight(), labels,
+                chunk_tokens=self.config.logits_chunk_tokens, **common)
         out = {"log_probs": log_probs * valid}
         if entropy is not None:
             out["entropy"] = entropy * valid
         return out
+
+    def _output_weight(self) -> torch.Tensor:
+        """This rank's ``[V/tp, h]`` output projection (the embedding's when they are tied)."""
+        module = self.module
+        if module.share_embeddings_and_output_weights:
+            return module.shared_embedding_or_output_weight()
+        return module.output_layer.weight
 
     def _run(self, chunks: list, forward_only: bool, head: Callable, seq_len: int,
              micro_batch_size: int) -> list:

@@ -39,6 +39,9 @@ class EngineConfig:
     # sequence), replacing the fixed row counts above.
     max_tokens_per_micro_batch: Optional[int] = None  # train_step
     forward_max_tokens_per_micro_batch: Optional[int] = None  # forward
+    # Actor: project onto the vocabulary and normalise this many response tokens at a time
+    # (never [tokens, vocab] logits at once); None: the model's own output layer.
+    logits_chunk_tokens: Optional[int] = None
     lr: float = 1e-6
     min_lr: float = 0.0
     lr_warmup_init: float = 0.0
@@ -59,6 +62,8 @@ class EngineConfig:
         for name in ("max_seq_len", "micro_batch_size", "forward_micro_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.logits_chunk_tokens is not None and self.logits_chunk_tokens < 1:
+            raise ValueError(f"EngineConfig.logits_chunk_tokens must be >= 1, got {self.logits_chunk_tokens}")
         for name in ("max_tokens_per_micro_batch", "forward_max_tokens_per_micro_batch"):
             budget = getattr(self, name)
             if budget is not None and budget < self.max_seq_len:

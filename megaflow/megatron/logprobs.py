@@ -115,4 +115,59 @@ def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, *,
     return log_probs.view(lead), (entropy.view(lead) if with_entropy else None)
 
 
-__all__ = ["vocab_parallel_log_probs"]
+def chunked_vocab_parallel_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                                     chunk_tokens: int, tp_group: Optional[dist.ProcessGroup],
+                                     vocab_size: Optional[int] = None, temperature: float = 1.0,
+                                     with_entropy: bool = False
+                                     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """:func:`vocab_parallel_log_probs` of ``hidden @ weight.T`` without ever holding the
+    logits of more than ``chunk_tokens`` tokens.
+
+    The output projection and the vocab-parallel softmax run chunk by chunk; with autograd
+    on, each chunk is checkpointed (``torch.utils.checkpoint``, non-reentrant), so backward
+    recomputes its ``[chunk_tokens, V/tp]`` logits instead of keeping them: the peak is one
+    chunk's logits and probabilities, not ``[tokens, V/tp]`` (what makes a 128k-256k
+    vocabulary affordable).
+
+    Args:
+        hidden: ``[..., h]`` final hidden states, already in the TP region (replicated over
+            the TP ranks, its gradient all-reduced by the caller's region mapping).
+        weight: ``[V/tp, h]`` this rank's vocabulary shard of the output projection.
+        labels: ``[...]`` int64 token ids.
+        chunk_tokens: tokens per chunk (> 0).
+        tp_group, vocab_size, temperature, with_entropy: as :func:`vocab_parallel_log_probs`.
+
+    Returns:
+        ``(log_probs [...], entropy [...] or None)``, float32.
+
+    Raises:
+        ValueError: ``chunk_tokens < 1`` or shapes that disagree.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if hidden.shape[:-1] != labels.shape or hidden.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)} and labels "
+                         f"{tuple(labels.shape)} disagree")
+    flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+
+    def chunk(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        log_probs, entropy = vocab_parallel_log_probs(h @ w.t(), y, tp_group=tp_group, vocab_size=vocab_size,
+                                                      temperature=temperature, with_entropy=True)
+        return log_probs, entropy
+
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    outputs = []
+    for start in range(0, flat_labels.shape[0], chunk_tokens):
+        args = (flat_hidden[start:start + chunk_tokens], weight, flat_labels[start:start + chunk_tokens])
+        outputs.append(checkpoint(chunk, *args, use_reentrant=False) if grad else chunk(*args))
+    if not outputs:
+        empty = hidden.new_zeros(labels.shape, dtype=torch.float32)
+        return empty, (empty.clone() if with_entropy else None)
+    log_probs = torch.cat([o[0] for o in outputs]).view(labels.shape)
+    entropy = torch.cat([o[1] for o in outputs]).view(labels.shape) if with_entropy else None
+    return log_probs, entropy
+
+
+__all__ = ["vocab_parallel_log_probs", "chunked_vocab_parallel_log_probs"]

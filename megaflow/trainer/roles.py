@@ -37,7 +37,8 @@ def _engine_config(cfg, role: str, *, micro: int | None, forward_micro: int | No
     optim = getattr(section, "optim", None)
     update_budget, forward_budget = token_budgets(cfg, role)
     kwargs: dict[str, Any] = dict(max_seq_len=max_seq_len(cfg), max_tokens_per_micro_batch=update_budget,
-                                  forward_max_tokens_per_micro_batch=forward_budget)
+                                  forward_max_tokens_per_micro_batch=forward_budget,
+                                  logits_chunk_tokens=getattr(section, "logits_chunk_tokens", None))
     if micro is not None:
         kwargs["micro_batch_size"] = micro
     if forward_micro is not None:

@@ -68,3 +68,15 @@ def test_token_budgets_reach_the_engines_and_small_budgets_are_refused(tiny):
         config_from_dict(tiny(actor={"use_dynamic_bsz": True, "log_prob_max_token_len_per_gpu": 250},
                               data={"max_prompt_length": 100}, rollout={"response_length": 200}))
     assert err.value.key == "actor.log_prob_max_token_len_per_gpu" and "= 300" in str(err.value)
+
+
+def test_logits_chunk_tokens_reach_the_actor_and_ref_engines(tiny):
+    from megaflow.trainer.roles import worker_config
+
+    cfg = config_from_dict(tiny(actor={"logits_chunk_tokens": 64}, ref={"enabled": True, "logits_chunk_tokens": 32},
+                                algorithm={"use_kl_loss": True}))
+    assert worker_config(cfg, "actor").engine.logits_chunk_tokens == 64
+    assert worker_config(cfg, "ref").engine.logits_chunk_tokens == 32
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(tiny(actor={"logits_chunk_tokens": 0}))
+    assert err.value.key == "actor.logits_chunk_tokens"

@@ -260,3 +260,74 @@ def test_token_budget_micro_batches_equal_fixed_micro_batches(dynamic_results, l
         for name, grad in fixed["grads"].items():
             error = float((dynamic["grads"][name] - grad).norm()) / max(float(grad.norm()), 1e-12)
             assert error < 5e-6, (name, error)
+
+
+# ---------------------------------------------------------------- chunked vocab-parallel log-probs
+CHUNK = 5  # response tokens per chunk (the batch has 6 x 6)
+
+
+def _entropy_loss(outputs, mb, den):
+    """Policy-gradient-like loss plus an entropy bonus: both chunked outputs get gradients."""
+    mask = mb["response_mask"].float()
+    loss = -((outputs["log_probs"] * mb["weights"] + 0.1 * outputs["entropy"]) * mask).sum() / den.num_tokens
+    return loss, {}
+
+
+def _chunked_rank(rank, world):
+    import dataclasses
+
+    from megaflow.megatron import model as M
+    from megaflow.megatron import parallel
+    from megaflow.megatron.engine import EngineConfig, MegatronEngine
+
+    out = {}
+    for tied in (False, True):
+        torch.manual_seed(0)
+        cfg = tiny_llama_config(tie_word_embeddings=tied)
+        hf_state = hf_causal_lm(cfg, seed=7).state_dict()
+        info = parallel.initialize_parallel(tp=2, pp=1, seed=1)
+        plain = EngineConfig(max_seq_len=16, micro_batch_size=3, forward_micro_batch_size=3, lr=1e-3, clip_grad=0.0)
+        res = {}
+        for name, ec in (("plain", plain), ("chunked", dataclasses.replace(plain, logits_chunk_tokens=CHUNK))):
+            model = M.build_gpt_model(cfg)
+            load_shard(model, hf_to_megatron_shard(hf_state, cfg, tp_rank=info.tp_rank, tp=2, pp_rank=0, pp=1))
+            engine = MegatronEngine(model, info, ec, vocab_size=VOCAB)
+            batch = _batch()
+            fwd = engine.forward(batch, temperature=0.8, with_entropy=True)
+            shard = M.padded_vocab_size(VOCAB, 2) // 2
+            saved = 0  # most vocabulary-shard rows of one tensor kept for backward
+
+            def pack(t):
+                nonlocal saved
+                if t.dim() >= 2 and t.shape[-1] == shard:
+                    saved = max(saved, t.numel() // shard)
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                metrics = engine.train_step(batch, _entropy_loss, temperature=0.8, with_entropy=True)
+            res[name] = dict(fwd=fwd, metrics=metrics, saved=saved,
+                             grads={k: p.main_grad.detach().clone() for k, p in engine.module.named_parameters()})
+        out["tied" if tied else "untied"] = res
+        parallel.destroy_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def chunked_results():
+    return run_distributed(_chunked_rank, 2, timeout_s=900)
+
+
+@pytest.mark.parametrize("embeddings", ["untied", "tied"])
+def test_chunked_log_probs_equal_the_full_logits_path(chunked_results, embeddings):
+    for rank in chunked_results:
+        plain, chunked = rank[embeddings]["plain"], rank[embeddings]["chunked"]
+        for key in ("log_probs", "entropy"):
+            torch.testing.assert_close(chunked["fwd"][key], plain["fwd"][key], atol=1e-6, rtol=1e-6)
+        assert chunked["metrics"]["loss"] == pytest.approx(plain["metrics"]["loss"], abs=1e-6)
+        assert chunked["metrics"]["grad_norm"] == pytest.approx(plain["metrics"]["grad_norm"], rel=1e-5)
+        for name, grad in plain["grads"].items():
+            error = float((chunked["grads"][name] - grad).norm()) / max(float(grad.norm()), 1e-12)
+            assert error < 5e-6, (name, error)
+        # logits / probabilities kept for backward: at most one chunk of tokens at a time, while the
+        # full path keeps [micro-batch rows x sequence, V/tp]
+        assert chunked["saved"] <= CHUNK < plain["saved"], (chunked["saved"], plain["saved"])
