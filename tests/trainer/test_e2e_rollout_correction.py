@@ -56,6 +56,8 @@ def test_cispo_with_tis_and_icepop_learns(ray_session, tmp_path):
         # vLLM and the trainer agree to fp32 noise here: weights ~1, nothing rejected
         assert row["rollout_corr/mismatch_max"] < 1e-3 and row["rollout_corr/rejected_token_fraction"] == 0.0
         assert row["rollout_corr/weight_max"] == pytest.approx(1.0, abs=1e-3)
+    # the first update starts from the policy that sampled: the PPO KL of step 1 is ~0
+    assert abs(rows[0]["actor/approx_kl"]) < 1e-8
     _learns(rows)
 
 
