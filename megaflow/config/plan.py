@@ -32,6 +32,7 @@ from megaflow.config.topology import (
     num_samples_per_step,
     role_model_spec,
     role_parallel,
+    token_budgets,
     train_batch_sizes,
 )
 from megaflow.config.typed import ConfigError
@@ -138,11 +139,18 @@ def _role_plan(cfg: Config, role: str) -> RolePlan:
     trained = role in TRAINED_ROLES
     batch = train_batch_sizes(cfg, role) if trained else None
     forward_mb = getattr(section, FORWARD_MICRO_BATCH[role])
+    micro, num_micro = (batch.micro_batch_size, batch.num_micro_batches) if batch else (forward_mb, 1)
+    update_budget, forward_budget = token_budgets(cfg, role)
+    if forward_budget is not None:  # token-budget micro-batches: as many full-length rows as fit
+        forward_mb = max(1, forward_budget // max_seq_len(cfg))
+        micro = forward_mb
+    if update_budget is not None and batch is not None:
+        micro = max(1, update_budget // max_seq_len(cfg))
+        num_micro = -(-batch.mini_batch_size_per_dp_rank // micro)
     shape = ParallelShape(
         tp=par.tp, pp=par.pp, cp=par.cp, dp=par.dp, vpp=par.vpp, sequence_parallel=section.sequence_parallel,
         recompute=getattr(section, "recompute_granularity", "none"),
-        micro_batch=batch.micro_batch_size if batch else forward_mb,
-        num_micro_batches=batch.num_micro_batches if batch else 1, seq=max_seq_len(cfg))
+        micro_batch=micro, num_micro_batches=num_micro, seq=max_seq_len(cfg))
     offload = tuple(getattr(section, f"{kind}_offload", False) for kind in ("param", "grad", "optimizer"))
     memory = role_memory(role, spec, shape, dtype=cfg.model.dtype, trained=trained,
                          distributed_optimizer=getattr(section, "use_distributed_optimizer", False),

@@ -80,3 +80,16 @@ def test_logits_chunk_tokens_reach_the_actor_and_ref_engines(tiny):
     with pytest.raises(ConfigError) as err:
         config_from_dict(tiny(actor={"logits_chunk_tokens": 0}))
     assert err.value.key == "actor.logits_chunk_tokens"
+
+
+def test_the_plan_sizes_activations_from_the_token_budget(tiny):
+    from megaflow.config import build_plan
+
+    def actor_activations(**actor):
+        tree = tiny(actor=actor, data={"max_prompt_length": 100}, rollout={"response_length": 156})
+        return build_plan(config_from_dict(tree)).role("actor").memory.activations
+
+    fixed = actor_activations(ppo_micro_batch_size_per_gpu=4)
+    # a budget of 4 full-length (256-token) rows per micro-batch plans the same activations
+    assert actor_activations(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=4 * 256) == pytest.approx(fixed)
+    assert actor_activations(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=8 * 256) > fixed
