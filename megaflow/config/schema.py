@@ -1,6 +1,8 @@
-"""megaflow's configuration: typed, frozen sections with one source of defaults.
+"""megaflow's configuration: typed, frozen sections.
 
-``Config`` is the root; every field below has its default here and nowhere else. A
+``Config`` is the root; every field of the config tree has its default here (the worker
+and engine settings, :mod:`megaflow.workers.config` and
+:mod:`megaflow.megatron.engine_config`, are built from it by :mod:`megaflow.trainer.roles`). A
 recipe (YAML in ``recipes/``) and command-line ``key.sub=value`` overrides are layered
 over these defaults by :func:`megaflow.config.load_config`. Each section validates its own
 fields on construction; :class:`Config` then validates what spans sections (algorithm vs
@@ -17,7 +19,10 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, get_args
 
+from megaflow.config.layout import pack_pools
 from megaflow.config.roles import (
+    GROUP_ESTIMATORS,
+    ROLES,
     ActorConfig,
     CriticConfig,
     OptimConfig,
@@ -26,6 +31,7 @@ from megaflow.config.roles import (
     RewardModelConfig,
     RolloutConfig,
 )
+from megaflow.config.topology import validate_config
 from megaflow.config.typed import ConfigError, Section, check, check_positive
 
 AdvEstimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
@@ -36,12 +42,9 @@ KLLossType = Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "abs+"
 Logger = Literal["console", "jsonl", "tensorboard", "wandb"]
 
 ADV_ESTIMATORS: tuple[str, ...] = get_args(AdvEstimator)
-#: Estimators that compare the samples of one prompt with each other (need rollout.n >= 2).
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 KL_LOSS_TYPES: tuple[str, ...] = get_args(KLLossType)
 LOGGERS: tuple[str, ...] = get_args(Logger)
-ROLES = ("actor", "ref", "critic", "reward_model")
 
 
 @dataclass(frozen=True)
@@ -262,6 +265,9 @@ class TrainerConfig(Section):
     """Root of run directories: <output_dir>/<project_name>/<experiment_name>."""
     resume: str = "auto"
     """'disable', 'auto' (latest complete checkpoint of the run directory, if any) or a path."""
+    resume_ignore_config_diff: bool = False
+    """Resume although the config differs from the checkpoint's config.yaml in keys that
+    change the run (megaflow.trainer.resume.RESUME_MAY_DIFFER lists those that may differ)."""
     max_ckpt_to_keep: int | None = None
     """Keep only the newest N checkpoints; null keeps all."""
     export_hf: bool = False
@@ -349,8 +355,6 @@ class ResourcesConfig(Section):
             name = getattr(self.placement, role)
             check(name in self.pools, f"placement.{role}",
                   f"unknown pool {name!r}; pools: {', '.join(self.pools)}")
-        from megaflow.config.layout import pack_pools
-
         pack_pools(self)  # raises ConfigError at resources.pools.<name> when they do not fit
 
     def pool_nodes(self, name: str) -> int:
@@ -418,8 +422,6 @@ class Config(Section):
     """Ray cluster."""
 
     def validate(self) -> None:
-        from megaflow.config.topology import validate_config
-
         validate_config(self)
 
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megaflow.config.model_spec import ModelSpec, model_spec, resolve_hf_config
-from megaflow.config.schema import GROUP_ESTIMATORS, ROLES
+from megaflow.config.layout import pack_pools
+from megaflow.config.roles import GROUP_ESTIMATORS, ROLES
 from megaflow.config.typed import ConfigError, check
 
 if TYPE_CHECKING:
@@ -259,7 +260,6 @@ class ClusterRequirements:
 def cluster_requirements(cfg: Config) -> ClusterRequirements:
     """Nodes and per-node resources the run needs (pools packed on resources.nodes)."""
     res = cfg.resources
-    from megaflow.config.layout import pack_pools
 
     used_nodes = {node for pool in pack_pools(res).values() for node in pool.nodes}
     procs = res.procs_per_node
