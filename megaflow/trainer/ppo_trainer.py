@@ -116,7 +116,7 @@ class RayPPOTrainer:
         from megaflow.workers.actor_rollout import check_synced
 
         with _timer("sync", t):  # the actor's weights -> the rollout engines; versions checked on every rank
-            sync_metrics = check_synced(g.actor.sync_rollout_weights())
+            sync_metrics = check_synced(g.actor.sync_rollout_weights(verify=self.cfg.rollout.verify_sync))
         with _timer("gen", t):
             batch = self.rollout(prompts, self.cfg.rollout.n, greedy=False)
         rollout_metrics = {**batch.meta_info.pop("rollout_metrics", {}), **sync_metrics}

@@ -35,6 +35,10 @@ from megaflow.workers.megatron_workers import ActorWorker
 
 #: Offset between the sampling seeds of two generation replicas (distinct request seeds).
 _REPLICA_SEED_STRIDE = 1_000_003
+#: ``verify`` of :meth:`ActorRolloutWorker.sync_rollout_weights`: largest accepted
+#: |engine - trainer| log-prob difference on the probe (fp32).
+VERIFY_SYNC_ATOL = 1e-5
+_PROBE_LENGTHS, _PROBE_RESPONSE = (8, 5), 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,19 +169,65 @@ class ActorRolloutWorker(ActorWorker):
 
     # ------------------------------------------------------------------ registered methods
     @register(Dispatch.ONE_TO_ALL)
-    def sync_rollout_weights(self) -> dict[str, float]:
+    def sync_rollout_weights(self, verify: bool = False) -> dict[str, float]:
         """Push the actor's weights into the engine if they changed since the last sync
         (collective: every rank, in lockstep).
+
+        Args:
+            verify: then generate greedily on a fixed probe and compare the engine's
+                log-probs with the actor's recomputation (``rollout.verify_sync``).
 
         Returns:
             This rank's ``rollout/weight_version`` (engine syncs so far),
             ``rollout/synced_actor_version`` and ``rollout/actor_version`` (equal after a
-            sync), and, when weights moved, ``timing_s/reshard``, ``reshard/bytes_received``
-            and ``reshard/bytes_sent``.
+            sync), when weights moved ``timing_s/reshard``, ``reshard/bytes_received`` and
+            ``reshard/bytes_sent``, and with ``verify`` ``rollout/verify_sync_max_diff``
+            (the largest difference over all ranks).
+
+        Raises:
+            RuntimeError: with ``verify``, a difference above :data:`VERIFY_SYNC_ATOL`
+                (on every rank, naming the rank with the largest one).
         """
         synced = self._synced_version != self._actor_version
         self._sync_rollout_weights()
-        return self._sync_metrics(synced)
+        metrics = self._sync_metrics(synced)
+        if verify:
+            metrics["rollout/verify_sync_max_diff"] = self._verify_sync()
+        return metrics
+
+    def _probe(self) -> DataProto:
+        """Fixed left-padded prompts (seeded ids from 3 up to the vocabulary), greedy."""
+        rs = self.rollout_settings
+        lengths = [min(n, rs.max_prompt_length) for n in _PROBE_LENGTHS]
+        width = max(lengths)
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.full((len(lengths), width), rs.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, n in enumerate(lengths):
+            ids[i, width - n:] = torch.randint(3, self.spec.vocab_size, (n,), generator=gen)
+            mask[i, width - n:] = 1
+        return DataProto.from_dict({"input_ids": ids, "attention_mask": mask}, meta_info={
+            "do_sample": False, "response_length": min(_PROBE_RESPONSE, rs.response_length), "seed": 0})
+
+    def _verify_sync(self) -> float:
+        """Engine vs trainer log-probs of the probe's greedy tokens; the world's largest
+        difference (collective). Raises RuntimeError above :data:`VERIFY_SYNC_ATOL`."""
+        out = self.rollout.generate_sequences(self._probe())
+        keys = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask")
+        trainer = self._forward(DataProto.from_dict({k: out.batch[k] for k in keys}), temperature=1.0)
+        diff = -1.0  # no output on this rank (not the last pipeline stage)
+        if trainer is not None:
+            mask = out.batch["response_mask"].bool()
+            delta = (out.batch["rollout_log_probs"] - trainer["log_probs"].to(torch.float32).cpu()).abs()
+            diff = float(delta[mask].max()) if mask.any() else 0.0
+        diffs: list = [None] * dist.get_world_size()
+        dist.all_gather_object(diffs, diff)
+        worst = max(range(len(diffs)), key=lambda r: diffs[r])
+        if diffs[worst] > VERIFY_SYNC_ATOL:
+            raise RuntimeError(f"rollout.verify_sync: after weight sync {self.rollout.weight_version} the engine's "
+                               f"log-probs of the probe differ from the actor's by up to {diffs[worst]:.3g} on rank "
+                               f"{worst} (tolerance {VERIFY_SYNC_ATOL:g}); per rank: {diffs}")
+        return float(diffs[worst])
 
     def _sync_metrics(self, synced: bool) -> dict[str, float]:
         metrics = {"rollout/weight_version": float(self.rollout.weight_version),
@@ -256,4 +306,4 @@ def check_synced(per_rank: list[dict[str, float]]) -> dict[str, float]:
             if k not in ("rollout/synced_actor_version", "rollout/actor_version")}
 
 
-__all__ = ["ActorRolloutWorker", "RolloutSettings", "check_synced"]
+__all__ = ["ActorRolloutWorker", "RolloutSettings", "check_synced", "VERIFY_SYNC_ATOL"]

@@ -33,7 +33,7 @@ class FakeActor:
             "position_ids": torch.cumsum(am, -1) - 1,
             "rollout_log_probs": -torch.ones(b, R) * 0.5})
 
-    def sync_rollout_weights(self):
+    def sync_rollout_weights(self, verify=False):
         """One rank's view (ActorRolloutWorker.sync_rollout_weights): its engine serves the actor's version."""
         v = float(self.version)
         return [{"rollout/weight_version": v, "rollout/synced_actor_version": v, "rollout/actor_version": v}]
@@ -100,7 +100,8 @@ def make_cfg(tmp_path, total_steps=3, resume="disable", balance_batch=False):
         algorithm=ns(adv_estimator="grpo", gamma=1.0, lam=1.0, norm_adv_by_std=True, use_kl_in_reward=False,
                      kl_penalty="k1", kl_ctrl=ns(type="fixed", kl_coef=0.001, target_kl=None, horizon=None),
                      rollout_correction=RolloutCorrectionConfig()),
-        rollout=ns(n=3, temperature=1.0, top_p=1.0, top_k=-1, response_length=R, val_do_sample=False),
+        rollout=ns(n=3, temperature=1.0, top_p=1.0, top_k=-1, response_length=R, val_do_sample=False,
+                   verify_sync=False),
         actor=ns(optim=ns(clip_grad=1.0)),
         trainer=ns(total_steps=total_steps, test_freq=0, save_freq=1, seed=7, resume=resume,
                    balance_batch=balance_batch))

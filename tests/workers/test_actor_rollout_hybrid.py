@@ -300,3 +300,16 @@ def test_after_update_the_rollout_serves_the_new_weights(hybrid, tmp_path):
     ref = _hf_greedy(str(hf_dir))
     assert after.batch["responses"].tolist() == ref.batch["responses"].tolist()
     assert torch.equal(after.batch["response_mask"], ref.batch["response_mask"])
+
+
+def test_verified_sync_reports_engine_equal_to_trainer(hybrid):
+    """rollout.verify_sync: the probe's engine log-probs equal the actor's on every rank."""
+    from megaflow.workers.actor_rollout import VERIFY_SYNC_ATOL, check_synced
+
+    group = hybrid.group
+    version = group.rollout_weight_version()[0]
+    per_rank = group.sync_rollout_weights(verify=True)  # nothing changed since the last sync: no reshard
+    metrics = check_synced(per_rank)
+    assert "reshard/bytes_received" not in metrics and metrics["rollout/weight_version"] == version
+    diffs = [m["rollout/verify_sync_max_diff"] for m in per_rank]
+    assert len(set(diffs)) == 1 and 0.0 <= diffs[0] <= VERIFY_SYNC_ATOL, diffs
