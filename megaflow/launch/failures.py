@@ -19,6 +19,7 @@ every role and rank they hosted, the rank that failed first, and how to resume::
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -30,6 +31,9 @@ RESUME_HINT = ("the run cannot continue without these ranks; once the cluster is
 
 _DEATH_MARKERS = ("ActorDiedError", "RayActorError", "NodeDiedError", "WorkerCrashedError",
                   "worker process died", "actor died", "node has died", "node died")
+#: Text of a survivor's error when a peer of its collective died (gloo, NCCL, sockets).
+_PEER_LOST_MARKERS = ("connection reset", "connection closed", "connection refused", "broken pipe",
+                      "gloo", "nccl", "timed out", "socket", "processgroup", "distbackenderror")
 _IP = re.compile(r"\bip:\s*([0-9a-fA-F:.]+)")
 _PID = re.compile(r"\bpid:\s*(\d+)")
 _WHERE = re.compile(r"role '([^']+)'.*?\brank (\d+)")  # WorkerGroup.where_of(role, rank)
@@ -87,6 +91,13 @@ def is_worker_death(error: BaseException) -> bool:
     return any(marker in text for marker in _DEATH_MARKERS)
 
 
+def _first_line(error: BaseException) -> str:
+    """The last non-empty line of the error's remote traceback (the exception), else its text."""
+    lines = [ln.strip() for ln in str(getattr(error, "remote_traceback", "") or error).splitlines() if ln.strip()]
+    text = lines[-1] if lines else type(error).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
 def _error_text(error: BaseException) -> str:
     return " ".join(str(part) for part in (error, getattr(error, "remote_traceback", "")))
 
@@ -128,6 +139,72 @@ def _ray_nodes() -> list[NodeResources] | None:
     return None
 
 
+def _dead_actor_processes() -> set[tuple[str, int]] | None:
+    """``{(node_id, pid)}`` of this job's actors that Ray's control store (GCS) reports
+    DEAD, or None when it cannot be asked."""
+    try:
+        import ray
+        from ray._private import state  # the GCS actor table; ray.util.state needs the dashboard
+
+        if not ray.is_initialized():
+            return None
+        table = state.actors()
+    except Exception:  # noqa: BLE001 - the head may be gone; other evidence is used then
+        return None
+    return {(info["Address"]["NodeID"], int(info["Pid"])) for info in table.values()
+            if info.get("State") == "DEAD" and info.get("Pid")}
+
+
+def _local_process_gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False
+
+
+def dead_placements(placements: Sequence[RankPlacement]) -> list[RankPlacement]:
+    """The ranks whose process is dead: Ray's actor table says so, or the process ran on
+    this machine and is gone. Ordered by role (as given) then rank.
+
+    A survivor's error (a collective whose peer vanished) reaches the controller as an
+    ordinary worker exception; asking who is dead names the rank that actually died.
+    """
+    import socket
+
+    dead = _dead_actor_processes() or set()
+    here = {socket.gethostname()}
+    out = [p for p in placements
+           if (p.node_id, p.pid) in dead or (p.pid and p.hostname in here and _local_process_gone(p.pid))]
+    return out
+
+
+def _looks_like_lost_peer(error: BaseException) -> bool:
+    text = _error_text(error).lower()
+    return any(marker in text for marker in _PEER_LOST_MARKERS)
+
+
+def find_dead_ranks(error: BaseException, placements: Sequence[RankPlacement], *, wait_s: float = 15.0,
+                    poll_s: float = 0.5) -> list[RankPlacement]:
+    """The dead ranks behind ``error``, if any (see :func:`dead_placements`).
+
+    When none is dead yet but ``error`` reports a worker death or a lost collective peer
+    (connection reset, gloo/NCCL errors, timeouts), asks again every ``poll_s`` seconds for
+    up to ``wait_s``: Ray learns of a killed process a moment after its peers do. Other
+    errors (a Python exception in worker code) are answered at once.
+    """
+    deadline = time.monotonic() + wait_s
+    patient = is_worker_death(error) or _looks_like_lost_peer(error)
+    while True:
+        dead = dead_placements(placements)
+        if dead or not patient or time.monotonic() >= deadline:
+            return dead
+        time.sleep(poll_s)
+
+
 def _failed_rank(error: BaseException, placements: Sequence[RankPlacement]) -> RankPlacement | None:
     role, rank = getattr(error, "role", None), getattr(error, "rank", None)
     where = _WHERE.search(str(getattr(error, "where", "") or ""))
@@ -143,7 +220,7 @@ def _failed_rank(error: BaseException, placements: Sequence[RankPlacement]) -> R
 
 def worker_lost_error(error: BaseException, placements: Sequence[RankPlacement],
                       nodes: Sequence[NodeResources] | None = None, resume_hint: str = RESUME_HINT,
-                      method: str | None = None) -> WorkerLostError:
+                      method: str | None = None, dead: Sequence[RankPlacement] | None = None) -> WorkerLostError:
     """Explain a dead worker process or node in terms of the run.
 
     Args:
@@ -155,12 +232,15 @@ def worker_lost_error(error: BaseException, placements: Sequence[RankPlacement],
             head is unreachable: the message then relies on the error alone).
         resume_hint: the last sentence (how to resume).
         method: the worker method that was running, when the error does not say.
+        dead: the ranks known to be dead (:func:`find_dead_ranks`); the first one is named
+            as the rank that died, even when ``error`` came from a surviving peer.
 
     Returns:
         A :class:`WorkerLostError` to raise (``raise ... from error``).
     """
     nodes = _ray_nodes() if nodes is None else list(nodes)
-    failed = _failed_rank(error, placements)
+    reporter = _failed_rank(error, placements)
+    failed = dead[0] if dead else reporter
     method = method or getattr(error, "method", None)
     run_nodes = {p.node_id for p in placements} | {p.node_ip for p in placements}
     dead = [n for n in (nodes or []) if not n.alive and (n.node_id in run_nodes or n.ip in run_nodes)]
@@ -171,6 +251,12 @@ def worker_lost_error(error: BaseException, placements: Sequence[RankPlacement],
         pid = f", pid {failed.pid}" if failed.pid else ""
         during = f" during {method}" if method else ""
         lines.append(f"worker lost: role {failed.role!r} rank {failed.rank} ({where}{pid}) died{during}")
+        others = [p for p in (dead or [])[1:] if p.pid != failed.pid]
+        if others:
+            lines.append(f"also dead: {_describe_ranks(_by_role(others))}")
+        if reporter is not None and dead and (reporter.role, reporter.rank) not in {(p.role, p.rank) for p in dead}:
+            lines.append(f"(role {reporter.role!r} rank {reporter.rank}, which survived, reported it first: "
+                         f"{_first_line(error)})")
     else:
         lines.append(f"worker lost: a worker process of the run died ({type(error).__name__})")
     if dead:
@@ -182,7 +268,7 @@ def worker_lost_error(error: BaseException, placements: Sequence[RankPlacement],
             lines.append(f"node {node.ip}{host} is dead; it ran {_describe_ranks(on_node) or 'no ranks of the run'}")
     elif failed is not None:  # one process: every role colocated in it is gone
         same = [p for p in placements if failed.pid and p.pid == failed.pid and p.node_ip == failed.node_ip]
-        lost = _by_role(same or [failed])
+        lost = _by_role(same + [p for p in (dead or []) if p not in same] or [failed])
         if nodes is not None:
             lines.append(f"its node {failed.node_ip} is alive: the process was killed or crashed (host out of "
                          "memory, a signal, a native crash); see that node's Ray logs (raylet.out, worker logs)")
@@ -193,5 +279,25 @@ def worker_lost_error(error: BaseException, placements: Sequence[RankPlacement],
                            rank=failed.rank if failed else None, dead_nodes=tuple(n.ip for n in dead), lost=lost)
 
 
+class RunInterrupted(Exception):
+    """The user interrupted the run (Ctrl-C); the message says where it stopped and how to go on.
+
+    Attributes:
+        step: the last completed step.
+        checkpoint: the newest complete checkpoint, or None.
+    """
+
+    def __init__(self, step: int, checkpoint: Any = None) -> None:
+        super().__init__(step, checkpoint)
+        self.step, self.checkpoint = step, checkpoint
+
+    def __str__(self) -> str:
+        if self.checkpoint is None:
+            return (f"interrupted after step {self.step}; no checkpoint was saved, so a restart begins at step 0 "
+                    "(set trainer.save_freq to save on the way)")
+        return (f"interrupted after step {self.step}; the newest checkpoint is {self.checkpoint}: start again "
+                "with the same trainer.output_dir and trainer.resume=auto to continue from it")
+
+
 __all__ = ["RankPlacement", "WorkerLostError", "placements_of", "is_worker_death", "worker_lost_error",
-           "RESUME_HINT"]
+           "dead_placements", "find_dead_ranks", "RunInterrupted", "RESUME_HINT"]

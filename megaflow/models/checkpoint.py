@@ -2,7 +2,9 @@
 
 Layout of a checkpoint directory::
 
-    COMPLETE                  marker (atomic saves only), JSON
+    COMPLETE                  marker, JSON; written last: without it the checkpoint is refused
+    MANIFEST.json             size and sha256 of every other file (megaflow.utils.integrity),
+                              verified before anything is read
     megaflow_checkpoint.json  metadata: format version, HF config, tie flag, vocab sizes,
                               dtype, the TP/PP it was saved at, layer spec, versions
     hf/                       config.json + tokenizer files, copied through for export
@@ -13,6 +15,11 @@ Because the tensors are stored as global tensors with per-rank shards
 (``megatron.core.dist_checkpointing``), a checkpoint saved at one TP/PP loads at any
 other; the vocabulary rows are stored padded and re-padded on load (megatron-core marks
 embedding/output shards ``allow_shape_mismatch``).
+
+Loading executes no code from the files: the distributed checkpoint's pickled index and
+byte items are read with restricted unpicklers first
+(:func:`megaflow.utils.integrity.check_dcp_pickles`), and a checkpoint whose manifest
+does not match its files is refused naming the file.
 """
 from __future__ import annotations
 
@@ -25,7 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megaflow.utils.atomic_dir import check_output_dir, commit_directory, temporary_sibling
+from megaflow.utils.atomic_dir import (COMPLETE_MARKER, check_output_dir, commit_directory, seal_directory,
+                                      temporary_sibling)
+from megaflow.utils.integrity import IntegrityError, check_dcp_pickles, read_json, verify_manifest
 from megaflow.models.hf_io import CheckpointError, copy_tokenizer_files
 from megaflow.models.hf_mapping import ModelSpec
 from megaflow.models.weights import unwrap_model_chunks as _chunks
@@ -83,9 +92,10 @@ def save_checkpoint(model_chunks: Any, ckpt_dir: str | os.PathLike, hf_config: A
         parallel_info: :class:`megaflow.megatron.parallel.ParallelInfo`.
         hf_files_from: an HF directory whose tokenizer/generation files are copied into
             ``hf/`` (for a later export).
-        atomic: write into a hidden temporary sibling and rename it into place with a
-            ``COMPLETE`` marker. False writes into ``ckpt_dir`` directly (for callers that
-            own the atomicity, e.g. the trainer's checkpoint manager).
+        atomic: write into a hidden temporary sibling and rename it into place. False
+            writes into ``ckpt_dir`` directly (for callers that own the atomicity, e.g. the
+            trainer's checkpoint manager). Either way the directory is sealed last
+            (``MANIFEST.json``, then ``COMPLETE``).
         overwrite: replace an existing ``ckpt_dir`` (atomic saves only).
         extra_metadata: merged into ``megaflow_checkpoint.json``.
 
@@ -106,6 +116,7 @@ def save_checkpoint(model_chunks: Any, ckpt_dir: str | os.PathLike, hf_config: A
             check_output_dir(final, overwrite=overwrite or not atomic)
             target = [str(temporary_sibling(final)) if atomic else str(final)]
             (Path(target[0]) / MODEL_SUBDIR).mkdir(parents=True, exist_ok=True)
+            (Path(target[0]) / COMPLETE_MARKER).unlink(missing_ok=True)  # a previous save's
         except Exception as err:  # noqa: BLE001 - reported on every rank below
             target = [err]
     dist.broadcast_object_list(target, src=0)
@@ -119,8 +130,9 @@ def save_checkpoint(model_chunks: Any, ckpt_dir: str | os.PathLike, hf_config: A
         if rank == 0:
             _write_hf_files(work / HF_SUBDIR, hf_config, hf_files_from)
             (work / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
+            seal_directory(work, {"format": FORMAT})
             if atomic:
-                commit_directory(work, final, marker={"format": FORMAT})
+                commit_directory(work, final)
         dist.barrier()
     except BaseException:
         if atomic and rank == 0:
@@ -137,41 +149,71 @@ def _write_hf_files(directory: Path, hf_config: Any, hf_files_from: str | os.Pat
         copy_tokenizer_files(hf_files_from, directory)
 
 
+def _model_dirs_below(directory: Path) -> list[Path]:
+    """Model checkpoints inside a trainer checkpoint (``actor/model``, ``critic/model``), or
+    inside the newest step of a run's ``checkpoints/`` directory."""
+    found = sorted(p.parent for p in directory.glob(f"*/{MODEL_SUBDIR}/{METADATA_FILE}"))
+    found += sorted(p.parent for p in directory.glob(f"{MODEL_SUBDIR}/{METADATA_FILE}"))
+    if not found:
+        steps = sorted((int(p.name.removeprefix("global_step_")), p) for p in directory.glob("global_step_*")
+                       if p.name.removeprefix("global_step_").isdigit() and (p / COMPLETE_MARKER).is_file())
+        if steps:
+            found = _model_dirs_below(steps[-1][1])
+    return found
+
+
 def read_checkpoint_metadata(ckpt_dir: str | os.PathLike) -> dict:
-    """Read ``megaflow_checkpoint.json`` (no process group needed).
+    """Read ``megaflow_checkpoint.json`` of a complete checkpoint (no process group needed).
 
     Raises:
-        CheckpointError: the directory is missing, incomplete (no metadata file: the save
-            did not finish) or of another format/version.
+        CheckpointError: the directory is missing; is a trainer checkpoint (``global_step_N``),
+            a role directory or a run's ``checkpoints/`` (the message names the model
+            directories inside to use instead); has no metadata or no ``COMPLETE`` marker
+            (an interrupted save); or is of another format/version.
     """
-    path = Path(ckpt_dir) / METADATA_FILE
-    if not Path(ckpt_dir).is_dir():
+    ckpt_dir = Path(ckpt_dir)
+    path = ckpt_dir / METADATA_FILE
+    if not ckpt_dir.is_dir():
         raise CheckpointError(f"checkpoint directory {ckpt_dir} does not exist")
     if not path.is_file():
+        inside = _model_dirs_below(ckpt_dir)
+        if inside:
+            raise CheckpointError(f"{ckpt_dir} is not a model checkpoint but holds "
+                                  f"{'them' if len(inside) > 1 else 'one'}: use "
+                                  + " or ".join(str(p) for p in inside))
         raise CheckpointError(f"{ckpt_dir} is not a complete megaflow checkpoint: {METADATA_FILE} "
                               "is missing (interrupted save, or not a megaflow checkpoint)")
-    meta = json.loads(path.read_text())
-    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format {meta.get('format')!r} version "
-                              f"{meta.get('format_version')!r}; expected {FORMAT!r} "
-                              f"version {FORMAT_VERSION}")
+    if not (ckpt_dir / COMPLETE_MARKER).is_file():
+        raise CheckpointError(f"{ckpt_dir} is not a complete megaflow checkpoint: it has no {COMPLETE_MARKER} "
+                              "marker (the save was interrupted)")
+    try:
+        meta = read_json(path)
+    except IntegrityError as err:
+        raise CheckpointError(str(err)) from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        got = meta if isinstance(meta, dict) else {}
+        raise CheckpointError(f"{path}: format {got.get('format')!r} version {got.get('format_version')!r}; "
+                              f"expected {FORMAT!r} version {FORMAT_VERSION}")
     return meta
 
 
-def verify_checkpoint_files(ckpt_dir: str | os.PathLike) -> None:
-    """Check that every tensor file the distributed checkpoint's index refers to exists and
-    is long enough (cheap, no process group; catches deleted or truncated shard files).
+def verify_checkpoint_files(ckpt_dir: str | os.PathLike, *, checksums: bool = True) -> None:
+    """Check a checkpoint's files before anything reads them (no process group needed).
+
+    Every file against ``MANIFEST.json`` (presence, size, sha256 unless ``checksums`` is
+    False), then the distributed checkpoint's pickles with restricted unpicklers, then that
+    every tensor file its index refers to is long enough.
 
     Raises:
-        CheckpointError: naming the missing or truncated file.
+        CheckpointError: naming the missing, unlisted, resized, corrupt or truncated file,
+            or the file holding a refused pickle.
     """
-    from torch.distributed.checkpoint import FileSystemReader
-
     model_dir = Path(ckpt_dir) / MODEL_SUBDIR
     try:
-        storage = FileSystemReader(str(model_dir)).read_metadata().storage_data or {}
-    except Exception as err:  # noqa: BLE001 - any unreadable index is a broken checkpoint
-        raise CheckpointError(f"cannot read the tensor index of {model_dir}: {err}") from err
+        verify_manifest(ckpt_dir, checksums=checksums)
+        storage = check_dcp_pickles(model_dir).storage_data or {}
+    except IntegrityError as err:
+        raise CheckpointError(str(err)) from None
     needed: dict[str, int] = {}
     for info in storage.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -184,6 +226,20 @@ def verify_checkpoint_files(ckpt_dir: str | os.PathLike) -> None:
                                   f"bytes, the index needs {size}")
 
 
+def verify_on_rank0(check, *args: Any, **kwargs: Any) -> None:
+    """Run ``check(*args, **kwargs)`` on rank 0 only and raise its error on every rank
+    (collective: the ranks share the checkpoint's filesystem, one reader suffices)."""
+    outcome: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            check(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - re-raised on every rank below
+            outcome = [CheckpointError(str(err))]
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
 def load_checkpoint(model_chunks: Any, ckpt_dir: str | os.PathLike, *, strict: bool = True) -> dict:
     """Load a checkpoint saved by :func:`save_checkpoint` into built model chunks (collective).
 
@@ -193,13 +249,14 @@ def load_checkpoint(model_chunks: Any, ckpt_dir: str | os.PathLike, *, strict: b
         The checkpoint's metadata.
 
     Raises:
-        CheckpointError: incomplete/foreign checkpoint, missing or truncated tensor files,
-            or a model whose layer count or hidden size differs from the stored HF config.
+        CheckpointError: incomplete/foreign checkpoint, a file that differs from the
+            manifest, a refused pickle, missing or truncated tensor files, or a model whose
+            layer count or hidden size differs from the stored HF config.
     """
     from megatron.core import dist_checkpointing
 
+    verify_on_rank0(lambda: (read_checkpoint_metadata(ckpt_dir), verify_checkpoint_files(ckpt_dir)))
     meta = read_checkpoint_metadata(ckpt_dir)
-    verify_checkpoint_files(ckpt_dir)
     chunks = _chunks(model_chunks)
     stored = ModelSpec.from_hf_config(meta["hf_config"])
     config = chunks[0].config
@@ -216,6 +273,6 @@ def load_checkpoint(model_chunks: Any, ckpt_dir: str | os.PathLike, *, strict: b
 
 
 __all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint_metadata",
-           "verify_checkpoint_files",
+           "verify_checkpoint_files", "verify_on_rank0",
            "checkpoint_metadata", "METADATA_FILE", "MODEL_SUBDIR", "HF_SUBDIR", "FORMAT",
            "FORMAT_VERSION"]

@@ -4,16 +4,23 @@ Layout under ``root`` (the run's ``checkpoints/`` directory)::
 
     global_step_20/            complete checkpoint (renamed into place as the last step)
         COMPLETE               JSON: step, time, parts written; present only when complete
-        trainer_state.pt       controller state: step, dataloader position, RNG, KL controller
+        MANIFEST.json          size and sha256 of every file (megaflow.utils.integrity)
+        trainer_state.json     controller state: step, dataloader position, KL controller,
+                               Python and numpy RNG (plain JSON)
+        rng_state.pt           torch RNG state (a tensor; read with weights_only=True)
         config.yaml            the run's resolved config
         actor/ critic/ ...     worker-group parts (megatron-core distributed checkpoints)
-    global_step_30.partial-<id>/   a save in progress, or one that crashed: never loaded
+    global_step_30.partial-<id>/   a save in progress, or one that crashed: never loaded,
+                               removed by :meth:`CheckpointManager.remove_partials`
     latest                     text file with the name of the newest complete checkpoint
 
-A save writes everything into a ``.partial-`` directory, fsyncs it, writes ``COMPLETE`` and
-renames the directory to its final name (atomic on POSIX within one filesystem), then
-replaces ``latest`` atomically. A crash at any point leaves the previous checkpoint intact
-and the new one unmistakably incomplete (no ``COMPLETE``, a ``.partial-`` name).
+A save writes everything into a ``.partial-`` directory, writes the manifest, fsyncs it,
+writes ``COMPLETE`` and renames the directory to its final name (atomic on POSIX within
+one filesystem), then replaces ``latest`` atomically. A crash at any point leaves the
+previous checkpoint intact and the new one unmistakably incomplete (no ``COMPLETE``, a
+``.partial-`` name). No file holds a pickled Python object: loading runs no code from
+the checkpoint (:meth:`CheckpointManager.verify` checks checksums and every pickle the
+distributed-checkpoint libraries keep).
 """
 from __future__ import annotations
 
@@ -25,11 +32,18 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from megaflow.utils.atomic_dir import fsync_path, fsync_tree
+from megaflow.utils.atomic_dir import fsync_path, fsync_tree, seal_directory
+from megaflow.utils.integrity import IntegrityError, check_dcp_pickles, load_tensors, read_json, verify_manifest
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
+_PARTIAL_DIR = re.compile(r"^global_step_\d+\.partial-[0-9a-f]+$")
 COMPLETE_MARKER = "COMPLETE"
+TRAINER_STATE_FILE, RNG_STATE_FILE = "trainer_state.json", "rng_state.pt"
+#: The format of ``trainer_state.json``; older checkpoints (a pickled ``trainer_state.pt``)
+#: are refused.
+TRAINER_STATE_VERSION = 1
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -66,6 +80,9 @@ class CheckpointManager:
         self.root = Path(root)
         self.keep_last = keep_last
 
+    #: Checkpoints verified with checksums in this process: (path, manifest mtime and size).
+    _verified: set[tuple[Path, int, int]] = set()
+
     def begin(self, step: int) -> PendingCheckpoint:
         """Start a checkpoint for ``step`` in a fresh ``.partial-`` directory."""
         if step < 0:
@@ -91,7 +108,7 @@ class CheckpointManager:
         marker = {"step": pending.step, "time": time.time(),
                   "parts": sorted(p.name for p in pending.path.iterdir())}
         fsync_tree(pending.path)
-        atomic_write_text(pending.path / COMPLETE_MARKER, json.dumps(marker))
+        seal_directory(pending.path, marker)  # MANIFEST.json, then COMPLETE
         os.rename(pending.path, final)
         fsync_path(self.root)
         atomic_write_text(self.root / "latest", final.name + "\n")
@@ -119,17 +136,72 @@ class CheckpointManager:
         complete (or None), anything else -> that path, which must be a complete checkpoint.
 
         Raises:
-            FileNotFoundError: an explicit path that is not a complete checkpoint.
+            FileNotFoundError: an explicit path that does not exist (the message lists the
+                valid modes, so a misspelt mode such as ``autoo`` is explained) or is not a
+                complete checkpoint (a run directory or ``checkpoints/`` is answered with
+                the checkpoint inside it to use).
         """
         if resume == "disable":
             return None
         if resume == "auto":
             return self.latest()
-        path = Path(resume)
+        path = Path(os.path.expanduser(resume))
+        if not path.exists():
+            raise FileNotFoundError(f"trainer.resume={resume!r} is neither 'auto', 'disable' nor an existing "
+                                    "checkpoint directory")
         if not (path / COMPLETE_MARKER).is_file():
-            raise FileNotFoundError(f"trainer.resume={resume!r} is not a complete checkpoint "
-                                    f"(no {COMPLETE_MARKER} marker in it)")
+            inside = [p for p in (path, path / "checkpoints") if p.is_dir()]
+            newest = next((found for p in inside if (found := CheckpointManager(p).latest()) is not None), None)
+            hint = f"; the newest complete one inside it is {newest}" if newest is not None else ""
+            partial = " (an interrupted save)" if _PARTIAL_DIR.match(path.name) else ""
+            raise FileNotFoundError(f"trainer.resume={resume!r} is not a complete checkpoint{partial}: no "
+                                    f"{COMPLETE_MARKER} marker in it{hint}")
         return path
+
+    def remove_partials(self) -> list[Path]:
+        """Delete the ``.partial-`` directories of saves that never completed (a crash or a
+        kill during a save) and stray temporary ``latest`` files; returns what was removed.
+
+        Call it at start-up, before this run saves anything (a save in progress of another
+        run writing the same directory would be removed too).
+        """
+        if not self.root.is_dir():
+            return []
+        removed = []
+        for p in sorted(self.root.iterdir()):
+            if p.is_dir() and _PARTIAL_DIR.match(p.name):
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+            elif p.is_file() and p.name.startswith(".latest.tmp-"):
+                p.unlink(missing_ok=True)
+                removed.append(p)
+        return removed
+
+    def verify(self, path: str | os.PathLike, *, checksums: bool = True) -> None:
+        """Check a complete checkpoint before anything reads it: every file against its
+        manifest (sealed model parts included) and every pickle of its distributed
+        checkpoints with restricted readers (no code runs).
+
+        A checkpoint verified (with checksums) once in this process is not verified again
+        while its manifest is unchanged (the controller checks it before Ray starts; the
+        trainer's resume then reads it).
+
+        Raises:
+            IntegrityError: naming the missing, unlisted, changed or refused file.
+        """
+        path = Path(path)
+        manifest = path / "MANIFEST.json"
+        stat = manifest.stat() if manifest.is_file() else None
+        key = (path.resolve(), stat.st_mtime_ns, stat.st_size) if stat is not None else None
+        if key in CheckpointManager._verified:
+            return
+        verify_manifest(path, checksums=checksums)
+        for metadata in sorted(path.rglob(".metadata")):
+            check_dcp_pickles(metadata.parent)
+        for tensors in sorted(path.rglob("*.pt")):
+            load_tensors(tensors)
+        if checksums and key is not None:
+            CheckpointManager._verified.add(key)
 
     def _prune(self) -> None:
         if self.keep_last is None:
@@ -138,4 +210,45 @@ class CheckpointManager:
             shutil.rmtree(path, ignore_errors=True)
 
 
-__all__ = ["CheckpointManager", "PendingCheckpoint", "atomic_write_text", "COMPLETE_MARKER"]
+def write_trainer_state(directory: str | os.PathLike, state: dict[str, Any], tensors: dict[str, Any]) -> None:
+    """Write the controller's state: ``state`` (JSON-serialisable) as ``trainer_state.json``
+    and ``tensors`` (a flat ``{name: torch.Tensor}``) as ``rng_state.pt``.
+
+    Raises:
+        TypeError: ``state`` holds something JSON cannot represent (never pickled instead).
+    """
+    import torch
+
+    directory = Path(directory)
+    text = json.dumps({"version": TRAINER_STATE_VERSION, **state}, indent=1, sort_keys=True, allow_nan=False)
+    (directory / TRAINER_STATE_FILE).write_text(text)
+    torch.save(dict(tensors), directory / RNG_STATE_FILE)
+
+
+def read_trainer_state(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Read what :func:`write_trainer_state` wrote: (JSON state, tensors), no code executed.
+
+    Raises:
+        IntegrityError: a checkpoint of the older pickled format, a missing or malformed
+            file, or a tensor file holding anything but tensors (named).
+    """
+    directory = Path(directory)
+    path = directory / TRAINER_STATE_FILE
+    if not path.is_file():
+        old = " (it has a pickled trainer_state.pt of an older megaflow, which is not loaded)" \
+            if (directory / "trainer_state.pt").exists() else ""
+        raise IntegrityError(f"{directory} has no {TRAINER_STATE_FILE}{old}")
+    state = read_json(path)
+    if not isinstance(state, dict) or state.get("version") != TRAINER_STATE_VERSION:
+        raise IntegrityError(f"{path}: unknown trainer state version "
+                             f"{state.get('version') if isinstance(state, dict) else None!r} "
+                             f"(expected {TRAINER_STATE_VERSION})")
+    tensors = load_tensors(directory / RNG_STATE_FILE)
+    if not isinstance(tensors, dict):
+        raise IntegrityError(f"{directory / RNG_STATE_FILE} holds {type(tensors).__name__}, expected a dict "
+                             "of tensors")
+    return state, tensors
+
+
+__all__ = ["CheckpointManager", "PendingCheckpoint", "atomic_write_text", "COMPLETE_MARKER", "IntegrityError",
+           "TRAINER_STATE_FILE", "RNG_STATE_FILE", "write_trainer_state", "read_trainer_state"]

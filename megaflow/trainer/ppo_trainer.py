@@ -13,6 +13,7 @@ tested with fake workers as well as with real Megatron/vLLM groups.
 """
 from __future__ import annotations
 
+import math
 import random
 import time
 import uuid
@@ -25,9 +26,10 @@ import numpy as np
 import torch
 
 from megaflow.protocol import DataProto
-from megaflow.trainer.checkpoint import CheckpointManager
-from megaflow.trainer.stages import (bypass_old_log_probs, compute_advantage, compute_data_metrics, kl_in_reward,
-                                     rollout_correction, scores_as_rewards)
+from megaflow.trainer.checkpoint import (TRAINER_STATE_FILE, CheckpointManager, read_trainer_state,
+                                         write_trainer_state)
+from megaflow.trainer.stages import (balance_batch, bypass_old_log_probs, compute_advantage, compute_data_metrics,
+                                     kl_in_reward, rollout_correction, scores_as_rewards)
 
 PROMPT_KEYS = ["input_ids", "attention_mask", "position_ids"]
 
@@ -61,15 +63,72 @@ def _worker_metrics(out: DataProto) -> dict[str, float]:
     return {k: float(v) for k, v in out.meta_info.get("metrics", {}).items()}
 
 
-def capture_rng_state() -> dict[str, Any]:
-    """Python, numpy and torch RNG states, for exact resume."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+def capture_rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Python, numpy and torch RNG states, for exact resume, as (JSON data, tensors).
+
+    The JSON part holds Python's Mersenne Twister (version, 625 ints, cached gauss) and
+    numpy's legacy ``RandomState`` (624 uint32 words, position, cached gaussian); the
+    tensor part holds ``torch.get_rng_state()`` (a uint8 tensor). Nothing is pickled.
+    """
+    version, words, gauss = random.getstate()
+    name, key, pos, has_gauss, cached = np.random.get_state()
+    data = {"python": {"version": version, "state": list(words), "gauss_next": gauss},
+            "numpy": {"bit_generator": name, "key": [int(k) for k in key], "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
+    return data, {"torch": torch.get_rng_state()}
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+def restore_rng_state(data: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """Inverse of :func:`capture_rng_state`.
+
+    Raises:
+        KeyError / ValueError / TypeError: a malformed state (from a damaged checkpoint).
+    """
+    py, nps = data["python"], data["numpy"]
+    random.setstate((int(py["version"]), tuple(int(w) for w in py["state"]), py["gauss_next"]))
+    np.random.set_state((str(nps["bit_generator"]), np.asarray(nps["key"], dtype=np.uint32), int(nps["pos"]),
+                         int(nps["has_gauss"]), float(nps["cached_gaussian"])))
+    torch.set_rng_state(tensors["torch"])
+
+
+class NonFiniteMetricsError(RuntimeError):
+    """A training step produced a non-finite loss or gradient norm; the run stops before
+    saving it (the newest checkpoint holds the last finite state).
+
+    Attributes:
+        step: the step (1-based, as logged) whose metrics are non-finite.
+        keys: ``{metric: value}`` of the offending metrics.
+    """
+
+    def __init__(self, step: int, keys: dict[str, float]) -> None:
+        super().__init__(step, keys)
+        self.step, self.keys = step, keys
+
+    def __str__(self) -> str:
+        listed = ", ".join(f"{k}={v}" for k, v in sorted(self.keys.items()))
+        return (f"training diverged at step {self.step}: non-finite {listed}; the step was not checkpointed. "
+                "Lower the learning rate (actor.optim.lr / critic.optim.lr) or set a gradient clip "
+                "(optim.clip_grad), then resume from the last checkpoint (trainer.resume=auto)")
+
+
+def non_finite_metrics(metrics: dict[str, float], clip_grad: dict[str, float]) -> dict[str, float]:
+    """The losses (``<role>/...loss``) and gradient norms (``<role>/grad_norm``) of the
+    training roles in ``metrics`` that are NaN or infinite.
+
+    Args:
+        clip_grad: ``{role: optim.clip_grad}``; a role's gradient norm is only checked when
+            its clip is > 0 (megatron-core computes no norm without clipping; the engine
+            then reports NaN).
+    """
+    bad = {}
+    for key, value in metrics.items():
+        role, _, name = key.partition("/")
+        if role not in clip_grad or "/" in name:
+            continue
+        checked = name.endswith("loss") or (name == "grad_norm" and clip_grad[role] > 0)
+        if checked and not math.isfinite(float(value)):
+            bad[key] = float(value)
+    return bad
 
 
 class RayPPOTrainer:
@@ -125,6 +184,9 @@ class RayPPOTrainer:
                 batch = self.add_greedy_baseline(prompts, batch)
         with _timer("reward", t):
             batch = self.score(batch)
+        balance_metrics = {}
+        if self.cfg.trainer.balance_batch:  # equal token totals per actor DP rank for every later phase
+            batch, balance_metrics = balance_batch(batch, g.actor.mesh_info("actor").dp_size)
         if algo.rollout_correction.bypass:  # pi_old = pi_rollout: no old-log-prob forward
             batch = bypass_old_log_probs(batch)
         else:
@@ -150,6 +212,7 @@ class RayPPOTrainer:
             metrics.update(_worker_metrics(g.actor.update_actor(actor_batch)))
         metrics.update(compute_data_metrics(batch, self.cfg.rollout.response_length))
         metrics.update(rollout_metrics)
+        metrics.update(balance_metrics)
         metrics.update(t)
         num_tokens = int(batch.batch["attention_mask"].sum())
         metrics["perf/total_num_tokens"] = num_tokens
@@ -228,6 +291,10 @@ class RayPPOTrainer:
             metrics = self.train_step(prompts)
             self.global_step += 1
             metrics["timing_s/step"] = time.perf_counter() - step_start
+            bad = non_finite_metrics(metrics, self._clip_grads())
+            if bad:
+                self._log(metrics, self.global_step)
+                raise NonFiniteMetricsError(self.global_step, bad)
             is_last = self.global_step == total
             if self.val_loader is not None and _due(tr.test_freq, self.global_step, is_last, at_end_when_zero=False):
                 metrics.update(self.validate())
@@ -236,6 +303,14 @@ class RayPPOTrainer:
                 self.save_checkpoint()
             last = metrics
         return last
+
+    def _clip_grads(self) -> dict[str, float]:
+        """``{role: optim.clip_grad}`` of the roles that train (actor, critic when present)."""
+        roles = {"actor": self.cfg.actor}
+        if self.groups.critic is not None:
+            roles["critic"] = self.cfg.critic
+        return {name: float(getattr(getattr(section, "optim", None), "clip_grad", 0.0) or 0.0)
+                for name, section in roles.items()}
 
     def next_prompts(self) -> DataProto:
         """The next prompt batch; the loader's epoch advances (reshuffled) when it runs out."""
@@ -280,26 +355,37 @@ class RayPPOTrainer:
     def save_checkpoint(self) -> Path:
         """Save every stateful part into one atomic checkpoint directory."""
         pending = self.checkpoints.begin(self.global_step)
-        parts = ["trainer_state.pt", "actor"]
+        parts = [TRAINER_STATE_FILE, "actor"]
         self.groups.actor.save_checkpoint(str(pending.path / "actor"))
         if self.groups.critic is not None:
             self.groups.critic.save_checkpoint(str(pending.path / "critic"))
             parts.append("critic")
+        rng, rng_tensors = capture_rng_state()
         state = {"global_step": self.global_step, "kl_ctrl": self.kl_ctrl.state_dict(),
-                 "train_loader": self.train_loader.state_dict(), "rng": capture_rng_state()}
-        torch.save(state, pending.path / "trainer_state.pt")
+                 "train_loader": self.train_loader.state_dict(), "rng": rng}
+        write_trainer_state(pending.path, state, rng_tensors)
         if self.config_yaml is not None:
             (pending.path / "config.yaml").write_text(self.config_yaml)
         return self.checkpoints.commit(pending, required_parts=tuple(parts))
 
     def resume(self) -> None:
-        """Restore from ``trainer.resume`` (``disable``, ``auto`` or a checkpoint path)."""
+        """Restore from ``trainer.resume`` (``disable``, ``auto`` or a checkpoint path).
+
+        The checkpoint is verified first (:meth:`CheckpointManager.verify`: checksums, no
+        pickled code) unless it was verified through this manager already (the
+        controller's pre-start checks, :mod:`megaflow.trainer.resume`).
+
+        Raises:
+            FileNotFoundError: ``trainer.resume`` names no complete checkpoint.
+            IntegrityError: a file of the checkpoint is missing, changed or refused.
+        """
         if self.checkpoints is None:
             return
         path = self.checkpoints.resolve(self.cfg.trainer.resume)
         if path is None:
             return
-        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        self.checkpoints.verify(path)
+        state, tensors = read_trainer_state(path)
         self.groups.actor.load_checkpoint(str(path / "actor"))
         if self.groups.critic is not None:
             self.groups.critic.load_checkpoint(str(path / "critic"))
@@ -307,7 +393,7 @@ class RayPPOTrainer:
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.train_loader.load_state_dict(state["train_loader"])
         self._train_iter = None
-        restore_rng_state(state["rng"])
+        restore_rng_state(state["rng"], tensors)
         print(f"[megaflow] resumed from {path} at step {self.global_step}", flush=True)
 
 
@@ -330,4 +416,5 @@ def _no_kl_stage(trainer: RayPPOTrainer, batch: DataProto) -> tuple[DataProto, d
 #: ``algorithm.use_kl_in_reward`` -> the stage that turns scores into rewards.
 KL_STAGES = {True: _kl_in_reward_stage, False: _no_kl_stage}
 
-__all__ = ["RayPPOTrainer", "WorkerGroups", "KL_STAGES", "capture_rng_state", "restore_rng_state"]
+__all__ = ["RayPPOTrainer", "WorkerGroups", "KL_STAGES", "capture_rng_state", "restore_rng_state",
+           "NonFiniteMetricsError", "non_finite_metrics"]

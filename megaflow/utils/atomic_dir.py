@@ -1,9 +1,10 @@
 """Output directories that appear complete or not at all.
 
 Writers fill a hidden sibling ``.<name>.incomplete-<token>``; :func:`commit_directory`
-fsyncs every file, writes the ``COMPLETE`` marker, renames the directory into place
-(atomic within one POSIX filesystem) and fsyncs the parent. On error the temporary
-directory is removed, so a failed conversion leaves no partial output behind.
+seals it (:func:`seal_directory`: the checksum manifest ``MANIFEST.json``, then the
+``COMPLETE`` marker), fsyncs every file, renames the directory into place (atomic within
+one POSIX filesystem) and fsyncs the parent. On error the temporary directory is
+removed, so a failed conversion leaves no partial output behind.
 """
 from __future__ import annotations
 
@@ -54,17 +55,32 @@ def temporary_sibling(final: str | os.PathLike, token: str | None = None) -> Pat
     return final.parent / f".{final.name}.incomplete-{token or uuid.uuid4().hex[:10]}"
 
 
+def seal_directory(directory: str | os.PathLike, marker: dict[str, Any]) -> None:
+    """Mark a fully written ``directory`` complete: write its checksum manifest
+    (:func:`megaflow.utils.integrity.write_manifest`), then ``COMPLETE`` (JSON ``marker``),
+    both fsynced. Nothing may be added to ``directory`` afterwards (verification would
+    refuse the unlisted file)."""
+    from megaflow.utils.integrity import write_manifest
+
+    directory = Path(directory)
+    write_manifest(directory)
+    with open(directory / COMPLETE_MARKER, "w") as f:
+        json.dump(marker, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def commit_directory(tmp: str | os.PathLike, final: str | os.PathLike,
                      marker: dict[str, Any] | None = None) -> Path:
     """Publish ``tmp`` as ``final`` atomically (an existing ``final`` is replaced).
 
     Args:
-        marker: when given, written as JSON into ``final/COMPLETE`` before the rename.
+        marker: when given, ``tmp`` is sealed first (:func:`seal_directory`: checksum
+            manifest, then ``COMPLETE`` with this JSON) unless it already is.
     """
     tmp, final = Path(tmp), Path(final).absolute()
-    if marker is not None:
-        with open(tmp / COMPLETE_MARKER, "w") as f:
-            json.dump(marker, f, indent=2, sort_keys=True)
+    if marker is not None and not is_complete(tmp):
+        seal_directory(tmp, marker)
     fsync_tree(tmp)
     old = None
     if final.exists():
@@ -99,9 +115,9 @@ def atomic_directory(final: str | os.PathLike, *, overwrite: bool = False,
 
 
 def is_complete(directory: str | os.PathLike) -> bool:
-    """Whether ``directory`` was published by :func:`commit_directory` with a marker."""
+    """Whether ``directory`` was sealed (published by :func:`commit_directory` with a marker)."""
     return (Path(directory) / COMPLETE_MARKER).is_file()
 
 
 __all__ = ["COMPLETE_MARKER", "atomic_directory", "check_output_dir", "commit_directory",
-           "temporary_sibling", "fsync_tree", "is_complete"]
+           "seal_directory", "temporary_sibling", "fsync_tree", "is_complete"]

@@ -5,21 +5,25 @@ Layout of ``path``::
     model/...        megaflow model checkpoint (megaflow.models.checkpoint; loadable at any TP/PP)
     optimizer/       megatron-core distributed checkpoint of the optimizer state
                      (``optimizer.sharded_state_dict(model.sharded_state_dict())``)
-    scheduler.pt     OptimizerParamScheduler.state_dict() (identical on every rank)
+    scheduler.json   OptimizerParamScheduler.state_dict() (identical on every rank), JSON
+    layout.json      the engine's parallel sizes {tp, pp, cp, dp, vpp, world_size}
 
 The optimizer state is tied to the parallel layout it was saved with (resume uses the
-same layout); the model part is not. Atomicity is the caller's (the trainer's checkpoint
-manager writes into a temporary directory and renames it).
+same layout, checked against ``layout.json`` before any process starts); the model part
+is not. Atomicity and the manifest are the caller's (the trainer's checkpoint manager
+writes into a temporary directory, seals it and renames it). No file is unpickled
+without the restricted readers of :mod:`megaflow.utils.integrity`.
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-MODEL_DIR, OPTIMIZER_DIR, SCHEDULER_FILE = "model", "optimizer", "scheduler.pt"
+MODEL_DIR, OPTIMIZER_DIR, SCHEDULER_FILE, LAYOUT_FILE = "model", "optimizer", "scheduler.json", "layout.json"
 # The distributed optimizer's state saved per DP shard (resume at the same layout).
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
@@ -28,9 +32,19 @@ def _model_sharded_state_dict(engine):
     return engine.module.sharded_state_dict()
 
 
+def engine_layout(info) -> dict[str, int | None]:
+    """The parallel sizes recorded in ``layout.json``, from a ``ParallelInfo``."""
+    return {"tp": info.tp_size, "pp": info.pp_size, "cp": info.cp_size, "dp": info.dp_size,
+            "vpp": info.vpp_size, "world_size": info.world_size}
+
+
 def save_engine_checkpoint(engine, path: str | os.PathLike, hf_config, *,
                            hf_files_from: str | None = None) -> Path:
-    """Save ``engine``'s model (and optimizer/scheduler when training) under ``path`` (collective)."""
+    """Save ``engine``'s model (and optimizer/scheduler when training) under ``path`` (collective).
+
+    Raises:
+        TypeError: the scheduler state holds a value JSON cannot represent.
+    """
     from megatron.core import dist_checkpointing
 
     from megaflow.models.checkpoint import save_checkpoint
@@ -41,11 +55,14 @@ def save_engine_checkpoint(engine, path: str | os.PathLike, hf_config, *,
     if engine.optimizer is not None:
         if dist.get_rank() == 0:
             (root / OPTIMIZER_DIR).mkdir(parents=True, exist_ok=True)
-            torch.save(engine.scheduler.state_dict(), root / SCHEDULER_FILE)
+            (root / SCHEDULER_FILE).write_text(json.dumps(engine.scheduler.state_dict(), indent=1,
+                                                          sort_keys=True, allow_nan=False))
         dist.barrier()
         state = engine.optimizer.sharded_state_dict(_model_sharded_state_dict(engine),
                                                     metadata=_OPTIMIZER_METADATA)
         dist_checkpointing.save(state, str(root / OPTIMIZER_DIR))
+    if dist.get_rank() == 0:
+        (root / LAYOUT_FILE).write_text(json.dumps(engine_layout(engine.info), indent=1, sort_keys=True))
     dist.barrier()
     return root
 
@@ -59,7 +76,8 @@ def load_engine_checkpoint(engine, path: str | os.PathLike) -> None:
     """
     from megatron.core import dist_checkpointing
 
-    from megaflow.models.checkpoint import load_checkpoint
+    from megaflow.models.checkpoint import load_checkpoint, verify_on_rank0
+    from megaflow.utils.integrity import check_dcp_pickles
 
     root = Path(path)
     if not (root / MODEL_DIR).is_dir():
@@ -69,6 +87,7 @@ def load_engine_checkpoint(engine, path: str | os.PathLike) -> None:
         return
     if not (root / OPTIMIZER_DIR).is_dir() or not (root / SCHEDULER_FILE).is_file():
         raise FileNotFoundError(f"{root} has no optimizer state ({OPTIMIZER_DIR}/, {SCHEDULER_FILE})")
+    verify_on_rank0(check_dcp_pickles, root / OPTIMIZER_DIR)  # before megatron-core unpickles anything
     _materialize_adam_state(engine.optimizer)
     state = engine.optimizer.sharded_state_dict(_model_sharded_state_dict(engine), is_loading=True,
                                                 metadata=_OPTIMIZER_METADATA)
@@ -76,7 +95,7 @@ def load_engine_checkpoint(engine, path: str | os.PathLike) -> None:
     with torch.no_grad():  # fp32 main params are views of the (leaf) model params
         engine.optimizer.load_state_dict(loaded)
     _restore_adam_steps(engine.optimizer, loaded)
-    engine.scheduler.load_state_dict(torch.load(root / SCHEDULER_FILE, weights_only=False))
+    engine.scheduler.load_state_dict(json.loads((root / SCHEDULER_FILE).read_text()))
 
 
 def _materialize_adam_state(optimizer) -> None:
