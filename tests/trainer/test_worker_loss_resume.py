@@ -51,12 +51,19 @@ def test_killed_worker_named_then_resume(tmp_path):
         assert time.monotonic() < deadline, "the run did not reach step 2"
         time.sleep(1)
     victims = _worker_pids(proc.pid)
-    assert victims, "no megaflow worker processes found under the driver"
-    os.kill(victims[-1], signal.SIGKILL)
+    assert len(victims) == 2, "expected the two actor ranks under the driver"
+    helpers = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.pid not in victims]
+    victim = victims[-1]  # not necessarily rank 0: the message must name the dead rank, not a survivor
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
     _, stderr = proc.communicate(timeout=600)
+    assert time.monotonic() - killed_at < 60
     assert proc.returncode == 3, stderr[-3000:]
     message = stderr[stderr.rfind("megaflow: "):]
-    assert "actor" in message and "rank" in message and "resume=auto" in message, message
+    assert "role 'actor' rank" in message and f"pid {victim}) died" in message and "resume=auto" in message, message
+    assert "Traceback" not in stderr[-2000:]
+    _, alive = psutil.wait_procs(helpers, timeout=20)  # Ray's helper processes stop with the controller
+    assert not alive, [(p.pid, p.name()) for p in alive]
     done = _steps(run_dir / "metrics.jsonl")
     assert 4 not in done
 
