@@ -244,3 +244,21 @@ def test_non_finite_losses_and_grad_norms():
     assert sorted(bad) == ["actor/grad_norm", "actor/pg_loss"]  # critic norm unclipped: not computed
     assert bad["actor/grad_norm"] == float("inf")
     assert non_finite_metrics({"actor/loss": 0.5, "actor/grad_norm": 2.0}, {"actor": 1.0}) == {}
+
+
+def test_fit_stops_at_the_step_with_a_nan_loss_before_saving_it(tmp_path, monkeypatch):
+    from megaflow.protocol import DataProto
+    from megaflow.trainer.ppo_trainer import NonFiniteMetricsError
+    from test_ppo_trainer_fake import FakeActor, run
+
+    def update_actor(self, batch):  # step 2's update diverges
+        FakeActor_update(self, batch)
+        loss = float("nan") if self.version == 2 else 0.5
+        return DataProto(meta_info={"metrics": {"actor/pg_loss": loss}})
+
+    FakeActor_update = FakeActor.update_actor
+    monkeypatch.setattr(FakeActor, "update_actor", update_actor)
+    trainer, _ = run(tmp_path, total_steps=4)
+    with pytest.raises(NonFiniteMetricsError, match=r"training diverged at step 2: non-finite actor/pg_loss=nan"):
+        trainer.fit()
+    assert [s for s, _ in trainer.checkpoints.complete_checkpoints()] == [1]  # step 2 was not saved
