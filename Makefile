@@ -31,6 +31,22 @@ is_override = $(and $(findstring =,$(1)),$(findstring .,$(call override_key,$(1)
 OVERRIDES := $(foreach w,$(filter-out $(OWN_VARS),$(MAKEOVERRIDES)),$(if $(call is_override,$(w)),$(w)))
 TRAIN_FLAGS := $(if $(filter 1 true yes,$(DRY_RUN)),--dry-run,)
 
+# Refuse, before anything runs, what would otherwise be dropped or run late: an
+# assignment that is neither a knob above nor key.sub=value (`total_steps=3` would be
+# silently ignored), and a goal that is not a target here (`make train trainer.total_steps`
+# would train first and fail on the unknown goal afterwards). A knob's value split at
+# spaces (SLURM_ARGS='--job-dir d') reaches MAKEOVERRIDES with the spaces escaped (`\ `),
+# so the check splits words only where make does.
+GOALS := help install test test-fast train slurm bench clean $(STAMP)
+BAD_GOALS := $(filter-out $(GOALS),$(MAKECMDGOALS))
+ifneq ($(BAD_GOALS),)
+$(error unknown goal '$(firstword $(BAD_GOALS))': make train takes key.sub=value overrides (e.g. trainer.total_steps=3); goals: $(filter-out $(STAMP),$(GOALS)))
+endif
+UNFORWARDED := $(strip $(foreach w,$(filter-out $(OWN_VARS),$(subst \ ,_,$(MAKEOVERRIDES))),$(if $(call is_override,$(w)),,$(w))))
+ifneq ($(UNFORWARDED),)
+$(error cannot forward '$(firstword $(UNFORWARDED))' to the trainer: overrides are key.sub=value with a dotted key (e.g. trainer.total_steps=3); make's own knobs: $(subst =%,,$(OWN_VARS)))
+endif
+
 .PHONY: help install test test-fast train slurm bench clean
 help:
 	@echo "make train [RECIPE=name] [key.sub=value ...] [DRY_RUN=1]   run RL post-training"

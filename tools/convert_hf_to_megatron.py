@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megaflow.models.convert import DTYPES, convert_hf_to_megatron  # noqa: E402
+from megaflow.utils.cli import run_tool  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="limit for the ranks")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # Expected errors (bad sizes, missing/extra/mis-shaped/truncated tensors, corrupt
+    # metadata, an existing or impossible --out) are one line and exit code 2; they are
+    # all found before any rank starts or anything is written. MEGAFLOW_DEBUG=1: traceback.
+    return run_tool(lambda: _convert(args))
+
+
+def _convert(args: argparse.Namespace) -> int:
+    for flag in ("tp", "pp"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     start = time.monotonic()
     out = convert_hf_to_megatron(args.hf_dir, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
                                  overwrite=args.overwrite, timeout_s=args.timeout_s)

@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megaflow.models.convert import DTYPES, convert_megatron_to_hf  # noqa: E402
+from megaflow.utils.cli import run_tool  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +36,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="limit for the ranks")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # Expected errors (bad sizes, missing/extra/mis-shaped/truncated tensors, corrupt
+    # metadata, an existing or impossible --out) are one line and exit code 2; they are
+    # all found before any rank starts or anything is written. MEGAFLOW_DEBUG=1: traceback.
+    return run_tool(lambda: _convert(args))
+
+
+def _convert(args: argparse.Namespace) -> int:
+    for flag in ("tp", "pp"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if not args.max_shard_gb > 0:
+        raise ValueError(f"--max-shard-gb must be > 0, got {args.max_shard_gb}")
     start = time.monotonic()
     out = convert_megatron_to_hf(args.ckpt, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
                                  overwrite=args.overwrite,

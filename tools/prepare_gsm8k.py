@@ -17,6 +17,7 @@ import sys
 
 from megaflow.data.gsm8k_layout import GSM8K_DEFAULT_DIR, prepare_gsm8k
 from megaflow.data.io import read_rows
+from megaflow.utils.cli import run_tool
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,11 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
     args = parser.parse_args(argv)
-    try:
-        paths = prepare_gsm8k(args.src, args.out, suffix=f".{args.format}")
-    except (OSError, ValueError) as exc:
-        print(f"prepare_gsm8k: error: {exc}", file=sys.stderr)
-        return 1
+    # Expected errors (a missing file, a bad line, an impossible --out) are one line and
+    # exit code 2, found before anything is written (MEGAFLOW_DEBUG=1: traceback).
+    return run_tool(lambda: _prepare(args))
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    paths = prepare_gsm8k(args.src, args.out, suffix=f".{args.format}")
     for split, path in paths.items():
         print(f"{split}: {len(read_rows(path))} rows -> {path}")
     return 0

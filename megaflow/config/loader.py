@@ -2,9 +2,16 @@
 
 Layers, lowest first: the dataclass defaults (:mod:`megaflow.config.schema`),
 ``trainer.experiment_name`` = the recipe's file name, the recipe file, then the command
-line overrides in order. Mappings merge key by key; any other value replaces. Override
-values are typed as YAML scalars (``3`` int, ``1e-6``/``0.1`` float, ``true`` bool,
-``null``, ``[a, b]`` list, ``{k: v}`` mapping, anything else a string).
+line overrides in order. Mappings merge key by key, in a recipe layer and in an override
+alike (``model.hf_config={num_hidden_layers: 4}`` changes that one field and keeps the
+recipe's others); any other value (scalar, list) replaces. Override values are typed as
+YAML scalars (``3`` int, ``1e-6``/``0.1`` float, ``true`` bool, ``null``, ``[a, b]`` list,
+``{k: v}`` mapping, anything else a string).
+
+Refused as :class:`ConfigError` naming the key: an override without a value
+(``trainer.total_steps=``: write ``=null`` for null, ``=''`` for an empty string) and a key
+given twice in one mapping of a recipe file (the file and both lines are named), since
+YAML would otherwise keep the second silently.
 """
 from __future__ import annotations
 
@@ -49,14 +56,45 @@ def resolve_recipe(recipe: str | Path, recipes_dir: Path = RECIPES_DIR) -> Path:
     raise FileNotFoundError(f"unknown recipe {str(recipe)!r}{hint} (recipes in {recipes_dir}: {', '.join(names)})")
 
 
+def _check_unique_keys(node: yaml.Node, path: Path, prefix: str = "", seen: set[int] | None = None) -> None:
+    """Raise ConfigError for a key given twice in one mapping of the composed YAML ``node``."""
+    seen = set() if seen is None else seen
+    if id(node) in seen:  # an alias of a node already checked
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *anchor": later keys override on purpose
+                _check_unique_keys(value_node, path, prefix, seen)
+                continue
+            name = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else None
+            dotted = ".".join(p for p in (prefix, name or "?") if p)
+            if name is not None:
+                line = key_node.start_mark.line + 1
+                if name in lines:
+                    raise ConfigError(dotted, f"given twice in {path} (lines {lines[name]} and {line}); "
+                                              "YAML would keep only the second: remove one")
+                lines[name] = line
+            _check_unique_keys(value_node, path, dotted, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_unique_keys(item, path, f"{prefix}[{i}]", seen)
+
+
 def read_yaml(path: Path) -> dict[str, Any]:
     """A YAML file whose top level is a mapping (an empty file is ``{}``).
 
     Raises:
-        ConfigError: invalid YAML or a top level that is not a mapping (names the file).
+        ConfigError: invalid YAML, a key given twice in one mapping (dotted key, file and
+            both lines named) or a top level that is not a mapping (names the file).
     """
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text()
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is not None:
+            _check_unique_keys(node, path)
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise ConfigError("", f"{path}: invalid YAML: {err}") from None
     if data is None:
@@ -81,14 +119,18 @@ def parse_override(item: str) -> tuple[str, Any]:
     """``"actor.optim.lr=1e-6"`` -> ``("actor.optim.lr", 1e-6)`` (value typed as YAML).
 
     Raises:
-        ConfigError: no ``=``, a malformed key, or a value that is not valid YAML.
+        ConfigError: no ``=``, a malformed key, an empty value (``key=``: null is written
+            ``key=null``, an empty string ``key=''``) or a value that is not valid YAML.
     """
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not _KEY.match(key):
         raise ConfigError("", f"override {item!r}: expected key.sub=value (e.g. trainer.total_steps=10)")
+    if not raw.strip():
+        raise ConfigError(key, f"override {item!r} has no value; write {key}=null for null or {key}='' "
+                               "for an empty string")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml.safe_load(raw)
     except yaml.YAMLError as err:
         raise ConfigError(key, f"override value {raw!r} is not valid YAML: {err}") from None
     return key, value
@@ -96,6 +138,9 @@ def parse_override(item: str) -> tuple[str, Any]:
 
 def apply_override(tree: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
     """A copy of ``tree`` with the dotted ``key`` set to ``value`` (mappings created as needed).
+
+    A mapping ``value`` over a mapping already at ``key`` merges into it key by key
+    (:func:`merge`); any other value replaces what is there.
 
     Raises:
         ConfigError: a prefix of ``key`` holds a value that is not a mapping.
@@ -107,7 +152,11 @@ def apply_override(tree: dict[str, Any], key: str, value: Any) -> dict[str, Any]
         if not isinstance(child, dict):
             raise ConfigError(".".join(parts[: i + 1]), f"is {child!r}, not a section: cannot set {key!r} inside it")
         node = child
-    node[parts[-1]] = value
+    last = parts[-1]
+    if isinstance(value, Mapping) and isinstance(node.get(last), Mapping):
+        node[last] = merge(node[last], value)
+    else:
+        node[last] = value
     return out
 
 

@@ -13,7 +13,7 @@ Supported annotations: ``bool``, ``int``, ``float``, ``str``, ``Literal[...]`` o
 as is) and nested :class:`Section` subclasses. Containers are frozen on construction
 (tuples, :class:`types.MappingProxyType`), so nothing mutates a built config. The only
 conversions: int -> float, a float literal string -> float (PyYAML reads ``1e-6`` as a
-string), int -> str (names YAML read as numbers), one string -> a 1-tuple for
+string; inf and nan are refused), int -> str (names YAML read as numbers), one string -> a 1-tuple for
 ``tuple[str, ...]``. Anything else of the wrong type is a :class:`ConfigTypeError`.
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -111,14 +112,21 @@ def _coerce_scalar(value: Any, hint: type, key: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif hint is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             # YAML 1.1 (PyYAML) reads "1e-6" as a string: accept any float literal.
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            # No knob means anything by inf or nan (limits that can be off are "X | None"):
+            # such a value (".inf", "nan", "1e999") is a typo or an overflow, not a setting.
+            if not math.isfinite(number):
+                raise ConfigError(key, f"must be a finite number, got {value!r}")
+            return number
     elif hint is str:
         if isinstance(value, str):
             return value

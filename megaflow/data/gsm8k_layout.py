@@ -63,7 +63,20 @@ def read_gsm8k_jsonl(path: str | Path, split: str) -> list[dict[str, Any]]:
 
 def prepare_gsm8k(src: str | Path = GSM8K_DEFAULT_DIR, out: str | Path = "data/gsm8k", *,
                   suffix: str = ".parquet") -> dict[str, Path]:
-    """Write ``out/train.parquet`` and ``out/test.parquet`` from ``src/{train,test}.jsonl``."""
+    """Write ``out/train.parquet`` and ``out/test.parquet`` from ``src/{train,test}.jsonl``.
+
+    Every split is read and checked before anything is written, and each file is written
+    under a temporary name then renamed, so a bad line anywhere leaves ``out`` as it was.
+
+    Raises:
+        FileNotFoundError / DatasetFormatError: see :func:`read_gsm8k_jsonl`.
+        OSError: ``out`` cannot be created (a parent is a file or not writable).
+    """
+    from megaflow.utils.paths import why_not_creatable
+
     src, out = Path(src), Path(out)
-    return {split: write_rows(read_gsm8k_jsonl(src / f"{split}.jsonl", split), out / f"{split}{suffix}")
-            for split in GSM8K_SPLITS}
+    rows = {split: read_gsm8k_jsonl(src / f"{split}.jsonl", split) for split in GSM8K_SPLITS}
+    problem = why_not_creatable(out)
+    if problem is not None:
+        raise OSError(f"cannot create output directory {out}: {problem}")
+    return {split: write_rows(rows[split], out / f"{split}{suffix}") for split in GSM8K_SPLITS}

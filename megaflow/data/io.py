@@ -106,7 +106,7 @@ def parse_record(
 
     Required columns: ``prompt_key`` (list of ``{role, content}`` messages, or a string),
     ``data_source`` (non-empty string) and ``reward_model`` (an object with a
-    ``ground_truth`` key). ``extra_info`` is optional; ``extra_info["index"]`` becomes the
+    ``ground_truth`` key, not null unless its ``style`` is ``"model"``). ``extra_info`` is optional; ``extra_info["index"]`` becomes the
     record's index when present, ``default_index`` otherwise.
 
     Raises:
@@ -128,6 +128,13 @@ def parse_record(
         raise DatasetFormatError(
             f"{location}: column 'reward_model' must be an object with a 'ground_truth' key, "
             f"got {_short(reward_model)}"
+        )
+    if reward_model["ground_truth"] is None and reward_model.get("style") != "model":
+        # A rule reward scores against the ground truth: a null one would fail in the
+        # reward stage of the first step, after every process started.
+        raise DatasetFormatError(
+            f"{location}: column 'reward_model.ground_truth' is null (rule rewards need it; only "
+            "rows with reward_model.style 'model' may leave it empty)"
         )
     extra_info = row.get("extra_info") or {}
     if not isinstance(extra_info, dict):

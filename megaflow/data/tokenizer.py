@@ -9,6 +9,8 @@ logger = logging.getLogger(__name__)
 
 #: Names that :func:`get_tokenizer` builds in-process instead of loading from disk.
 BUILTIN_TOKENIZERS = ("arith",)
+#: Files of which a Hugging Face tokenizer directory holds at least one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def get_tokenizer(name_or_path: str | Path, *, trust_remote_code: bool = False, **kwargs: Any):
@@ -16,7 +18,7 @@ def get_tokenizer(name_or_path: str | Path, *, trust_remote_code: bool = False, 
 
     ``"arith"`` gives :func:`megaflow.data.arith.build_arith_tokenizer`; anything else is
     loaded with ``transformers.AutoTokenizer.from_pretrained(name_or_path, **kwargs)``
-    (a local directory here: there is no model hub access). A tokenizer without a pad
+    (a local directory, ``~`` expanded: there is no model hub access). A tokenizer without a pad
     token gets ``pad_token = eos_token`` (as verl does); code downstream never tells
     padding from EOS by id, so pad == eos is safe.
 
@@ -28,10 +30,20 @@ def get_tokenizer(name_or_path: str | Path, *, trust_remote_code: bool = False, 
         from megaflow.data.arith import build_arith_tokenizer
 
         return build_arith_tokenizer()
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir():
+        # Checked here: transformers would take the name for a hub repo id and answer with
+        # a long chain of hub errors (there is no hub access).
+        what = "is a file, not a directory" if path.exists() else "does not exist"
+        raise OSError(f"tokenizer {str(name_or_path)!r} {what}: pass a local Hugging Face model/tokenizer "
+                      f"directory or one of the built-in names {', '.join(BUILTIN_TOKENIZERS)}")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise OSError(f"tokenizer directory {str(name_or_path)!r} holds none of {', '.join(TOKENIZER_FILES)}")
     from transformers import AutoTokenizer
 
+    kwargs.setdefault("local_files_only", True)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path), trust_remote_code=trust_remote_code, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError) as exc:
         raise OSError(
             f"cannot load a tokenizer from {str(name_or_path)!r}: {exc}. Pass a local Hugging Face "

@@ -9,6 +9,7 @@ finished; on any error it is removed, so no partial output directory is left beh
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -45,9 +46,54 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict:
     """``config.json`` of an HF directory as transformers interprets it (defaults filled)."""
     from transformers import AutoConfig
 
-    if not (Path(hf_dir) / "config.json").is_file():
+    config = Path(hf_dir) / "config.json"
+    if not Path(hf_dir).is_dir():
+        raise CheckpointError(f"HF checkpoint directory {hf_dir} does not exist")
+    if not config.is_file():
         raise CheckpointError(f"{hf_dir} has no config.json")
-    return AutoConfig.from_pretrained(hf_dir).to_dict()
+    try:
+        json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{config} is not valid JSON: {err}") from None
+    try:
+        return AutoConfig.from_pretrained(hf_dir, local_files_only=True).to_dict()
+    except (OSError, ValueError, KeyError) as err:  # an unknown model_type, a bad field
+        raise CheckpointError(f"{config}: transformers cannot read it: {err}") from None
+
+
+def check_hf_dir(hf_dir: str | os.PathLike) -> tuple[dict, ModelSpec]:
+    """The checks a conversion makes of an HF directory before it writes anything (the
+    trainer's pre-start checks of ``model.path`` reuse them).
+
+    Returns:
+        ``(hf_config, spec)``: config.json as transformers reads it, and its ModelSpec.
+
+    Raises:
+        CheckpointError: no directory, no or invalid config.json, no safetensors files, an
+            unreadable (truncated) file or index, missing/extra/mis-shaped tensors.
+        UnsupportedModelError / ValueError: an architecture or feature megaflow does not map.
+    """
+    hf_config = read_hf_config(hf_dir)
+    spec = ModelSpec.from_hf_config(hf_config)
+    HFWeights(hf_dir).validate(spec)
+    return hf_config, spec
+
+
+def _check_sizes(tp: int, pp: int) -> None:
+    for name, value in (("tp", tp), ("pp", pp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _check_output(out_dir: str | os.PathLike, overwrite: bool) -> Path:
+    """:func:`check_output_dir`, and the directory can be created (``--out /dev/null/x``)."""
+    from megaflow.utils.paths import why_not_creatable
+
+    final = check_output_dir(out_dir, overwrite)
+    problem = why_not_creatable(final.parent)
+    if problem is not None:
+        raise OSError(f"cannot create output directory {final}: {problem}")
+    return final
 
 
 def validate_layout(hf_config: dict, tp: int, pp: int, dtype: torch.dtype) -> None:
@@ -92,14 +138,14 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike
             TP/PP that does not divide the heads/layers.
         CheckpointError: missing/extra/mis-shaped/truncated tensors (named).
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
+        OSError: ``out_dir`` cannot be created (a parent is a file or not writable).
         megaflow.utils.launch.DistributedRunError: a rank failed (its traceback).
     """
     torch_dtype = parse_dtype(dtype)
-    hf_config = read_hf_config(hf_dir)
-    spec = ModelSpec.from_hf_config(hf_config)
+    _check_sizes(tp, pp)
+    hf_config, _ = check_hf_dir(hf_dir)
     validate_layout(hf_config, tp, pp, torch_dtype)
-    HFWeights(hf_dir).validate(spec)
-    final = check_output_dir(out_dir, overwrite)
+    final = _check_output(out_dir, overwrite)
     return _run_in_tmp(final, _hf_to_megatron_rank, tp * pp, str(Path(hf_dir).absolute()),
                        hf_config, tp, pp, torch_dtype, progress, timeout_s=timeout_s,
                        marker={"format": FORMAT})
@@ -135,14 +181,16 @@ def convert_megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLi
         CheckpointError: not a complete megaflow checkpoint, a missing or truncated tensor
             file, or tensors read back that do not match the stored config.
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
+        OSError: ``out_dir`` cannot be created (a parent is a file or not writable).
         megaflow.utils.launch.DistributedRunError: a rank failed (e.g. a damaged shard file).
     """
+    _check_sizes(tp, pp)
     meta = read_checkpoint_metadata(ckpt_dir)
     verify_checkpoint_files(ckpt_dir)
     ckpt_dtype = parse_dtype(meta["dtype"])
     out_dtype = parse_dtype(dtype) if dtype is not None else ckpt_dtype
     validate_layout(meta["hf_config"], tp, pp, ckpt_dtype)
-    final = check_output_dir(out_dir, overwrite)
+    final = _check_output(out_dir, overwrite)
     return _run_in_tmp(final, _megatron_to_hf_rank, tp * pp, str(Path(ckpt_dir).absolute()),
                        meta["hf_config"], tp, pp, ckpt_dtype, out_dtype, max_shard_bytes,
                        progress, timeout_s=timeout_s, marker=None)
@@ -165,5 +213,5 @@ def _megatron_to_hf_rank(rank: int, world_size: int, tmp: str, ckpt_dir: str, hf
         destroy_parallel()
 
 
-__all__ = ["convert_hf_to_megatron", "convert_megatron_to_hf", "read_hf_config",
+__all__ = ["convert_hf_to_megatron", "convert_megatron_to_hf", "read_hf_config", "check_hf_dir",
            "validate_layout", "parse_dtype", "DTYPES"]

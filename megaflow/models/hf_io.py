@@ -71,8 +71,14 @@ class HFWeights:
             raise CheckpointError(f"HF checkpoint directory {directory} does not exist")
         index = directory / SAFE_INDEX
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            paths = [directory / f for f in sorted(set(weight_map.values()))]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                files = set(weight_map.values())
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise CheckpointError(f"{index} is not valid JSON: {err}") from None
+            except (KeyError, TypeError, AttributeError):
+                raise CheckpointError(f"{index} has no 'weight_map' object of tensor name -> file") from None
+            paths = [directory / f for f in sorted(files)]
             missing = [str(p) for p in paths if not p.exists()]
             if missing:
                 raise CheckpointError(f"{index} lists shards that do not exist: {missing}")

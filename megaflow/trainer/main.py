@@ -4,9 +4,11 @@
     python -m megaflow.trainer.main --recipe llama70b_ppo --dry-run
 
 Exit codes: 0 success; 1 a layout that does not fit; 2 a config or input error (the
-message names the dotted key, file or value); 3 the cluster is missing resources or a
+message names the dotted key, file or value; found before any process starts, by the
+dry run too: :mod:`megaflow.config.preflight`; ``MEGAFLOW_DEBUG=1`` adds the traceback); 3 the cluster is missing resources or a
 worker process/node died (the message names what is missing, or the node, role and rank); 4 a
-training-health check stopped the run (``algorithm.rollout_correction.max_mismatch``).
+training-health check stopped the run (``algorithm.rollout_correction.max_mismatch``, a
+non-finite loss or gradient norm); 130 interrupted (Ctrl-C), with where it stopped and how to resume.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def run_dir_of(cfg) -> Path:
     """``<output_dir>/<project_name>/<experiment_name>``."""
     tr = cfg.trainer
-    return Path(tr.output_dir) / tr.project_name / tr.experiment_name
+    return Path(tr.output_dir).expanduser() / tr.project_name / tr.experiment_name
 
 
 def seed_everything(seed: int) -> None:
@@ -43,51 +45,31 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def data_files(cfg, run_dir: Path) -> tuple[list[str], list[str]]:
-    """Training and validation files: the recipe's, or generated for a built-in task."""
-    d = cfg.data
-    if d.task == "arith":
-        from megaflow.data import ArithTaskConfig, write_arith_dataset
-
-        files = write_arith_dataset(run_dir / "data", ArithTaskConfig(**dict(d.task_args)))
-        return [str(files["train"])], [str(files["val"])]
-    return list(d.train_files), list(d.val_files)
-
-
-def build_loaders(cfg, tokenizer, run_dir: Path):
-    """(train_loader, val_loader or None, number of training prompts)."""
-    from megaflow.data import PromptDataLoader, RLHFDataset, collate_fn
+def build_loaders(cfg, inputs):
+    """(train_loader, val_loader or None, number of training prompts) over the datasets
+    :func:`megaflow.config.preflight.preflight` loaded."""
+    from megaflow.data import PromptDataLoader, collate_fn
 
     d = cfg.data
-    train_files, val_files = data_files(cfg, run_dir)
-
-    def dataset(files):
-        return RLHFDataset(files, tokenizer, max_prompt_length=d.max_prompt_length, prompt_key=d.prompt_key,
-                           overlong_prompts="filter" if d.filter_overlong_prompts else "error",
-                           use_chat_template=d.apply_chat_template)
-
-    train = dataset(train_files)
-    train_loader = PromptDataLoader(train, d.train_batch_size, shuffle=d.shuffle, seed=d.seed, drop_last=True,
-                                    collate_fn=collate_fn)
+    train_loader = PromptDataLoader(inputs.train_dataset, d.train_batch_size, shuffle=d.shuffle, seed=d.seed,
+                                    drop_last=True, collate_fn=collate_fn)
     val_loader = None
-    if val_files and cfg.trainer.test_freq != 0 or (val_files and cfg.trainer.val_before_train):
-        val = dataset(val_files)
+    if inputs.val_dataset is not None:
+        val = inputs.val_dataset
         val_loader = PromptDataLoader(val, d.val_batch_size or len(val), shuffle=False, drop_last=False,
                                       collate_fn=collate_fn)
-    return train_loader, val_loader, len(train)
+    return train_loader, val_loader, len(inputs.train_dataset)
 
 
-def build_reward_fn(cfg, tokenizer):
-    """The rule reward of each data source (custom scorers from ``reward.functions``)."""
-    import importlib
-
+def build_reward_fn(cfg, tokenizer, functions=None):
+    """The rule reward of each data source (custom scorers from ``reward.functions``,
+    already imported by the pre-start checks when ``functions`` is given)."""
+    from megaflow.config.preflight import resolve_reward_functions
     from megaflow.rewards import RuleRewardManager, get_reward_spec, known_data_sources, register_reward
     from megaflow.rewards.format import THINK_ANSWER_PATTERN, with_format_reward
 
     rc = cfg.reward
-    for source, target in rc.functions.items():
-        module, _, name = target.partition(":")
-        fn = getattr(importlib.import_module(module), name)
+    for source, fn in (functions if functions is not None else resolve_reward_functions(cfg)).items():
         register_reward(source, override=True)(fn)
     if rc.format_weight > 0:
         pattern = rc.format_pattern or THINK_ANSWER_PATTERN
@@ -121,52 +103,84 @@ def init_ray(cfg) -> None:
         # needed and what joined, instead of placement groups pending forever.
         wait_for_cluster(cluster_requirement(cfg), r.resource_wait_timeout_s, address=r.address)
     else:
-        # address="local": never join a cluster that happens to run on this machine
-        ray.init(address="local", num_cpus=r.num_cpus, dashboard_host=r.dashboard_host, **kwargs)
+        # address="local": never join a cluster that happens to run on this machine; every
+        # listener of the local Ray on 127.0.0.1 only (megaflow.launch.local)
+        from megaflow.launch.local import loopback_ray_options
+
+        ray.init(address="local", num_cpus=r.num_cpus, dashboard_host=r.dashboard_host, **kwargs,
+                 **loopback_ray_options())
+
+
+def _stop_local_ray(cfg) -> None:
+    """Stop the Ray this process started (its helper processes end with it); a cluster
+    given by ``ray.address`` is only disconnected from."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 def _fit_naming_lost_workers(trainer, groups, total_steps: int) -> dict[str, float]:
     """``trainer.fit`` where a dead worker process or node becomes a
     :class:`~megaflow.launch.failures.WorkerLostError` naming node, role and rank."""
-    from megaflow.launch.failures import is_worker_death, placements_of, worker_lost_error
+    from megaflow.launch.failures import (RunInterrupted, find_dead_ranks, is_worker_death, placements_of,
+                                          worker_lost_error)
 
     try:
         return trainer.fit(total_steps)
+    except KeyboardInterrupt:
+        latest = trainer.checkpoints.latest() if trainer.checkpoints is not None else None
+        raise RunInterrupted(trainer.global_step, latest) from None
     except Exception as err:  # noqa: BLE001 - re-raised unchanged unless a worker died
-        if not is_worker_death(err):
-            raise
         roles = {name: g for name, g in (("actor", groups.actor), ("ref", groups.ref), ("critic", groups.critic),
                                          ("reward_model", groups.reward_model)) if g is not None}
-        raise worker_lost_error(err, placements_of(roles)) from err
+        placements = placements_of(roles)
+        dead = find_dead_ranks(err, placements)  # whoever raised, blame the rank that is actually dead
+        if not dead and not is_worker_death(err):
+            raise
+        raise worker_lost_error(err, placements, dead=dead) from err
 
 
-def train(cfg) -> dict[str, float]:
-    """Run training for a loaded, validated config; returns the last step's metrics."""
+def train(cfg, inputs=None) -> dict[str, float]:
+    """Run training for a loaded, validated config; returns the last step's metrics.
+
+    Args:
+        inputs: what :func:`megaflow.config.preflight.preflight` returned for ``cfg``
+            (None: it runs here first). Nothing is created (not even the run directory)
+            before those checks passed.
+
+    Raises:
+        ConfigError: a pre-start check failed (a :class:`PreflightError` listing them).
+    """
     from megaflow.config import config_to_dict, dump_config, lr_schedule_steps, num_training_steps
-    from megaflow.data import get_tokenizer
     from megaflow.trainer.checkpoint import CheckpointManager
     from megaflow.trainer.ppo_trainer import RayPPOTrainer
     from megaflow.trainer.roles import build_worker_groups, shutdown_worker_groups
     from megaflow.utils.tracking import Tracking
 
-    run_dir = run_dir_of(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    seed_everything(cfg.trainer.seed)
-    tokenizer = get_tokenizer(os.path.expanduser(cfg.model.tokenizer or cfg.model.path))
-    try:
-        train_loader, val_loader, num_prompts = build_loaders(cfg, tokenizer, run_dir)
-    except (OSError, ValueError) as exc:  # missing/malformed files, over-long prompts: before any process starts
-        from megaflow.config import ConfigError
+    from megaflow.config.preflight import preflight
 
-        raise ConfigError("data.train_files / data.val_files", str(exc)) from exc
+    if inputs is None:
+        inputs = preflight(cfg)
+    tokenizer = inputs.tokenizer
+    train_loader, val_loader, num_prompts = build_loaders(cfg, inputs)
     total_steps = num_training_steps(cfg, num_prompts)
+    from megaflow.trainer.resume import check_not_finished, check_resume
+
+    check_not_finished(check_resume(cfg), total_steps)  # a finished run says so before anything starts
     for role in ("actor", "critic"):  # the LR decay horizon needs the run length: check it before Ray starts
         if role == "actor" or cfg.critic.enabled:
             lr_schedule_steps(cfg, role, total_steps)
-    reward_fn = build_reward_fn(cfg, tokenizer)
+    reward_fn = build_reward_fn(cfg, tokenizer, inputs.reward_functions)
+    run_dir = run_dir_of(cfg)  # created only now that every input was checked
+    run_dir.mkdir(parents=True, exist_ok=True)
+    inputs.keep_generated(run_dir / "data")
+    seed_everything(cfg.trainer.seed)
+    checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.trainer.max_ckpt_to_keep)
+    for stale in checkpoints.remove_partials():
+        print(f"[megaflow] removed {stale} (left by an interrupted save)", flush=True)
     init_ray(cfg)
     groups = build_worker_groups(cfg, tokenizer, total_steps)
-    checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.trainer.max_ckpt_to_keep)
     try:
         with Tracking(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger, log_dir=run_dir,
                       config=config_to_dict(cfg), total_steps=total_steps) as tracker:
@@ -181,38 +195,74 @@ def train(cfg) -> dict[str, float]:
     return metrics
 
 
+def _report_config_error(exc: Exception) -> int:
+    """Print an expected input error, one line per problem, and return exit code 2
+    (``MEGAFLOW_DEBUG=1`` re-raises it for the traceback)."""
+    from megaflow.config.preflight import PreflightError
+    from megaflow.utils.cli import EXIT_INPUT_ERROR, debug_enabled
+
+    if debug_enabled():
+        raise exc
+    problems = exc.problems if isinstance(exc, PreflightError) else [exc]
+    for problem in problems:
+        print(f"megaflow: config error: {problem}", file=sys.stderr)
+    return EXIT_INPUT_ERROR
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from megaflow.config import ConfigError, build_plan, format_plan, load_config
+    from megaflow.config.preflight import preflight
 
     try:
         cfg = load_config(args.recipe, args.overrides)
         plan = build_plan(cfg)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
-        print(f"megaflow: config error: {exc}", file=sys.stderr)
-        return 2
+        return _report_config_error(exc)
     if args.dry_run:
         print(format_plan(plan))
-        return 0 if plan.fits else 1
-    if not plan.fits:
+    elif not plan.fits:
         print(format_plan(plan), file=sys.stderr)
         print("megaflow: this layout does not fit the configured resources (see the plan above)", file=sys.stderr)
         return 1
+    # Files, data, the tokenizer and this machine, before any process starts; a dry run
+    # reports the same problems (after its plan) and the same exit code.
+    try:
+        inputs = preflight(cfg)
+        from megaflow.trainer.resume import check_resume
+
+        check_resume(cfg)  # trainer.resume: exists, verified, same layout and config (dry run too)
+    except ConfigError as exc:
+        return _report_config_error(exc)
+    if args.dry_run:
+        if inputs is not None and inputs.generated_dir is not None:
+            import shutil
+
+            shutil.rmtree(inputs.generated_dir, ignore_errors=True)
+        return 0 if plan.fits else 1
     from megaflow.launch.cluster import ClusterNotReadyError
-    from megaflow.launch.failures import WorkerLostError
+    from megaflow.launch.failures import RunInterrupted, WorkerLostError
+    from megaflow.trainer.ppo_trainer import NonFiniteMetricsError
     from megaflow.trainer.stages import RolloutMismatchError
 
     try:
-        train(cfg)
+        train(cfg, inputs)
     except ConfigError as exc:
-        print(f"megaflow: config error: {exc}", file=sys.stderr)
-        return 2
+        return _report_config_error(exc)
     except (WorkerLostError, ClusterNotReadyError) as exc:
         print(f"megaflow: {exc}", file=sys.stderr)
         return 3
-    except RolloutMismatchError as exc:
+    except (RolloutMismatchError, NonFiniteMetricsError) as exc:
         print(f"megaflow: stopped: {exc}", file=sys.stderr)
         return 4
+    except RunInterrupted as exc:
+        print(f"megaflow: {exc}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("megaflow: interrupted before training started; nothing was saved", file=sys.stderr)
+        return 130
+    finally:
+        _stop_local_ray(cfg)
     return 0
 
 

@@ -40,10 +40,57 @@ def test_default_recipe_layout_is_the_promised_one():
     ("trainer.total_steps=null", "trainer.total_steps", None),
     ("trainer.logger=[console,wandb]", "trainer.logger", ["console", "wandb"]),
     ("model.path=/models/x", "model.path", "/models/x"),
-    ("data.val_batch_size=", "data.val_batch_size", None),
+    ("data.val_batch_size=null", "data.val_batch_size", None),
+    ("trainer.project_name=''", "trainer.project_name", ""),
 ])
 def test_override_values_are_typed_as_yaml(item, key, value):
     assert parse_override(item) == (key, value)
+
+
+@pytest.mark.parametrize("item", ["trainer.total_steps=", "trainer.total_steps=  "])
+def test_empty_override_value_is_an_error_not_null(item):
+    with pytest.raises(ConfigError, match=r"trainer.total_steps: override .* has no value; write "
+                                          r"trainer.total_steps=null for null"):
+        parse_override(item)
+
+
+def test_mapping_override_merges_key_by_key():
+    recipe = load_config("tiny_arith_grpo")
+    cfg = load_config("tiny_arith_grpo", ["model.hf_config={num_hidden_layers: 4, rope_theta: 500.0}"])
+    expected = {**dict(recipe.model.hf_config), "num_hidden_layers": 4, "rope_theta": 500.0}
+    assert dict(cfg.model.hf_config) == expected
+    tree = apply_override({"a": {"b": 1, "c": {"d": 2, "e": 3}}}, "a", {"c": {"d": 5}})
+    assert tree == {"a": {"b": 1, "c": {"d": 5, "e": 3}}}
+    assert apply_override({"a": {"b": 1}}, "a.b", [1, 2]) == {"a": {"b": [1, 2]}}  # non-mappings replace
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "nan", "1e999"])
+def test_non_finite_float_is_refused(value):
+    with pytest.raises(ConfigError, match="actor.optim.lr: must be a finite number"):
+        load_config("tiny_arith_grpo", [f"actor.optim.lr={value}"])
+
+
+@pytest.mark.parametrize("text, key, lines", [
+    ("actor:\n  optim:\n    lr: 1.0e-3\n    lr: 2.0e-3\n", "actor.optim.lr", (3, 4)),
+    ("trainer:\n  total_steps: 3\nactor: {tp: 2}\ntrainer:\n  total_steps: 5\n", "trainer", (1, 4)),
+    ("resources:\n  pools:\n    - {a: 1, a: 2}\n", "resources.pools[0].a", (3, 3)),
+])
+def test_duplicate_recipe_key_is_named_with_its_lines(tmp_path, text, key, lines):
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == (f"{key}: given twice in {path} (lines {lines[0]} and {lines[1]}); "
+                              "YAML would keep only the second: remove one")
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path):
+    path = tmp_path / "merge.yaml"
+    path.write_text("model:\n  hf_config: &base {model_type: llama, hidden_size: 64}\n"
+                    "reward_model:\n  hf_config:\n    <<: *base\n    hidden_size: 32\n")
+    from megaflow.config.loader import read_yaml
+
+    assert read_yaml(path)["reward_model"]["hf_config"] == {"model_type": "llama", "hidden_size": 32}
 
 
 @pytest.mark.parametrize("item", ["trainer.total_steps", "=3", "trainer..x=1", "a b=1"])

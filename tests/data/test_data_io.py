@@ -127,3 +127,12 @@ def test_parquet_mixed_types_are_named(tmp_path):
     rows[1]["reward_model"] = "oops"
     with pytest.raises(ValueError, match=r"u.parquet: column 'reward_model' has values of mixed types"):
         write_rows(rows, tmp_path / "u.parquet")
+
+
+def test_null_ground_truth_is_refused_naming_the_row(tmp_path):
+    rows = [make_row("1+1=", ground_truth="2"), make_row("1+2=", ground_truth=None)]
+    path = write_rows(rows, tmp_path / "d.jsonl")
+    with pytest.raises(DatasetFormatError, match=r"d.jsonl, row 1 \(line 2\): column 'reward_model.ground_truth' is null"):
+        load_records(path)
+    model_style = dict(rows[1], reward_model={"style": "model", "ground_truth": None})
+    assert load_records(write_rows([model_style], tmp_path / "m.jsonl"))[0].ground_truth is None

@@ -54,5 +54,24 @@ def test_bad_source_rows_are_named(tmp_path):
 
 
 def test_tool_reports_missing_source(tmp_path, capsys):
-    assert _tool().main(["--src", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 1
-    assert "GSM8K file not found" in capsys.readouterr().err
+    assert _tool().main(["--src", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: GSM8K file not found") and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_line_in_test_split_writes_nothing(tmp_path, capsys):
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    (src / "train.jsonl").write_text(json.dumps({"question": "q", "answer": "a\n#### 4"}) + "\n")
+    (src / "test.jsonl").write_text(json.dumps({"question": "q", "answer": "a\n#### 5"}) + "\n{broken\n")
+    assert _tool().main(["--src", str(src), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {src / 'test.jsonl'}, line 2: invalid JSON" in err and "Traceback" not in err
+    assert not out.exists()  # train.parquet was valid but is not written either
+
+
+def test_output_under_a_file_is_refused(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert _tool().main(["--out", str(tmp_path / "file" / "gsm8k")]) == 2
+    assert f"{tmp_path / 'file'} is not a directory" in capsys.readouterr().err

@@ -1,6 +1,11 @@
-"""`make train` input errors: one line naming the key or file, exit code 2, no processes started."""
+"""`make train` input errors: one line naming the key or file, exit code 2, no traceback,
+no processes started and nothing written; the dry run reports the same errors.
+
+(The README's "Bad input" table is run row by row in tests/test_bad_input_table.py.)"""
 import pytest
 
+from megaflow.config import load_config
+from megaflow.config.preflight import PreflightError, check_local_resources, preflight
 from megaflow.trainer.main import main
 
 
@@ -9,9 +14,61 @@ from megaflow.trainer.main import main
     (["trainer.total_steps=abc"], "trainer.total_steps: expected int"),
     (["actor.tp=3"], "actor.tp:"),
     (["data.task=null", "data.train_files=[/nonexistent.parquet]"],
-     "data.train_files / data.val_files: prompt dataset file not found: /nonexistent.parquet"),
+     "data.train_files: prompt dataset file not found: /nonexistent.parquet"),
 ])
 def test_bad_input_exits_2_with_the_key(overrides, expected, tmp_path, capsys):
     rc = main(["--recipe", "tiny_arith_grpo", f"trainer.output_dir={tmp_path}", *overrides])
     err = capsys.readouterr().err
     assert rc == 2 and expected in err, err
+    assert "Traceback" not in err and not (tmp_path / "megaflow").exists()
+
+
+def test_dry_run_reports_every_problem_after_the_plan(tmp_path, capsys):
+    rc = main(["--recipe", "tiny_arith_grpo", "--dry-run", f"trainer.output_dir={tmp_path}",
+               "rollout.response_length=60", "data.task_args.num_trainn=5", "model.tokenizer=/nonexistent"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "megaflow dry run: tiny_arith_grpo" in out
+    lines = [line for line in err.splitlines() if line.startswith("megaflow: config error: ")]
+    keys = [line.split(": ")[2] for line in lines]
+    assert keys == ["rollout.response_length", "data.task_args.num_trainn", "model.tokenizer"], err
+
+
+def test_debug_env_shows_the_traceback(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGAFLOW_DEBUG", "1")
+    with pytest.raises(PreflightError, match="model.tokenizer: tokenizer '/nonexistent' does not exist"):
+        main(["--recipe", "tiny_arith_grpo", f"trainer.output_dir={tmp_path}", "model.tokenizer=/nonexistent"])
+
+
+def test_preflight_loads_the_data_without_creating_the_run_dir(tmp_path):
+    cfg = load_config("tiny_arith_grpo", [f"trainer.output_dir={tmp_path}", "data.task_args.num_train=40"])
+    inputs = preflight(cfg)
+    try:
+        assert len(inputs.train_dataset) == 40 and inputs.val_dataset is not None
+        assert not (tmp_path / "megaflow").exists()
+        dest = tmp_path / "run" / "data"
+        inputs.keep_generated(dest)
+        assert sorted(p.name for p in dest.iterdir()) == ["train.parquet", "val.parquet"]
+    finally:
+        inputs.keep_generated(tmp_path / "discard")
+
+
+@pytest.mark.parametrize("overrides, cpus, gpus, key", [
+    ([], 1, 0, "resources.num_cpus_per_proc"),          # 2 ranks x 1 CPU on a 1-CPU machine
+    (["resources.num_cpus_per_proc=2"], 3, 0, "resources.num_cpus_per_proc"),
+    (["ray.num_cpus=3", "resources.num_cpus_per_proc=2"], 64, 0, "ray.num_cpus"),
+    (["resources.use_gpu=true"], 64, 0, "resources.use_gpu"),
+    (["resources.use_gpu=true"], 64, 1, "resources.procs_per_node"),
+])
+def test_local_resources_that_ray_would_wait_for_forever(overrides, cpus, gpus, key):
+    cfg = load_config("tiny_arith_grpo", overrides)
+    with pytest.raises(Exception) as err:
+        check_local_resources(cfg, cpu_count=cpus, gpu_count=gpus)
+    assert str(err.value).startswith(f"{key}: "), err.value
+
+
+def test_local_resources_that_fit_pass():
+    check_local_resources(load_config("tiny_arith_grpo"), cpu_count=2, gpu_count=0)
+    check_local_resources(load_config("tiny_arith_grpo", ["resources.use_gpu=true"]), cpu_count=2, gpu_count=2)
+    # a cluster run is checked against the cluster when it connects (bounded wait), not here
+    check_local_resources(load_config("tiny_arith_grpo", ["resources.nodes=4", "ray.address=10.0.0.1:6379"]),
+                          cpu_count=1, gpu_count=0)

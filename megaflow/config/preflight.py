@@ -1,0 +1,405 @@
+"""Checks of a loaded config against its files and this machine, before any process starts.
+
+:func:`load_config` checks what the config says by itself (types, ranges, topology).
+What it points at is checked here, by :func:`preflight`, which ``make train`` (and
+``DRY_RUN=1``, with the same messages) runs before Ray, Megatron or vLLM start:
+
+* lengths: ``data.max_prompt_length + rollout.response_length`` within the model's
+  ``max_position_embeddings``;
+* the tokenizer (``model.tokenizer``, else ``model.path``): a built-in name or a
+  directory that loads, whose vocabulary fits the model's ``vocab_size``;
+* model directories (``model.path``, ``critic.path``, ``reward_model.path``): the
+  converter's checks (:func:`megaflow.models.convert.check_hf_dir`: config.json, every
+  safetensors file readable, no tensor missing, extra or mis-shaped);
+* data: ``data.task_args`` against the task's parameters; every row of the prompt files
+  (``reward_model.ground_truth`` set, a ``data_source`` that has a reward);
+* ``reward.functions``: each ``module:function`` imports and is callable;
+* ``trainer.output_dir``: the run directory can be created (nothing is created here);
+* resources of a local run (no ``ray.address``): one node, enough CPUs for the pools
+  (``ray.num_cpus`` or this machine's), GPUs present when ``resources.use_gpu``.
+
+Every problem is a :class:`ConfigError` naming the dotted key (and the file or value);
+:func:`preflight` gathers the independent ones so that one run reports them all. The
+tokenizer and datasets it loaded are returned (:class:`Inputs`) for the run to reuse.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from megaflow.config.model_spec import resolve_hf_config
+from megaflow.config.typed import ConfigError
+
+if TYPE_CHECKING:
+    from megaflow.config.schema import Config
+
+
+class PreflightError(ConfigError):
+    """One or more :class:`ConfigError` found by :func:`preflight` (``problems``), one per line."""
+
+    def __init__(self, problems: list[ConfigError]):
+        self.problems = list(problems)
+        super().__init__("", "\n".join(str(p) for p in self.problems))
+
+    def __reduce__(self):
+        return type(self), (self.problems,)
+
+
+@dataclass
+class Inputs:
+    """What :func:`preflight` loaded, for the run to reuse instead of loading it again.
+
+    Attributes:
+        tokenizer: the tokenizer of ``model.tokenizer`` (or ``model.path``).
+        train_dataset / val_dataset: :class:`megaflow.data.RLHFDataset` (val None when
+            the run never validates or has no validation files).
+        generated_dir: a temporary directory with the files of a built-in task
+            (``data.task``), or None; :meth:`keep_generated` moves them into the run.
+    """
+
+    tokenizer: Any
+    train_dataset: Any
+    val_dataset: Any = None
+    generated_dir: Path | None = None
+    reward_functions: dict[str, Callable] = field(default_factory=dict)
+
+    def keep_generated(self, dest: Path) -> None:
+        """Move the generated task files to ``dest`` (the run's ``data/``), replacing it."""
+        if self.generated_dir is None:
+            return
+        if dest.exists():
+            shutil.rmtree(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(self.generated_dir), dest)
+        self.generated_dir = None
+
+
+# --------------------------------------------------------------------------- config-only
+
+
+def check_sequence_length(cfg: Config) -> None:
+    """``data.max_prompt_length + rollout.response_length`` must fit the position embeddings
+    of the policy (and of a reward model with its own config).
+
+    Raises:
+        ConfigError: at ``rollout.response_length``, naming both lengths and the limit.
+    """
+    prompt, response = cfg.data.max_prompt_length, cfg.rollout.response_length
+    sections = [("model", cfg.model.path, cfg.model.hf_config)]
+    rm = cfg.reward_model
+    if rm.enabled and (rm.path is not None or rm.hf_config is not None):
+        sections.append(("reward_model", rm.path, rm.hf_config))
+    for prefix, path, inline in sections:
+        hf, source = resolve_hf_config(path, inline, prefix)
+        limit = hf.get("max_position_embeddings")
+        if isinstance(limit, int) and not isinstance(limit, bool) and prompt + response > limit:
+            where = f"{source}.max_position_embeddings" if source.endswith("hf_config") else \
+                f"{Path(path).expanduser()}/config.json"
+            raise ConfigError("rollout.response_length",
+                              f"{response} + {{0}}={prompt} = {prompt + response} tokens exceeds the model's "
+                              f"max_position_embeddings={limit} ({where}); lower one of them",
+                              ("data.max_prompt_length",))
+
+
+def check_task_args(cfg: Config) -> Any:
+    """The built-in task's parameters from ``data.task_args`` (None without ``data.task``).
+
+    Raises:
+        ConfigError: an unknown parameter (at ``data.task_args.<name>``, with close
+            matches and the valid names) or a value the task refuses.
+    """
+    d = cfg.data
+    if d.task is None:
+        return None  # not refused: with mappings merging, an override could not clear a recipe's task_args
+    from megaflow.data.arith import ArithTaskConfig
+
+    names = [f.name for f in dataclasses.fields(ArithTaskConfig)]
+    for name in d.task_args:
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=2, cutoff=0.6)
+            hint = f"did you mean {' or '.join(close)}? " if close else ""
+            raise ConfigError(f"data.task_args.{name}",
+                              f"unknown parameter of task {d.task!r}; {hint}valid: {', '.join(names)}")
+    try:
+        return ArithTaskConfig(**{k: _thaw(v) for k, v in d.task_args.items()})
+    except (TypeError, ValueError) as exc:
+        raise ConfigError("data.task_args", f"task {d.task!r}: {exc}") from None
+
+
+def _thaw(value: Any) -> Any:
+    from megaflow.config.typed import thaw
+
+    return thaw(value)
+
+
+def resolve_reward_functions(cfg: Config) -> dict[str, Callable]:
+    """``reward.functions`` imported: data_source -> the scorer function.
+
+    Raises:
+        ConfigError: at ``reward.functions.<source>``: the module does not import (or
+            raises while importing) or has no such callable attribute.
+    """
+    out = {}
+    for source, target in cfg.reward.functions.items():
+        key = f"reward.functions.{source}"
+        module_name, _, attr = target.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            raise ConfigError(key, f"{target!r}: no module named {exc.name!r} (is it on PYTHONPATH?)") from None
+        except Exception as exc:  # noqa: BLE001 - user code: report what it raised, by name
+            raise ConfigError(key, f"{target!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}") \
+                from None
+        fn = getattr(module, attr, None)
+        if fn is None:
+            raise ConfigError(key, f"{target!r}: module {module_name!r} ({getattr(module, '__file__', '?')}) has "
+                                   f"no attribute {attr!r}")
+        if not callable(fn):
+            raise ConfigError(key, f"{target!r}: {module_name}.{attr} is a {type(fn).__name__}, not a function")
+        out[source] = fn
+    return out
+
+
+def check_output_dir(cfg: Config) -> None:
+    """The run directory ``<trainer.output_dir>/<project>/<experiment>`` can be created
+    (its nearest existing ancestor is a writable directory); creates nothing.
+
+    Raises:
+        ConfigError: at ``trainer.output_dir``, naming the path in the way.
+    """
+    from megaflow.utils.paths import why_not_creatable
+
+    tr = cfg.trainer
+    target = Path(tr.output_dir).expanduser() / tr.project_name / tr.experiment_name
+    problem = why_not_creatable(target)
+    if problem is not None:
+        raise ConfigError("trainer.output_dir", f"cannot create the run directory {target}: {problem}")
+
+
+def check_local_resources(cfg: Config, *, cpu_count: int | None = None, gpu_count: int | None = None) -> None:
+    """A run without ``ray.address`` starts a one-node Ray here: the pools must fit it.
+
+    Args:
+        cpu_count / gpu_count: this machine's (default: ``os.cpu_count()``,
+            ``torch.cuda.device_count()``); for tests.
+
+    Raises:
+        ConfigError: more than one node (``resources.nodes``), more CPUs than
+            ``ray.num_cpus`` or the machine has, ``resources.use_gpu`` without (enough) GPUs.
+    """
+    if cfg.ray.address is not None:
+        return  # a cluster: megaflow.launch.cluster waits a bounded time and says what is missing
+    from megaflow.launch.resources import cluster_requirement
+
+    req = cluster_requirement(cfg)
+    if req.num_nodes > 1:
+        raise ConfigError("resources.nodes",
+                          f"the pools need {req.num_nodes} nodes ({'; '.join(req.describe_pools())}) but {{0}} is "
+                          "not set, so a one-node local Ray would start: start a cluster (python -m "
+                          "megaflow.launch.node head|worker, or make slurm) and set {0}=HOST:PORT, or fit the "
+                          "run on one node", ("ray.address",))
+    need = req.nodes[0]
+    if cfg.ray.num_cpus is not None:
+        have, key, what = cfg.ray.num_cpus, "ray.num_cpus", f"ray.num_cpus={cfg.ray.num_cpus}"
+    else:
+        have = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+        key, what = "resources.num_cpus_per_proc", f"this machine has {have}"
+    if need.cpus > have:
+        raise ConfigError(key, f"the pools need {need.cpus} CPUs ({'; '.join(req.describe_pools())}) but {what}: "
+                               "Ray would wait for them forever; lower resources.procs_per_node or "
+                               "resources.num_cpus_per_proc (or raise ray.num_cpus)")
+    if cfg.resources.use_gpu:
+        if gpu_count is None:
+            import torch
+
+            gpu_count = torch.cuda.device_count()
+        if gpu_count == 0:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+            raise ConfigError("resources.use_gpu", f"is true but torch sees no GPU on this machine{hint}; set "
+                                                   "resources.use_gpu=false to run on CPU")
+        if gpu_count < need.gpus:
+            raise ConfigError("resources.procs_per_node", f"the pools need {need.gpus} GPUs on this node but torch "
+                                                          f"sees {gpu_count}")
+
+
+def check_model_dirs(cfg: Config) -> None:
+    """Each model directory the roles load (``model.path``; ``critic.path``,
+    ``reward_model.path`` when enabled) passes the converter's checks.
+
+    Raises:
+        ConfigError: at the path's key: no directory, no or bad config.json, no weights, a
+            truncated file, missing/extra/mis-shaped tensors (the file or tensor named).
+    """
+    from megaflow.models.convert import check_hf_dir
+
+    paths = [("model.path", cfg.model.path)]
+    if cfg.critic.enabled and cfg.critic.path:
+        paths.append(("critic.path", cfg.critic.path))
+    if cfg.reward_model.enabled and cfg.reward_model.path:
+        paths.append(("reward_model.path", cfg.reward_model.path))
+    for key, path in paths:
+        if path is None:
+            continue
+        directory = Path(path).expanduser()
+        if not directory.is_dir():
+            what = "is a file, not" if directory.exists() else "does not exist; expected"
+            raise ConfigError(key, f"{directory} {what} an HF checkpoint directory (config.json + *.safetensors)")
+        try:
+            check_hf_dir(directory)
+        except (OSError, ValueError) as exc:  # CheckpointError, UnsupportedModelError are ValueErrors
+            raise ConfigError(key, f"{directory}: {exc}") from None
+
+
+# --------------------------------------------------------------------------- tokenizer and data
+
+
+def tokenizer_source(cfg: Config) -> tuple[str, str]:
+    """``(dotted key, name or path)`` of the run's tokenizer."""
+    if cfg.model.tokenizer is not None:
+        return "model.tokenizer", cfg.model.tokenizer
+    return "model.path", cfg.model.path
+
+
+def load_tokenizer(cfg: Config) -> Any:
+    """The run's tokenizer, checked against the model's vocabulary.
+
+    Raises:
+        ConfigError: at ``model.tokenizer`` (or ``model.path``): neither a built-in name
+            nor a directory holding a tokenizer; at the model's ``vocab_size``: smaller than
+            the tokenizer's vocabulary.
+    """
+    from megaflow.data.tokenizer import get_tokenizer
+
+    key, name = tokenizer_source(cfg)
+    try:
+        tokenizer = get_tokenizer(os.path.expanduser(name))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(key, str(exc)) from None
+    hf, source = resolve_hf_config(cfg.model.path, cfg.model.hf_config, "model")
+    vocab = hf.get("vocab_size")
+    if isinstance(vocab, int) and len(tokenizer) > vocab:
+        where = f"{source}.vocab_size" if source.endswith("hf_config") else source
+        detail = "" if where.endswith("vocab_size") else " (config.json field 'vocab_size')"
+        raise ConfigError(where, f"{vocab}{detail} is smaller than the tokenizer's {len(tokenizer)} tokens ({key}="
+                                 f"{name}): token ids >= {vocab} have no embedding row")
+    return tokenizer
+
+
+def uses_validation(cfg: Config, val_files) -> bool:
+    """Whether the run validates (validation files and a test cadence or a pre-train check)."""
+    return bool(val_files) and (cfg.trainer.test_freq != 0 or cfg.trainer.val_before_train)
+
+
+def load_datasets(cfg: Config, tokenizer: Any, task: Any = None) -> Inputs:
+    """The prompt datasets (a built-in task's generated into a temporary directory).
+
+    Raises:
+        ConfigError: at ``data.train_files`` / ``data.val_files``: a file missing or
+            malformed, a row without ground truth, over-long prompts in error mode, or a
+            ``data_source`` with no reward (the file and row named).
+    """
+    from megaflow.data import RLHFDataset
+
+    d = cfg.data
+    generated = None
+    if d.task is not None:
+        from megaflow.data.arith import write_arith_dataset
+
+        generated = Path(tempfile.mkdtemp(prefix="megaflow-task-"))
+        files = write_arith_dataset(generated, task)
+        train_files, val_files = [str(files["train"])], [str(files["val"])]
+        train_key = val_key = "data.task_args"
+    else:
+        train_files, val_files = list(d.train_files), list(d.val_files)
+        train_key, val_key = "data.train_files", "data.val_files"
+
+    def dataset(files, key):
+        try:
+            return RLHFDataset(files, tokenizer, max_prompt_length=d.max_prompt_length, prompt_key=d.prompt_key,
+                               overlong_prompts="filter" if d.filter_overlong_prompts else "error",
+                               use_chat_template=d.apply_chat_template)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(key, str(exc)) from None
+
+    try:
+        train = dataset(train_files, train_key)
+        val = dataset(val_files, val_key) if uses_validation(cfg, val_files) else None
+        _check_data_sources(cfg, ((train_key, train), (val_key, val)))
+    except BaseException:
+        if generated is not None:
+            shutil.rmtree(generated, ignore_errors=True)
+        raise
+    return Inputs(tokenizer=tokenizer, train_dataset=train, val_dataset=val, generated_dir=generated)
+
+
+def _check_data_sources(cfg: Config, datasets) -> None:
+    from megaflow.rewards import known_data_sources
+
+    known = set(known_data_sources()) | set(cfg.reward.functions)
+    for key, ds in datasets:
+        if ds is None:
+            continue
+        for record in ds.records:
+            if record.data_source not in known:
+                raise ConfigError(key, f"{record.location}: data_source {record.data_source!r} has no rule reward "
+                                       f"(known: {', '.join(sorted(known))}); register one with "
+                                       f"reward.functions.{record.data_source}=package.module:function")
+
+
+# --------------------------------------------------------------------------- all together
+
+
+def preflight(cfg: Config, *, load_data: bool = True) -> Inputs | None:
+    """Run every check above; return the loaded tokenizer and datasets.
+
+    Independent checks all run, so one call reports every problem; checks that need an
+    earlier one (the vocabulary needs the tokenizer, the data needs both) are skipped
+    when it failed.
+
+    Args:
+        load_data: also load the tokenizer and datasets (False: only the checks that
+            read no data; returns None).
+
+    Raises:
+        PreflightError: the problems found, each a :class:`ConfigError` naming its key.
+    """
+    problems: list[ConfigError] = []
+
+    def attempt(fn, *args):
+        try:
+            return fn(*args), True
+        except ConfigError as err:
+            problems.append(err)
+            return None, False
+
+    attempt(check_sequence_length, cfg)
+    task, task_ok = attempt(check_task_args, cfg)
+    functions, _ = attempt(resolve_reward_functions, cfg)
+    attempt(check_output_dir, cfg)
+    attempt(check_local_resources, cfg)
+    attempt(check_model_dirs, cfg)
+    inputs = None
+    if load_data:
+        tokenizer, tok_ok = attempt(load_tokenizer, cfg)
+        if tok_ok and task_ok:
+            inputs, _ = attempt(load_datasets, cfg, tokenizer, task)
+            if inputs is not None:
+                inputs.reward_functions = functions or {}
+    if problems:
+        if inputs is not None and inputs.generated_dir is not None:
+            shutil.rmtree(inputs.generated_dir, ignore_errors=True)
+        raise PreflightError(problems)
+    return inputs
+
+
+__all__ = ["preflight", "PreflightError", "Inputs", "check_sequence_length", "check_task_args",
+           "resolve_reward_functions", "check_output_dir", "check_local_resources", "check_model_dirs",
+           "load_tokenizer", "load_datasets", "tokenizer_source", "uses_validation"]

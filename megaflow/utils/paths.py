@@ -1,0 +1,29 @@
+"""Whether an output path can be created, checked before anything is written."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def why_not_creatable(path: str | os.PathLike) -> str | None:
+    """Why the directory ``path`` (and its missing parents) cannot be created, or None.
+
+    Looks at the nearest ancestor that exists: it must be a directory that this process
+    may write into. Nothing is created.
+
+    Returns:
+        e.g. ``"/dev/null is not a directory"`` or ``"/root is not writable"``; None when
+        ``path`` is a writable directory or can be made.
+    """
+    path = Path(path).expanduser().absolute()
+    probe = path
+    while not os.path.lexists(probe) and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable"
+    return None
+
+
+__all__ = ["why_not_creatable"]
