@@ -384,17 +384,25 @@ class MegatronEngine:
             off.offload_optimizer(self.optimizer)
             self._offloaded.add("optimizer")
 
-    def reload(self) -> None:
-        """Bring everything :meth:`offload` moved back to the accelerator."""
+    def reload(self, parts: tuple[str, ...] = ("params", "grads", "optimizer")) -> None:
+        """Bring ``parts`` (of what :meth:`offload` moved) back to the accelerator; a forward
+        pass or a weight sync needs ``("params",)`` only.
+
+        Raises:
+            ValueError: an unknown part name.
+        """
         from megaflow.megatron import offload as off
 
-        if "params" in self._offloaded:
+        unknown = set(parts) - {"params", "grads", "optimizer"}
+        if unknown:
+            raise ValueError(f"unknown engine state {sorted(unknown)}; parts are params, grads, optimizer")
+        if "params" in parts and "params" in self._offloaded:
             off.reload_params(self.model)
-        if "grads" in self._offloaded:
+        if "grads" in parts and "grads" in self._offloaded:
             off.reload_grads(self.model)
-        if "optimizer" in self._offloaded:
+        if "optimizer" in parts and "optimizer" in self._offloaded:
             off.reload_optimizer(self.optimizer)
-        self._offloaded.clear()
+        self._offloaded.difference_update(parts)
 
     @property
     def offloaded(self) -> frozenset[str]:

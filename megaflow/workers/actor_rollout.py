@@ -145,7 +145,7 @@ class ActorRolloutWorker(ActorWorker):
             return
         from megaflow.hybrid_engine.rollout_weights import hf_full_tensors, vllm_sharded_tensors
 
-        self._before_phase()
+        self._before_phase(("params",))  # the sync reads parameters only: grads/optimizer stay offloaded
         try:
             with self.resharder.generation() as stats:
                 named = self.resharder.named_generation_tensors()

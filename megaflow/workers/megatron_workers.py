@@ -89,9 +89,11 @@ class MegatronWorker(Worker):
             load_hf_weights(model, self.config.model_path, hf_config, self.info)
 
     # phases: reload what was offloaded before a phase, offload after it
-    def _before_phase(self) -> None:
+    def _before_phase(self, parts: tuple[str, ...] = ("params", "grads", "optimizer")) -> None:
+        """Reload the offloaded ``parts`` the phase needs (forward passes and weight syncs:
+        parameters only)."""
         if self.engine.offloaded:
-            self.engine.reload()
+            self.engine.reload(parts)
 
     def _after_phase(self) -> None:
         cfg = self.config
@@ -99,7 +101,7 @@ class MegatronWorker(Worker):
             self.engine.offload(params=cfg.param_offload, grads=cfg.grad_offload, optimizer=cfg.optimizer_offload)
 
     def _forward(self, data: DataProto, **kwargs) -> Optional[dict[str, torch.Tensor]]:
-        self._before_phase()
+        self._before_phase(("params",))
         try:
             return self.engine.forward(_tensors(data), **kwargs)
         finally:

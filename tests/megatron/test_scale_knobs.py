@@ -108,6 +108,16 @@ def _rank(rank, world, engine_configs, updates, resume_after):
                          saved=_saved_bytes_in_forward(M.build_gpt_model(cfg, **overrides), batch))
     out["lr"] = {style: _lr_run(info, cfg, hf_state, ec, updates, resume_after)
                  for style, ec in engine_configs.items()}
+    engine.offload()
+    engine.reload(("params",))  # what a forward pass or a weight sync reloads
+    out["partial_reload"] = sorted(engine.offloaded)
+    out["forward_after_partial_reload"] = engine.forward(batch, micro_batch_size=3, temperature=0.9)["log_probs"]
+    try:
+        engine.train_step(batch, _loss, temperature=0.9)
+    except RuntimeError as exc:
+        out["train_while_offloaded"] = str(exc)
+    engine.reload()
+    out["full_reload"] = sorted(engine.offloaded)
     parallel.destroy_parallel()
     return out
 
@@ -171,6 +181,13 @@ def test_recompute_keeps_fewer_activations(results):
     assert saved["none"] > saved["selective"] > saved["full_uniform"] > 0, saved
     # block recomputes 2 of the 4 layers: between selective-free full recompute and none
     assert saved["full_uniform"] < saved["full_block"] < saved["none"], saved
+
+
+def test_a_params_only_reload_keeps_grads_and_optimizer_offloaded(results):
+    for rank in results:
+        assert rank["partial_reload"] == ["grads", "optimizer"] and rank["full_reload"] == []
+        assert "offloaded" in rank["train_while_offloaded"]
+        assert torch.isfinite(rank["forward_after_partial_reload"]).all()
 
 
 def test_lr_decay_steps_span_the_whole_run(lr_configs):

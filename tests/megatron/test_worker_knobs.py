@@ -82,3 +82,21 @@ def test_recipe_knobs_reach_the_worker_config():
                                       recompute_method="uniform", recompute_num_layers=1 * 2)
     default = worker_config(load_config("tiny_arith_grpo", []), "actor")
     assert default.shuffle is True and default.model_overrides == dict(sequence_parallel=False)
+
+
+class _OffloadableEngine:
+    """Records reloads; starts with everything offloaded."""
+
+    def __init__(self):
+        self.offloaded = frozenset({"params", "grads", "optimizer"})
+        self.reloads = []
+
+    def reload(self, parts):
+        self.reloads.append(tuple(parts))
+
+
+def test_forward_phases_reload_parameters_only():
+    worker = SimpleNamespace(engine=_OffloadableEngine())
+    MegatronWorker._before_phase(worker, ("params",))
+    MegatronWorker._before_phase(worker)
+    assert worker.engine.reloads == [("params",), ("params", "grads", "optimizer")]
