@@ -6,7 +6,8 @@ The controller (the Ray driver) calls methods of :class:`RayWorkerGroup`; each c
 """
 from megaflow.single_controller.decorator import (Dispatch, Execute, MethodSpec, NDCompute, nd_compute, register,
                                                   registered_methods)
-from megaflow.single_controller.dispatch import ChunkOutput, DispatchPlan, DPInfo, MeshInfo, collect, make_plan
+from megaflow.single_controller.collect import ChunkOutput
+from megaflow.single_controller.dispatch import DispatchPlan, DPInfo, MeshInfo, collect, make_plan
 from megaflow.single_controller.errors import WorkerError
 from megaflow.single_controller.futures import DataProtoFuture, FutureChunk
 from megaflow.single_controller.resource_pool import ResourcePool

@@ -30,6 +30,7 @@ import numpy as np
 
 from megaflow.protocol import DataProto
 from megaflow.single_controller.decorator import Dispatch, Execute, MethodSpec, NDCompute
+from megaflow.single_controller.collect import ChunkOutput, collect_proto
 from megaflow.single_controller.futures import DataProtoFuture, FutureChunk
 
 
@@ -38,21 +39,6 @@ class DPInfo(NamedTuple):
 
     dp_rank: int
     is_collect: bool
-
-
-@dataclass(frozen=True)
-class ChunkOutput:
-    """A collect rank's output for a chunk that the worker cut itself (future input).
-
-    Attributes:
-        value: the method's return value.
-        num_rows: rows of the input chunk, padding included.
-        num_pad_rows: trailing padding rows of that chunk (to be removed after concat).
-    """
-
-    value: Any
-    num_rows: int
-    num_pad_rows: int
 
 
 @dataclass(frozen=True)
@@ -264,31 +250,6 @@ def make_plan(spec: MethodSpec, world_size: int, args: tuple, kwargs: dict, mesh
             raise ValueError(f"{method}: nd_compute({mode.mesh!r}) needs the mesh layout of all {world_size} ranks")
         return plan_proto(mesh, args, kwargs, put, method)
     raise TypeError(f"{method}: unknown dispatch mode {mode!r}")
-
-
-def collect_proto(outputs: Sequence[Any], pad_size: int | None, num_rows: int | None,
-                  method: str = "method") -> Any:
-    """Concatenate per-dp-rank outputs (in dp order) and remove the padding.
-
-    DataProto outputs are concatenated and the last ``pad_size`` rows dropped; any other
-    outputs (metrics dicts, say) come back as a list indexed by dp rank. Outputs wrapped
-    in :class:`ChunkOutput` carry their own padding count (used when ``pad_size`` is None).
-
-    Raises:
-        ValueError: with padding, the outputs do not have one row per input row.
-    """
-    values = [o.value if isinstance(o, ChunkOutput) else o for o in outputs]
-    if pad_size is None:
-        reports = [o for o in outputs if isinstance(o, ChunkOutput)]
-        pad_size = sum(o.num_pad_rows for o in reports)
-        num_rows = sum(o.num_rows for o in reports) if len(reports) == len(outputs) else None
-    if not values or not all(isinstance(v, DataProto) for v in values):
-        return values
-    merged = DataProto.concat(values)
-    if pad_size and num_rows is not None and len(merged) != num_rows:
-        raise ValueError(f"{method} returned {len(merged)} rows for {num_rows} input rows ({pad_size} of them "
-                         f"padding); a proto method on a padded batch must return one row per input row")
-    return merged.unpad(pad_size)
 
 
 def collect(plan: DispatchPlan, outputs: Sequence[Any], method: str = "method") -> Any:

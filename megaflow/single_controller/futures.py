@@ -30,6 +30,8 @@ from typing import Any, Collection, Sequence
 import ray
 from ray.exceptions import RayActorError, RayError
 
+from megaflow.protocol import DataProto
+from megaflow.single_controller.collect import ChunkOutput, collect_proto
 from megaflow.single_controller.errors import WorkerError
 
 #: Seconds between early-failure checks while waiting for a group call.
@@ -125,8 +127,6 @@ class DataProtoFuture:
         Raises:
             WorkerError: a rank of the producing call failed.
         """
-        from megaflow.single_controller.dispatch import collect_proto
-
         values = get_all(self.refs, self.where, self.method, fetch=self.collect_index)
         return collect_proto(values, self.pad_size, self.num_rows, self.method)
 
@@ -169,14 +169,10 @@ class FutureChunk:
 
 
 def _unwrap(value: Any) -> Any:
-    from megaflow.single_controller.dispatch import ChunkOutput
-
     return value.value if isinstance(value, ChunkOutput) else value
 
 
 def _require_proto(value: Any, source: DataProtoFuture) -> None:
-    from megaflow.protocol import DataProto
-
     if not isinstance(value, DataProto):
         raise TypeError(f"{source.method} returned {type(value).__name__}, but the call it was passed to splits "
                         f"a DataProto by dp rank")

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import ray
 
-from megaflow.single_controller.dispatch import ChunkOutput
+from megaflow.single_controller.collect import ChunkOutput
 from megaflow.single_controller.errors import WorkerError
 from megaflow.single_controller.futures import resolve_arguments
 from megaflow.single_controller.worker import WorkerMetadata

@@ -8,7 +8,8 @@ from megatron.core.parallel_state import RankGenerator
 from megaflow.protocol import DataProto
 from megaflow.single_controller import (ChunkOutput, Dispatch, DispatchPlan, DPInfo, Execute, MeshInfo, MethodSpec,
                                         collect, make_plan, nd_compute, register, registered_methods)
-from megaflow.single_controller.dispatch import collect_proto, plan_all_to_all, plan_one_to_all, plan_proto
+from megaflow.single_controller.collect import collect_proto
+from megaflow.single_controller.dispatch import plan_all_to_all, plan_one_to_all, plan_proto
 
 ND = MethodSpec(nd_compute("actor"), Execute.ALL, True)
 DP = MethodSpec(Dispatch.DP_COMPUTE_PROTO, Execute.ALL, True)
