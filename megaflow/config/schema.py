@@ -276,6 +276,9 @@ class TrainerConfig(Section):
     """Seed of model init, sampling and shuffling."""
     logger: tuple[Logger, ...] = ("console", "jsonl")
     """Metric sinks: console, jsonl, tensorboard, wandb."""
+    console_every: int = 10
+    """With the console logger: a short line of key figures every N steps (and after the
+    last); 0: only the progress bar. Every metric goes to the other sinks every step."""
     project_name: str = "megaflow"
     """Project (directory level and wandb project)."""
     experiment_name: str = "default"
@@ -284,7 +287,7 @@ class TrainerConfig(Section):
     def validate(self) -> None:
         check_positive(self, "total_epochs", "total_steps", "max_ckpt_to_keep")
         check(self.save_freq >= -1, "save_freq", f"must be >= -1, got {self.save_freq}")
-        check_positive(self, "test_freq", allow_zero=True)
+        check_positive(self, "test_freq", "console_every", allow_zero=True)
         check(len(set(self.logger)) == len(self.logger), "logger", f"duplicate entries in {list(self.logger)}")
         check(self.resume.strip() != "", "resume", "must be 'disable', 'auto' or a checkpoint path")
         for name in ("project_name", "experiment_name"):

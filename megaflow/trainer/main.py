@@ -84,13 +84,17 @@ def init_ray(cfg) -> None:
     """Connect to ``ray.address`` or start a local Ray bound to localhost."""
     import ray
 
+    from megaflow.utils.tracking import warning_filters_env
+
     if ray.is_initialized():
         return
     r = cfg.ray
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            # vLLM logs every engine start at INFO; keep the console to the run's own output.
            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
-           "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore::FutureWarning")}
+           # megatron-core's start-up warnings would repeat once per worker: known ones are
+           # filtered (megaflow.utils.tracking.KNOWN_LIBRARY_WARNINGS says why each is safe).
+           "PYTHONWARNINGS": warning_filters_env(os.environ.get("PYTHONWARNINGS", "ignore::FutureWarning"))}
     kwargs = dict(namespace=r.namespace, include_dashboard=r.include_dashboard, runtime_env={"env_vars": env})
     if r.address:
         from megaflow.launch.auth import enable_token_auth
@@ -156,9 +160,8 @@ def train(cfg, inputs=None) -> dict[str, float]:
     from megaflow.trainer.checkpoint import CheckpointManager
     from megaflow.trainer.ppo_trainer import RayPPOTrainer
     from megaflow.trainer.roles import build_worker_groups, shutdown_worker_groups
-    from megaflow.utils.tracking import Tracking
-
     from megaflow.config.preflight import preflight
+    from megaflow.utils.tracking import Tracking, filter_known_warnings
 
     if inputs is None:
         inputs = preflight(cfg)
@@ -176,6 +179,7 @@ def train(cfg, inputs=None) -> dict[str, float]:
     run_dir.mkdir(parents=True, exist_ok=True)
     inputs.keep_generated(run_dir / "data")
     seed_everything(cfg.trainer.seed)
+    filter_known_warnings()
     checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.trainer.max_ckpt_to_keep)
     for stale in checkpoints.remove_partials():
         print(f"[megaflow] removed {stale} (left by an interrupted save)", flush=True)
@@ -183,7 +187,8 @@ def train(cfg, inputs=None) -> dict[str, float]:
     groups = build_worker_groups(cfg, tokenizer, total_steps)
     try:
         with Tracking(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger, log_dir=run_dir,
-                      config=config_to_dict(cfg), total_steps=total_steps) as tracker:
+                      config=config_to_dict(cfg), total_steps=total_steps,
+                      console_every=cfg.trainer.console_every) as tracker:
             trainer = RayPPOTrainer(cfg, groups, reward_fn, train_loader, val_loader, tracker, checkpoints,
                                     config_yaml=dump_config(cfg))
             metrics = _fit_naming_lost_workers(trainer, groups, total_steps)

@@ -2,8 +2,9 @@
 
 ``Tracking(...).log(metrics, step)`` sends one step's metrics to every configured backend:
 
-* ``console``: one line per step (numeric metrics, sorted), printed through the
-  progress bar so the bar stays at the bottom;
+* ``console``: a short line of key figures (:data:`KEY_FIGURES`) every
+  ``console_every`` steps, printed through the progress bar so the bar stays at the
+  bottom;
 * ``jsonl``: ``<log_dir>/metrics.jsonl``, one JSON object ``{"step": s, ...}`` per step,
   flushed after every step; opened in append mode, so a resumed run continues the same
   file (readers merge the records of a step, see :func:`read_metrics_jsonl`);
@@ -11,8 +12,7 @@
   one scalar per numeric metric, flushed every step;
 * ``wandb``: imported lazily; requesting it without the package installed is an error.
 
-A ``tqdm`` bar over ``total_steps`` shows the reward and the step time
-(``reward_key``/``step_time_key``). ``reduce_metrics`` and ``Timer`` are small helpers
+A ``tqdm`` bar over ``total_steps`` shows the same key figures. ``reduce_metrics`` and ``Timer`` are small helpers
 for the trainer's per-phase numbers.
 """
 from __future__ import annotations
@@ -44,13 +44,44 @@ def _scalar(value: Any) -> float | None:
     return None
 
 
+#: The figures a user watches, ``(label, metric keys by preference)``: shown on the progress
+#: bar and in the console's short step line. KL is the KL loss term when the actor has one,
+#: else the KL penalty in the reward, else the policy's change over the update (approx_kl).
+KEY_FIGURES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("reward", ("critic/score/mean",)),
+    ("resp_len", ("response_length/mean",)),
+    ("kl", ("actor/kl_loss", "actor/reward_kl_penalty", "actor/approx_kl")),
+    ("grad_norm", ("actor/grad_norm",)),
+    ("step_s", ("timing_s/step",)),
+    ("val", ("val/score/mean",)),
+)
+
+
+def key_figures(metrics: Mapping[str, float]) -> dict[str, float]:
+    """``{label: value}`` of :data:`KEY_FIGURES` present in ``metrics``, in that order."""
+    out = {}
+    for label, keys in KEY_FIGURES:
+        for key in keys:
+            if key in metrics:
+                out[label] = metrics[key]
+                break
+    return out
+
+
 class _ConsoleBackend:
-    def __init__(self, write):
-        self.write = write
+    """A short line of :func:`key_figures` every ``every`` steps and at ``last_step``
+    (``every`` 0: none); the full set goes to the other backends."""
+
+    def __init__(self, write, every: int = 1, last_step: int | None = None):
+        self.write, self.every, self.last_step = write, every, last_step
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        body = "  ".join(f"{k}={_fmt(v)}" for k, v in sorted(metrics.items()))
-        self.write(f"[step {step}] {body}")
+        if not self.every or (step % self.every and step != self.last_step):
+            return
+        figures = key_figures(metrics)
+        if figures:
+            total = f"/{self.last_step}" if self.last_step is not None else ""
+            self.write(f"[step {step}{total}] " + "  ".join(f"{k}={_fmt(v)}" for k, v in figures.items()))
 
     def close(self) -> None:
         pass
@@ -117,7 +148,11 @@ class Tracking:
         config: the run's resolved config (a dict), recorded by wandb.
         total_steps: length of the progress bar; None disables the bar.
         initial_step: where the bar starts (the resumed step).
-        reward_key, step_time_key: metrics shown on the bar.
+        console_every: the console backend's short line every N steps (and at
+            ``total_steps``); 0: only the bar.
+
+    The bar and the console line show :func:`key_figures` (reward, response length, KL,
+    grad norm, step time, validation score), not every metric.
 
     Metric values that are not numeric scalars are dropped (logged at debug level);
     NaN/inf are written to JSONL as ``null``.
@@ -129,15 +164,13 @@ class Tracking:
 
     def __init__(self, project: str, experiment: str, backends: Sequence[str] = ("console", "jsonl"), *,
                  log_dir: str | Path = "outputs/run", config: Mapping[str, Any] | None = None,
-                 total_steps: int | None = None, initial_step: int = 0,
-                 reward_key: str = "critic/score/mean", step_time_key: str = "timing_s/step"):
+                 total_steps: int | None = None, initial_step: int = 0, console_every: int = 1):
         backends = [backends] if isinstance(backends, str) else list(backends)
         unknown = [b for b in backends if b not in BACKENDS]
         if unknown:
             raise ValueError(f"unknown logger backend(s) {unknown}; valid backends: {', '.join(BACKENDS)}")
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.reward_key, self.step_time_key = reward_key, step_time_key
         self.bar = None
         if total_steps is not None:
             from tqdm import tqdm
@@ -146,7 +179,7 @@ class Tracking:
                             dynamic_ncols=True)
         self._last_step = initial_step
         factories = {
-            "console": lambda: _ConsoleBackend(self._write),
+            "console": lambda: _ConsoleBackend(self._write, console_every, total_steps),
             "jsonl": lambda: _JsonlBackend(self.log_dir),
             "tensorboard": lambda: _TensorBoardBackend(self.log_dir),
             "wandb": lambda: _WandbBackend(project, experiment, config, self.log_dir),
@@ -184,11 +217,7 @@ class Tracking:
         if step > self._last_step:
             self.bar.update(step - self._last_step)
             self._last_step = step
-        postfix = {}
-        if self.reward_key in scalars:
-            postfix["reward"] = f"{scalars[self.reward_key]:.3f}"
-        if self.step_time_key in scalars:
-            postfix["step_s"] = f"{scalars[self.step_time_key]:.2f}"
+        postfix = {k: _fmt(v) for k, v in key_figures(scalars).items()}
         if postfix:
             self.bar.set_postfix(postfix, refresh=True)
 
@@ -206,6 +235,42 @@ class Tracking:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+#: Library warnings every worker process repeats at start-up or every step, each with why
+#: it is safe to hide on this stack. They are ``(message prefix, category)`` for the
+#: ``warnings`` filters of every process (:func:`warning_filters_env`).
+KNOWN_LIBRARY_WARNINGS: tuple[tuple[str, str], ...] = (
+    # megatron-core without Transformer Engine / Apex (always so on CPU; optional on GPU)
+    # falls back to its local kernels, which is what megaflow's CPU path uses on purpose.
+    ("Transformer Engine and Apex are not installed", "UserWarning"),
+    ("Apex is not installed", "UserWarning"),
+    # A throughput hint for CUDA streams; meaningless on CPU and set by launchers on GPU.
+    ("When using async grad allreduce it is recommended", "UserWarning"),
+    # megatron-core's optimizer probes `.grad` of every parameter with hasattr(); the
+    # parameters are leaves, the probe only trips torch's generic non-leaf warning.
+    ("The .grad attribute of a Tensor that is not a leaf Tensor", "UserWarning"),
+    # TransformerConfig's own default (cuda_graph_scope) triggers its deprecation notice;
+    # megaflow does not capture CUDA graphs.
+    ("full scope is deprecated", "UserWarning"),
+)
+
+
+def warning_filters_env(existing: str | None = None) -> str:
+    """A ``PYTHONWARNINGS`` value that ignores :data:`KNOWN_LIBRARY_WARNINGS`, after
+    ``existing`` (the user's own filters keep working)."""
+    filters = [f"ignore:{message}:{category}" for message, category in KNOWN_LIBRARY_WARNINGS]
+    return ",".join(([existing] if existing else []) + filters)
+
+
+def filter_known_warnings() -> None:
+    """Install :data:`KNOWN_LIBRARY_WARNINGS` as ignore filters in this process."""
+    import builtins
+    import re
+    import warnings
+
+    for message, category in KNOWN_LIBRARY_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(message), category=getattr(builtins, category))
 
 
 def read_metrics_jsonl(path: str | Path) -> list[dict[str, Any]]:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from megaflow.utils.tracking import Timer, Tracking, read_metrics_jsonl, reduce_metrics
+from megaflow.utils.tracking import Timer, Tracking, key_figures, read_metrics_jsonl, reduce_metrics
 
 
 def test_jsonl_one_object_per_step_flushed_and_appended(tmp_path):
@@ -53,15 +53,34 @@ def test_tensorboard_scalars_read_back(tmp_path):
 
 
 def test_console_lines_and_progress_bar(tmp_path, capsys):
-    with Tracking("p", "run", backends=["console"], log_dir=tmp_path, total_steps=4) as tracker:
+    with Tracking("p", "run", backends=["console", "jsonl"], log_dir=tmp_path, total_steps=4) as tracker:
         tracker.log({"critic/score/mean": 0.25, "timing_s/step": 1.5, "lr": 1e-6}, step=1)
-        tracker.log({"critic/score/mean": 0.5, "timing_s/step": 1.25}, step=2)
+        tracker.log({"critic/score/mean": 0.5, "timing_s/step": 1.25, "actor/grad_norm": 2.0,
+                     "response_length/mean": 3.5, "actor/approx_kl": 0.0, "actor/entropy": 2.7}, step=2)
         bar = tracker.bar
         assert bar.n == 2 and bar.total == 4
-        assert bar.postfix == "reward=0.500, step_s=1.25"
+        assert bar.postfix == "reward=0.5, resp_len=3.5, kl=0, grad_norm=2, step_s=1.25"
     captured = capsys.readouterr()
-    assert "[step 1] critic/score/mean=0.25  lr=1.000e-06  timing_s/step=1.5" in captured.out
-    assert "[step 2]" in captured.out
+    assert "[step 1/4] reward=0.25  step_s=1.5\n" in captured.out  # key figures only: no lr
+    assert "[step 2/4] reward=0.5  resp_len=3.5  kl=0  grad_norm=2  step_s=1.25\n" in captured.out
+    assert "entropy" not in captured.out and read_metrics_jsonl(tmp_path / "metrics.jsonl")[1]["actor/entropy"] == 2.7
+
+
+def test_console_line_every_n_steps_and_after_the_last(tmp_path, capsys):
+    with Tracking("p", "run", backends=["console"], log_dir=tmp_path, total_steps=7, console_every=3) as tracker:
+        for step in range(1, 8):
+            tracker.log({"critic/score/mean": step / 10}, step=step)
+    steps = [line.split("]")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("[step")]
+    assert steps == ["[step 3/7", "[step 6/7", "[step 7/7"]
+    with Tracking("p", "run", backends=["console"], log_dir=tmp_path, total_steps=3, console_every=0) as tracker:
+        for step in range(1, 4):
+            tracker.log({"critic/score/mean": 0.5}, step=step)
+    assert "[step" not in capsys.readouterr().out
+
+
+def test_kl_figure_prefers_the_kl_loss():
+    assert key_figures({"actor/approx_kl": 0.1, "actor/kl_loss": 0.2}) == {"kl": 0.2}
+    assert key_figures({"actor/approx_kl": 0.1, "actor/reward_kl_penalty": 0.3}) == {"kl": 0.3}
 
 
 def test_unknown_backend_and_missing_wandb(tmp_path, monkeypatch):
