@@ -179,3 +179,52 @@ def test_failure_inside_ranks_leaves_no_partial_output(tmp_path):
     with pytest.raises(DistributedRunError, match="rank failure on purpose"):
         _run_in_tmp(out, _write_then_fail, 1, timeout_s=120, marker=None)
     assert _leftovers(out) == []
+
+
+def _tool(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("case", ["missing_tensor", "existing_output", "pp0", "out_under_file", "bad_index"])
+def test_cli_expected_errors_are_one_line_and_exit_2(case, tiny_hf_dirs, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("MEGAFLOW_DEBUG", raising=False)
+    src, out = tiny_hf_dirs[VARIANT], tmp_path / "out"
+    args, expected = ["--hf-dir", str(src), "--out", str(out)], None
+    if case == "missing_tensor":
+        key = "model.layers.0.mlp.down_proj.weight"
+        bad = _copy_with(src, tmp_path / "bad", lambda t: {k: v for k, v in t.items() if k != key})
+        args[1], expected = str(bad), f"error: HF checkpoint does not match its config: missing tensors (1): {key}"
+    elif case == "existing_output":
+        out.mkdir()
+        (out / "keep.txt").write_text("x")
+        expected = f"error: output directory {out} already exists; pass overwrite (--overwrite)"
+    elif case == "pp0":
+        args += ["--pp", "0"]
+        expected = "error: --pp must be >= 1, got 0"
+    elif case == "out_under_file":
+        (tmp_path / "f").write_text("x")
+        args[3] = str(tmp_path / "f" / "out")
+        expected = f"error: cannot create output directory {tmp_path / 'f' / 'out'}: {tmp_path / 'f'} is not a directory"
+    else:
+        bad = tmp_path / "bad"
+        shutil.copytree(src, bad)
+        (bad / "model.safetensors.index.json").write_text("{not json")
+        args[1], expected = str(bad), f"error: {bad / 'model.safetensors.index.json'} is not valid JSON"
+    assert _tool("convert_hf_to_megatron").main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(expected) and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    if case == "existing_output":
+        assert (out / "keep.txt").read_text() == "x"
+    elif case != "out_under_file":  # (nothing can be written under a file)
+        assert _leftovers(out) == []
+
+
+def test_cli_debug_env_shows_the_traceback(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGAFLOW_DEBUG", "1")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        _tool("convert_hf_to_megatron").main(["--hf-dir", str(tmp_path / "none"), "--out", str(tmp_path / "o")])
