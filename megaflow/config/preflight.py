@@ -80,6 +80,12 @@ class Inputs:
         shutil.move(str(self.generated_dir), dest)
         self.generated_dir = None
 
+    def discard_generated(self) -> None:
+        """Remove the generated task files (a dry run, or a run stopped before its start)."""
+        if self.generated_dir is not None:
+            shutil.rmtree(self.generated_dir, ignore_errors=True)
+            self.generated_dir = None
+
 
 # --------------------------------------------------------------------------- config-only
 
@@ -394,8 +400,8 @@ def preflight(cfg: Config, *, load_data: bool = True) -> Inputs | None:
             if inputs is not None:
                 inputs.reward_functions = functions or {}
     if problems:
-        if inputs is not None and inputs.generated_dir is not None:
-            shutil.rmtree(inputs.generated_dir, ignore_errors=True)
+        if inputs is not None:
+            inputs.discard_generated()
         raise PreflightError(problems)
     return inputs
 

@@ -166,15 +166,19 @@ def train(cfg, inputs=None) -> dict[str, float]:
     if inputs is None:
         inputs = preflight(cfg)
     tokenizer = inputs.tokenizer
-    train_loader, val_loader, num_prompts = build_loaders(cfg, inputs)
-    total_steps = num_training_steps(cfg, num_prompts)
-    from megaflow.trainer.resume import check_not_finished, check_resume
+    try:
+        train_loader, val_loader, num_prompts = build_loaders(cfg, inputs)
+        total_steps = num_training_steps(cfg, num_prompts)
+        from megaflow.trainer.resume import check_not_finished, check_resume
 
-    check_not_finished(check_resume(cfg), total_steps)  # a finished run says so before anything starts
-    for role in ("actor", "critic"):  # the LR decay horizon needs the run length: check it before Ray starts
-        if role == "actor" or cfg.critic.enabled:
-            lr_schedule_steps(cfg, role, total_steps)
-    reward_fn = build_reward_fn(cfg, tokenizer, inputs.reward_functions)
+        check_not_finished(check_resume(cfg), total_steps)  # a finished run says so before anything starts
+        for role in ("actor", "critic"):  # the LR decay horizon needs the run length: check it before Ray starts
+            if role == "actor" or cfg.critic.enabled:
+                lr_schedule_steps(cfg, role, total_steps)
+        reward_fn = build_reward_fn(cfg, tokenizer, inputs.reward_functions)
+    except BaseException:
+        inputs.discard_generated()
+        raise
     run_dir = run_dir_of(cfg)  # created only now that every input was checked
     run_dir.mkdir(parents=True, exist_ok=True)
     inputs.keep_generated(run_dir / "data")
@@ -240,10 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         return _report_config_error(exc)
     if args.dry_run:
-        if inputs is not None and inputs.generated_dir is not None:
-            import shutil
-
-            shutil.rmtree(inputs.generated_dir, ignore_errors=True)
+        if inputs is not None:
+            inputs.discard_generated()
         return 0 if plan.fits else 1
     from megaflow.launch.cluster import ClusterNotReadyError
     from megaflow.launch.failures import RunInterrupted, WorkerLostError

@@ -49,7 +49,16 @@ def test_preflight_loads_the_data_without_creating_the_run_dir(tmp_path):
         inputs.keep_generated(dest)
         assert sorted(p.name for p in dest.iterdir()) == ["train.parquet", "val.parquet"]
     finally:
-        inputs.keep_generated(tmp_path / "discard")
+        inputs.discard_generated()
+
+
+def test_dry_run_leaves_no_generated_files(tmp_path, monkeypatch, capsys):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    assert main(["--recipe", "tiny_arith_grpo", "--dry-run", f"trainer.output_dir={tmp_path / 'out'}"]) == 0
+    assert list((tmp_path / "tmp").iterdir()) == [] and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("overrides, cpus, gpus, key", [
