@@ -293,8 +293,8 @@ class RunInterrupted(Exception):
 
     def __str__(self) -> str:
         if self.checkpoint is None:
-            return (f"interrupted after step {self.step}; no checkpoint was saved, so a restart begins at step 0 "
-                    "(set trainer.save_freq to save on the way)")
+            return (f"interrupted after step {self.step}; no checkpoint was complete yet, so a restart begins at "
+                    "step 0 (trainer.save_freq sets how often one is saved)")
         return (f"interrupted after step {self.step}; the newest checkpoint is {self.checkpoint}: start again "
                 "with the same trainer.output_dir and trainer.resume=auto to continue from it")
 
