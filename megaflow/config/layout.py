@@ -1,7 +1,7 @@
 """Where ranks go: resource pools on the cluster's nodes and Megatron's process groups.
 
 Pure functions on plain numbers; no processes. The generation layout of the
-3D-HybridEngine is planned by :func:`megaflow.hybrid_engine.layout.plan_hybrid_layout`
+3D-HybridEngine is planned by :func:`megaflow.config.hybrid_layout.plan_hybrid_layout`
 (re-exported here as :func:`generation_layout`) so that the dry run prints exactly the
 groups the workers build.
 """
@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from megaflow.config.hybrid_layout import HybridLayout, plan_hybrid_layout
 from megaflow.config.typed import ConfigError
 
 if TYPE_CHECKING:
     from megaflow.config.schema import ResourcesConfig
-    from megaflow.hybrid_engine.layout import HybridLayout
 
 Groups = tuple[tuple[int, ...], ...]
 
@@ -106,14 +106,11 @@ def megatron_groups(tp: int, pp: int, dp: int, cp: int = 1) -> MeshGroups:
 
 def generation_layout(tp: int, pp: int, dp: int, cp: int, gen_tp: int, gen_pp: int,
                       num_attention_heads: int, num_key_value_heads: int) -> HybridLayout:
-    """The HybridEngine's generation layout of an actor mesh (F1's planner).
+    """The HybridEngine's generation layout of an actor mesh (:func:`plan_hybrid_layout`).
 
     Context-parallel ranks hold whole copies of their stage's weights, so with ``cp > 1``
     the ``cp * dp`` weight replicas act as the planner's DP dimension (the megatron rank
     formula is the same with ``dp_rank' = cp_rank + cp * dp_rank``).
     """
-    # Imported here: the hybrid_engine package imports torch, which loading a config does not need.
-    from megaflow.hybrid_engine.layout import plan_hybrid_layout
-
     return plan_hybrid_layout(tp, pp, dp * cp, gen_tp, gen_pp, num_attention_heads=num_attention_heads,
                               num_query_groups=num_key_value_heads)

@@ -2,7 +2,7 @@
 
 ``build_plan(cfg)`` lays the resource pools on the nodes, builds every role's Megatron
 TP/CP/DP/PP groups (pool ranks), the HybridEngine's generation layout (generation TP
-groups, micro-DP groups; planned by :mod:`megaflow.hybrid_engine.layout`) and per-rank
+groups, micro-DP groups; planned by :mod:`megaflow.config.hybrid_layout`) and per-rank
 memory estimates (:mod:`megaflow.config.memory`) for each phase of a step. Colocated roles
 share a process per rank, so a phase's memory is the active role's working set plus what
 the other roles of that pool keep resident (everything not offloaded). A plan whose phase
@@ -13,7 +13,6 @@ error. ``format_plan`` (:mod:`megaflow.config.report`) prints it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from megaflow.config.layout import MeshGroups, PoolPlacement, generation_layout, megatron_groups, pack_pools
 from megaflow.config.memory import DTYPE_BYTES, GIB, ParallelShape, RoleMemory, RolloutMemory, role_memory, rollout_memory
@@ -35,10 +34,8 @@ from megaflow.config.topology import (
     token_budgets,
     train_batch_sizes,
 )
+from megaflow.config.hybrid_layout import HybridLayout, ReshardCost, reshard_cost
 from megaflow.config.typed import ConfigError
-
-if TYPE_CHECKING:
-    from megaflow.hybrid_engine.layout import HybridLayout, ReshardCost
 
 #: Micro-batch size field of each role's forward-only pass.
 FORWARD_MICRO_BATCH = {"actor": "log_prob_micro_batch_size_per_gpu", "ref": "log_prob_micro_batch_size_per_gpu",
@@ -170,8 +167,6 @@ def _rollout_plan(cfg: Config, actor: RolePlan) -> RolloutPlan:
         seq=max_seq_len(cfg), samples_per_replica=sizes.samples_per_replica,
         engine_budget=cfg.rollout.gpu_memory_utilization * res.gpu_memory_gib * GIB if res.use_gpu else None,
         cpu_kv_cache=None if res.use_gpu else cfg.rollout.cpu_kv_cache_gib * GIB)
-    from megaflow.hybrid_engine.layout import reshard_cost  # imports torch (package __init__)
-
     model_bytes = count_parameters(spec) * DTYPE_BYTES[cfg.model.dtype]
     return RolloutPlan(sizes=sizes, layout=layout, reshard=reshard_cost(layout, model_bytes), memory=memory)
 

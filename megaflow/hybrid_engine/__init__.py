@@ -4,7 +4,7 @@ See DESIGN.md section 5. ``layout`` computes the generation layout, rank groups,
 plans and the cost model without processes; ``reshard`` executes the train <-> generate
 transitions with explicit process groups.
 """
-from .layout import (GenShardPlan, HybridLayout, ParamSpec, RankPlacement, ReshardCost,
+from megaflow.config.hybrid_layout import (GenShardPlan, HybridLayout, ParamSpec, RankPlacement, ReshardCost,
                      SlicePiece, plan_hybrid_layout, plan_param_slices, reshard_cost)
 from .reshard import (MicroDPResharder, ReshardGroups, ReshardStats, build_reshard_groups,
                       gather_layout_to_shard)

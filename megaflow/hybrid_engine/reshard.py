@@ -42,7 +42,7 @@ from typing import Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from .layout import GenShardPlan, HybridLayout, ParamSpec, plan_param_slices
+from megaflow.config.hybrid_layout import GenShardPlan, HybridLayout, ParamSpec, plan_param_slices
 from .params import LocalParam, count_local_layers, describe_local_params
 
 __all__ = ["ReshardGroups", "build_reshard_groups", "ReshardStats", "MicroDPResharder",

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from megaflow.models import transforms as T
+import megaflow.models.transforms as T
 
 # HF architecture -> (model_type, head): ``lm_head`` for causal LMs, ``score`` for
 # sequence-classification models (critic / reward model: megaflow's ScalarHead).

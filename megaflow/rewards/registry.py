@@ -23,7 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from megaflow.rewards import arith, countdown, gsm8k
+import megaflow.rewards.arith as arith
+import megaflow.rewards.countdown as countdown
+import megaflow.rewards.gsm8k as gsm8k
 
 ScoreFn = Callable[..., "float | dict[str, Any]"]
 

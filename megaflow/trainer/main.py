@@ -5,7 +5,7 @@
 
 Exit codes: 0 success; 1 a layout that does not fit; 2 a config or input error (the
 message names the dotted key, file or value; found before any process starts, by the
-dry run too: :mod:`megaflow.config.preflight`; ``MEGAFLOW_DEBUG=1`` adds the traceback); 3 the cluster is missing resources or a
+dry run too: :mod:`megaflow.trainer.preflight`; ``MEGAFLOW_DEBUG=1`` adds the traceback); 3 the cluster is missing resources or a
 worker process/node died (the message names what is missing, or the node, role and rank); 4 a
 training-health check stopped the run (``algorithm.rollout_correction.max_mismatch``, a
 non-finite loss or gradient norm); 130 interrupted (Ctrl-C), with where it stopped and how to resume.
@@ -47,7 +47,7 @@ def seed_everything(seed: int) -> None:
 
 def build_loaders(cfg, inputs):
     """(train_loader, val_loader or None, number of training prompts) over the datasets
-    :func:`megaflow.config.preflight.preflight` loaded."""
+    :func:`megaflow.trainer.preflight.preflight` loaded."""
     from megaflow.data import PromptDataLoader, collate_fn
 
     d = cfg.data
@@ -64,7 +64,7 @@ def build_loaders(cfg, inputs):
 def build_reward_fn(cfg, tokenizer, functions=None):
     """The rule reward of each data source (custom scorers from ``reward.functions``,
     already imported by the pre-start checks when ``functions`` is given)."""
-    from megaflow.config.preflight import resolve_reward_functions
+    from megaflow.trainer.preflight import resolve_reward_functions
     from megaflow.rewards import RuleRewardManager, get_reward_spec, known_data_sources, register_reward
     from megaflow.rewards.format import THINK_ANSWER_PATTERN, with_format_reward
 
@@ -149,7 +149,7 @@ def train(cfg, inputs=None) -> dict[str, float]:
     """Run training for a loaded, validated config; returns the last step's metrics.
 
     Args:
-        inputs: what :func:`megaflow.config.preflight.preflight` returned for ``cfg``
+        inputs: what :func:`megaflow.trainer.preflight.preflight` returned for ``cfg``
             (None: it runs here first). Nothing is created (not even the run directory)
             before those checks passed.
 
@@ -160,7 +160,7 @@ def train(cfg, inputs=None) -> dict[str, float]:
     from megaflow.trainer.checkpoint import CheckpointManager
     from megaflow.trainer.ppo_trainer import RayPPOTrainer
     from megaflow.trainer.roles import build_worker_groups, shutdown_worker_groups
-    from megaflow.config.preflight import preflight
+    from megaflow.trainer.preflight import preflight
     from megaflow.utils.tracking import Tracking, filter_known_warnings
 
     if inputs is None:
@@ -207,7 +207,7 @@ def train(cfg, inputs=None) -> dict[str, float]:
 def _report_config_error(exc: Exception) -> int:
     """Print an expected input error, one line per problem, and return exit code 2
     (``MEGAFLOW_DEBUG=1`` re-raises it for the traceback)."""
-    from megaflow.config.preflight import PreflightError
+    from megaflow.trainer.preflight import PreflightError
     from megaflow.utils.cli import EXIT_INPUT_ERROR, debug_enabled
 
     if debug_enabled():
@@ -221,7 +221,7 @@ def _report_config_error(exc: Exception) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from megaflow.config import ConfigError, build_plan, format_plan, load_config
-    from megaflow.config.preflight import preflight
+    from megaflow.trainer.preflight import preflight
 
     try:
         cfg = load_config(args.recipe, args.overrides)

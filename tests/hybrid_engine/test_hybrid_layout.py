@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from megaflow.hybrid_engine.layout import (ParamSpec, plan_hybrid_layout, plan_param_slices,
+from megaflow.config.hybrid_layout import (ParamSpec, plan_hybrid_layout, plan_param_slices,
                                            reshard_cost)
 
 

@@ -5,7 +5,7 @@ no processes started and nothing written; the dry run reports the same errors.
 import pytest
 
 from megaflow.config import load_config
-from megaflow.config.preflight import PreflightError, check_local_resources, preflight
+from megaflow.trainer.preflight import PreflightError, check_local_resources, preflight
 from megaflow.trainer.main import main
 
 
