@@ -12,6 +12,7 @@ Vocabulary: a *sample* is one (prompt, response) pair; a step has
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megaflow.config.model_spec import ModelSpec, model_spec, resolve_hf_config
@@ -218,6 +219,12 @@ def token_budgets(cfg: Config, role: str) -> tuple[int | None, int | None]:
     return out[0], out[1]
 
 
+def run_dir_of(cfg: Config) -> Path:
+    """The run directory ``<trainer.output_dir>/<project_name>/<experiment_name>`` (``~`` expanded)."""
+    tr = cfg.trainer
+    return Path(tr.output_dir).expanduser() / tr.project_name / tr.experiment_name
+
+
 def lr_schedule_steps(cfg: Config, role: str, total_steps: int) -> int:
     """Optimizer step at which ``role``'s LR decay reaches ``min_lr`` (megatron-core's
     ``lr_decay_steps``, counted from the first update, warm-up included).
@@ -360,5 +367,5 @@ def validate_config(cfg: Config) -> None:
 __all__ = [
     "RoleParallel", "GenerationSizes", "TrainBatchSizes", "ClusterRequirements", "enabled_roles",
     "role_model_spec", "role_parallel", "generation_sizes", "train_batch_sizes", "num_samples_per_step",
-    "max_seq_len", "num_training_steps", "lr_schedule_steps", "token_budgets", "TOKEN_BUDGET_KEYS", "cluster_requirements", "validate_config", "TRAINED_ROLES",
+    "max_seq_len", "run_dir_of", "num_training_steps", "lr_schedule_steps", "token_budgets", "TOKEN_BUDGET_KEYS", "cluster_requirements", "validate_config", "TRAINED_ROLES",
 ]

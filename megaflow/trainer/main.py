@@ -21,6 +21,8 @@ from typing import Sequence
 
 import numpy as np
 
+from megaflow.config.topology import run_dir_of
+
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="megaflow.trainer.main", description=__doc__.split("\n\n")[0])
@@ -29,12 +31,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="validate and print the placement/parallel/memory plan without starting processes")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides of the recipe")
     return p.parse_args(argv)
-
-
-def run_dir_of(cfg) -> Path:
-    """``<output_dir>/<project_name>/<experiment_name>``."""
-    tr = cfg.trainer
-    return Path(tr.output_dir).expanduser() / tr.project_name / tr.experiment_name
 
 
 def seed_everything(seed: int) -> None:

@@ -59,7 +59,7 @@ class ResumePoint:
 
 def run_checkpoints(cfg) -> CheckpointManager:
     """The checkpoint manager of the run directory ``<output_dir>/<project>/<experiment>/checkpoints``."""
-    from megaflow.trainer.main import run_dir_of
+    from megaflow.config.topology import run_dir_of
 
     return CheckpointManager(run_dir_of(cfg) / "checkpoints", keep_last=cfg.trainer.max_ckpt_to_keep)
 
