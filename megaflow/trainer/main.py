@@ -16,7 +16,6 @@ import argparse
 import os
 import random
 import sys
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
