@@ -10,19 +10,34 @@ Sources and assumptions, per term:
   (4 bytes) when the parameters are 16-bit. With the distributed optimizer the optimizer
   state is sharded over the ``dp * cp`` ranks (ZeRO-1, Rajbhandari et al. 2020): bf16
   training costs ``2 + 4 + 12 / (dp*cp)`` bytes per parameter, fp32 ``4 + 4 + 8 / (dp*cp)``.
-* **Activations** per transformer layer and micro-batch, Korthikanti et al. 2022
-  ("Reducing Activation Recomputation in Large Transformer Models"), section 4, Table 2,
-  for 16-bit activations: ``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` without sequence
-  parallelism, ``s*b*h*(34/t + 5*a*s/(h*t))`` with it; selective recomputation (and a
-  fused/flash attention, assumed on GPUs) removes the ``5*a*s/(h*t)`` score term; full
-  recomputation keeps only each layer's input, ``2*s*b*h`` (``/t`` with sequence
-  parallelism). ``s`` is divided by ``cp``; fp32 activations double the bytes. The formula
-  is for a GPT layer with a 4h GELU MLP and multi-head attention; SwiGLU/GQA models differ
-  by a few tens of percent. With 1F1B the first stage holds ``min(pp, micro-batches)``
-  micro-batches of its ``L/pp`` layers (section 4.2.3), times ``1 + (pp-1)/(pp*vpp)`` with
-  the interleaved schedule. The last stage also holds fp32 logits and their gradient,
-  ``2 * 4 * b*s*V/t`` bytes. Forward-only passes (log-probs, ref, values, reward) keep one
-  layer's activations plus the logits.
+* **Activations** per transformer layer and micro-batch: a term-by-term account of what
+  autograd saves in a megatron-core Llama/Qwen2 layer (RMSNorm, GQA attention with RoPE,
+  SwiGLU MLP, no dropout), in elements per token (``s*b`` rows, ``s`` per rank), times the
+  dtype's bytes. Each RMSNorm keeps its input, ``x*rstd`` and its output (``3h``) plus
+  ``rstd`` (1); the MLP keeps fc1's output (``2f``), the SwiGLU's intermediates (``2f``)
+  and fc2's input (``f``), ``5f/t``; attention without recomputation (local spec, unfused:
+  CPUs) keeps ``q``, ``k`` and ``v`` expanded to ``a`` heads and the context (``4*a*d/t``)
+  plus the softmax probabilities (``a*s/t``); with selective recomputation of core
+  attention it keeps ``q``, ``k``, the QKV output and the context (``(3*a*d + 3*g*d)/t``);
+  a fused/flash attention (assumed on GPUs, Transformer Engine) keeps ``q``, ``k``, ``v``
+  and the output (``(2*a*d + 2*g*d)/t``). Per layer and independent of ``b``: the RoPE
+  tables (``4*s*d``) and, unfused, the ``s*s`` boolean mask. With sequence parallelism
+  (TP > 1) the norm terms are divided by ``t`` too (Korthikanti et al. 2022, "Reducing
+  Activation Recomputation in Large Transformer Models", section 4.2.2). Full recomputation
+  keeps only each layer's input, ``h`` (``/t`` with sequence parallelism). The terms were
+  read off ``tools/bench_memory.py`` (saved-tensor hooks, megatron-core 0.16 local spec on
+  CPU, fp32), which the planner meets within 1 %; the fused-attention variant follows from
+  the same account but has not been measured on a GPU. (The earlier Korthikanti Table 2
+  coefficients, for a 4h GELU MLP with dropout, underestimated these layers by 27 %.)
+  With 1F1B the first stage holds ``min(pp, micro-batches)`` micro-batches of its ``L/pp``
+  layers (section 4.2.3), times ``1 + (pp-1)/(pp*vpp)`` with the interleaved schedule.
+  The last stage also holds the final norm's ``3h + 1`` per token and the fp32 logits and
+  their gradient, ``2 * 4 * b*s*V/t`` bytes (a transient peak of the backward, not saved
+  tensors). Forward-only passes (log-probs, ref, values, reward) keep one layer's
+  activations plus the logits.
+* **HybridEngine generation weights**: the generation shard (``t_g``, ``p_g``) of tensors
+  gathered from the training shards, so the vocabulary keeps the *training* padding
+  (``padded_vocab_size(V, t)``), not ``padded_vocab_size(V, t_g)``.
 * **KV cache**: ``2 * layers * kv_heads * head_dim * bytes`` per token (K and V), per
   generation rank ``kv_heads / t_g`` heads and ``layers / p_g`` layers.
 """
@@ -42,19 +57,47 @@ def optimizer_bytes_per_param(dtype: str) -> int:
     return 8 if DTYPE_BYTES[dtype] == 4 else 12
 
 
-def activation_bytes_per_layer(*, seq: int, micro_batch: int, hidden: int, heads: int, tp: int,
-                               sequence_parallel: bool, recompute: str, fused_attention: bool,
-                               dtype: str) -> float:
-    """Stored activations of one transformer layer for one micro-batch (Korthikanti et al.
-    2022, Table 2; see the module docstring). ``seq`` is the per-rank sequence length."""
-    sbh = seq * micro_batch * hidden
-    scale = DTYPE_BYTES[dtype] / 2  # the paper's coefficients are for 16-bit activations
-    sp = sequence_parallel and tp > 1
+def activation_bytes_per_layer(*, seq: int, micro_batch: int, hidden: int, heads: int, kv_heads: int,
+                               head_dim: int, ffn_hidden: int, tp: int, sequence_parallel: bool,
+                               recompute: str, fused_attention: bool, dtype: str) -> float:
+    """Bytes autograd keeps for one transformer layer and one micro-batch (see the module
+    docstring for each term and its source).
+
+    Args:
+        seq: per-rank sequence length ``s`` (tokens; already divided by ``cp``).
+        micro_batch: rows ``b``. hidden, heads, kv_heads, head_dim, ffn_hidden: ``h, a, g,
+            d, f`` of the model. tp: tensor-parallel size ``t``.
+        sequence_parallel: norms sharded over TP too (only meaningful with ``tp > 1``).
+        recompute: ``"none"``, ``"selective"`` (core attention) or ``"full"`` (layer input).
+        fused_attention: flash/fused attention (no stored scores; GPU with TE).
+        dtype: activation dtype (``DTYPE_BYTES`` key).
+
+    Raises:
+        ValueError: unknown ``recompute``.
+    """
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+    rows, bytes_ = seq * micro_batch, DTYPE_BYTES[dtype]
+    sp = tp if (sequence_parallel and tp > 1) else 1
     if recompute == "full":
-        return scale * 2 * sbh / (tp if sp else 1)
-    core = 34 / tp if sp else 10 + 24 / tp
-    scores = 0.0 if (recompute == "selective" or fused_attention) else 5 * heads * seq / (hidden * tp)
-    return scale * sbh * (core + scores)
+        return bytes_ * rows * hidden / sp
+    a, g, d = heads, kv_heads, head_dim
+    norms = 2 * (3 * hidden + 1) / sp
+    mlp = 5 * ffn_hidden / tp
+    if fused_attention:
+        attention, per_layer = (2 * a * d + 2 * g * d) / tp, 4 * seq * d * bytes_
+    else:
+        attention = (3 * a * d + 3 * g * d) / tp if recompute == "selective" else (4 * a * d + a * seq) / tp
+        per_layer = 4 * seq * d * bytes_ + seq * seq  # RoPE tables; the boolean causal mask
+    return bytes_ * rows * (norms + attention + mlp) + per_layer
+
+
+def final_norm_bytes(*, seq: int, micro_batch: int, hidden: int, tp: int, sequence_parallel: bool,
+                     dtype: str) -> float:
+    """The final RMSNorm's saved tensors on the last stage: ``(3h + 1)`` per token (input,
+    ``x*rstd``, output, ``rstd``), divided by ``t`` with sequence parallelism."""
+    sp = tp if (sequence_parallel and tp > 1) else 1
+    return DTYPE_BYTES[dtype] * seq * micro_batch * (3 * hidden + 1) / sp
 
 
 def logits_bytes(*, seq: int, micro_batch: int, vocab: int, tp: int, backward: bool) -> float:
@@ -125,11 +168,15 @@ def role_memory(role: str, spec: ModelSpec, shape: ParallelShape, *, dtype: str,
     seq = -(-shape.seq // shape.cp)
     layer_act = activation_bytes_per_layer(
         seq=seq, micro_batch=shape.micro_batch, hidden=spec.hidden_size, heads=spec.num_attention_heads,
+        kv_heads=spec.num_key_value_heads, head_dim=spec.head_dim, ffn_hidden=spec.ffn_hidden_size,
         tp=shape.tp, sequence_parallel=shape.sequence_parallel,
         recompute=shape.recompute if trained else "none", fused_attention=fused_attention, dtype=dtype)
     vocab = padded_vocab_size(spec.vocab_size, shape.tp) if head == "lm" else 1
     logits = logits_bytes(seq=seq, micro_batch=shape.micro_batch, vocab=vocab, tp=shape.tp if head == "lm" else 1,
                           backward=trained)
+    if trained:  # the last stage's final norm keeps its tensors for backward
+        logits += final_norm_bytes(seq=seq, micro_batch=shape.micro_batch, hidden=spec.hidden_size, tp=shape.tp,
+                                   sequence_parallel=shape.sequence_parallel, dtype=dtype)
     if trained:
         layers = spec.num_layers // shape.pp
         in_flight = min(shape.pp, shape.num_micro_batches)
@@ -160,7 +207,8 @@ class RolloutMemory:
     weights: float
     """Generation shard (TP = t_g, PP = p_g); the rank's training shard lies inside it."""
     extra_weights: float
-    """Generation shard minus the training shard: the all-gathered part."""
+    """What generation adds to the training shard: the generation shard minus the training
+    shard aliased into it (the whole generation shard when nothing can be aliased)."""
     kv_per_sequence: float
     """KV cache of one sample at full length (prompt + response)."""
     kv_needed: float
@@ -176,17 +224,29 @@ class RolloutMemory:
 
 def rollout_memory(spec: ModelSpec, *, train_tp: int, train_pp: int, gen_tp: int, gen_pp: int, dtype: str,
                    seq: int, samples_per_replica: int, engine_budget: float | None,
-                   cpu_kv_cache: float | None) -> RolloutMemory:
+                   cpu_kv_cache: float | None, params_in_buffer: bool = False) -> RolloutMemory:
     """Generation memory per rank.
 
     Args:
+        params_in_buffer: the training parameters are views of one contiguous buffer
+            (megatron-core DDP's param buffer, allocated with the distributed optimizer).
+            The resharder can alias a training tensor into its gather buffer only when the
+            tensor owns its storage, so then nothing is aliased and the whole generation
+            shard is extra (measured by ``tools/bench_memory.py``); otherwise the extra is
+            the generation shard less the training shard.
         engine_budget: GPU: bytes vLLM may reserve for weights + KV (None on CPU).
         cpu_kv_cache: CPU: bytes of KV cache per process (None on GPU).
     """
     bytes_ = DTYPE_BYTES[dtype]
-    weights = max(stage_parameters(spec, gen_tp, gen_pp)) * bytes_
+    # gathered from the training shards: the vocabulary keeps the training padding
+    vocab_rows = padded_vocab_size(spec.vocab_size, train_tp) - padded_vocab_size(spec.vocab_size, gen_tp)
+    vocab_matrices = [int(stage == 0) + int(stage == gen_pp - 1 and not (spec.tie_word_embeddings and gen_pp == 1))
+                      for stage in range(gen_pp)]
+    weights = max(n + m * vocab_rows * spec.hidden_size // gen_tp
+                  for n, m in zip(stage_parameters(spec, gen_tp, gen_pp), vocab_matrices)) * bytes_
     train = max(stage_parameters(spec, train_tp, train_pp)) * bytes_
     per_seq = kv_bytes_per_token(spec, gen_tp, gen_pp, dtype) * seq
     reserved = cpu_kv_cache if engine_budget is None else max(engine_budget - weights, 0.0)
-    return RolloutMemory(weights=weights, extra_weights=max(weights - train, 0.0), kv_per_sequence=per_seq,
+    extra = weights if params_in_buffer and weights > train else max(weights - train, 0.0)
+    return RolloutMemory(weights=weights, extra_weights=extra, kv_per_sequence=per_seq,
                          kv_needed=per_seq * samples_per_replica, kv_reserved=reserved)

@@ -166,7 +166,8 @@ def _rollout_plan(cfg: Config, actor: RolePlan) -> RolloutPlan:
         spec, train_tp=par.tp, train_pp=par.pp, gen_tp=sizes.tp, gen_pp=sizes.pp, dtype=cfg.model.dtype,
         seq=max_seq_len(cfg), samples_per_replica=sizes.samples_per_replica,
         engine_budget=cfg.rollout.gpu_memory_utilization * res.gpu_memory_gib * GIB if res.use_gpu else None,
-        cpu_kv_cache=None if res.use_gpu else cfg.rollout.cpu_kv_cache_gib * GIB)
+        cpu_kv_cache=None if res.use_gpu else cfg.rollout.cpu_kv_cache_gib * GIB,
+        params_in_buffer=bool(cfg.actor.use_distributed_optimizer))
     model_bytes = count_parameters(spec) * DTYPE_BYTES[cfg.model.dtype]
     return RolloutPlan(sizes=sizes, layout=layout, reshard=reshard_cost(layout, model_bytes), memory=memory)
 

@@ -49,19 +49,24 @@ def test_pools_first_fit_on_nodes():
 
 
 def test_activation_formula_by_hand():
-    # Korthikanti et al. 2022, Table 2, no recomputation, no sequence parallelism:
-    # s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes for 16-bit activations; fp32 doubles it.
-    s, b, h, a, t = 24, 4, 64, 4, 2
-    expected = 2 * s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-    got = activation_bytes_per_layer(seq=s, micro_batch=b, hidden=h, heads=a, tp=t, sequence_parallel=False,
-                                     recompute="none", fused_attention=False, dtype="float32")
+    # The saved-tensor account of megaflow.config.memory (elements per token): norms 2*(3h+1),
+    # attention 4*a*d/t + a*s/t (unfused), MLP 5f/t; plus RoPE tables 4*s*d and the s*s mask.
+    s, b, h, a, g, d, f, t = 24, 4, 64, 4, 2, 16, 128, 2
+    common = dict(seq=s, micro_batch=b, hidden=h, heads=a, kv_heads=g, head_dim=d, ffn_hidden=f, tp=t)
+    expected = 4 * s * b * (2 * (3 * h + 1) + (4 * a * d + a * s) / t + 5 * f / t) + 4 * 4 * s * d + s * s
+    got = activation_bytes_per_layer(**common, sequence_parallel=False, recompute="none", fused_attention=False,
+                                     dtype="float32")
     assert got == pytest.approx(expected)
-    sp_selective = activation_bytes_per_layer(seq=s, micro_batch=b, hidden=h, heads=a, tp=t, sequence_parallel=True,
-                                              recompute="selective", fused_attention=False, dtype="bfloat16")
-    assert sp_selective == pytest.approx(34 * s * b * h / t)
-    full = activation_bytes_per_layer(seq=s, micro_batch=b, hidden=h, heads=a, tp=t, sequence_parallel=False,
-                                      recompute="full", fused_attention=False, dtype="bfloat16")
+    sp_selective = activation_bytes_per_layer(**common, sequence_parallel=True, recompute="selective",
+                                              fused_attention=False, dtype="bfloat16")
+    assert sp_selective == pytest.approx(2 * s * b * (2 * (3 * h + 1) / t + (3 * a * d + 3 * g * d) / t + 5 * f / t)
+                                         + 2 * 4 * s * d + s * s)
+    full = activation_bytes_per_layer(**common, sequence_parallel=False, recompute="full", fused_attention=False,
+                                      dtype="bfloat16")
     assert full == pytest.approx(2 * s * b * h)
+    with pytest.raises(ValueError, match="recompute"):
+        activation_bytes_per_layer(**common, sequence_parallel=False, recompute="some", fused_attention=False,
+                                   dtype="float32")
 
 
 def test_role_memory_by_hand():
@@ -74,9 +79,11 @@ def test_role_memory_by_hand():
     assert mem.params == last_stage * 4
     assert mem.grads == last_stage * 4  # fp32 main grads
     assert mem.optimizer == last_stage * 8 / 2  # two fp32 Adam moments, sharded over dp=2
-    per_layer = 2 * 24 * 4 * 64 * (10 + 24 / 2 + 5 * 4 * 24 / (64 * 2))
+    s, b, h, d = 24, 4, 64, 16  # SMALL: 4 heads, 2 KV heads, ffn 128
+    per_layer = 4 * s * b * (2 * (3 * h + 1) + (4 * 4 * d + 4 * s) / 2 + 5 * 128 / 2) + 4 * 4 * s * d + s * s
     first = 2 * 2 * per_layer  # 1F1B: min(pp, micro-batches)=2 in flight x 2 layers
-    last = 2 * per_layer + 2 * 4 * 24 * 4 * 256 / 2  # + fp32 logits and their gradient
+    # + the final norm (3h + 1 per token) and fp32 logits and their gradient
+    last = 2 * per_layer + 4 * s * b * (3 * h + 1) + 2 * 4 * s * b * 256 / 2
     assert mem.activations == pytest.approx(max(first, last))
     bf16 = role_memory("actor", spec, shape, dtype="bfloat16", trained=True, distributed_optimizer=False,
                        fused_attention=False, head="lm")
