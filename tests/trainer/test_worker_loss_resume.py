@@ -33,7 +33,9 @@ def _worker_pids(driver_pid: int) -> list[int]:
     pids = []
     for child in psutil.Process(driver_pid).children(recursive=True):
         try:
-            if "WorkerHost" in " ".join(child.cmdline()):
+            parent = child.parent()
+            # the rank's Ray actor process (started by the raylet), not a helper it forked
+            if "WorkerHost" in " ".join(child.cmdline()) and parent is not None and "raylet" in parent.name():
                 pids.append(child.pid)
         except psutil.Error:
             continue
