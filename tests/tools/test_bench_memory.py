@@ -1,0 +1,69 @@
+"""tools/bench_memory.py: the exact live-tensor account and the report's arithmetic."""
+import pytest
+import torch
+
+from toolslib import load_tool
+
+bench = load_tool("bench_memory")
+
+
+def test_unique_storage_bytes_counts_each_storage_once():
+    a = torch.zeros(10, 4)  # 160 bytes
+    b = torch.zeros(3, dtype=torch.float64)  # 24 bytes
+    views = [a, a[2:], a.view(-1), a.t(), b, b[1:]]
+    assert bench.unique_storage_bytes(views) == 160 + 24
+    assert bench.unique_storage_bytes(views, exclude=[a.untyped_storage().data_ptr()]) == 24
+    released = torch.zeros(5)
+    released.untyped_storage().resize_(0)
+    assert bench.unique_storage_bytes([released]) == 0
+
+
+def test_saved_tensor_account_splits_layers_and_head():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 8)
+    model = torch.nn.Sequential(layer, torch.nn.Tanh())
+    x = torch.randn(4, 8)
+    account = bench.SavedTensorAccount(exclude=[p.untyped_storage().data_ptr() for p in model.parameters()])
+    with account.recording(model, [layer]):
+        out = model(x)
+        loss = (out.exp() * 2).sum()  # exp saves its [4, 8] output: the "head"
+        loss.backward()
+    # inside the layer: the linear's input x; outside the layer, in the model: tanh's output
+    assert account.bytes == {"layers": 4 * 8 * 4, "other": 4 * 8 * 4, "head": 4 * 8 * 4}
+
+
+def test_errors_and_targets():
+    assert bench.relative_error(105.0, 100.0) == pytest.approx(0.05)
+    assert bench.relative_error(0.0, 0.0) == 0.0 and bench.relative_error(1.0, 0.0) == float("inf")
+    assert bench.within_target("params", 104.9, 100.0) and not bench.within_target("params", 106.0, 100.0)
+    assert bench.within_target("layer_activations", 124.0, 100.0)
+    assert not bench.within_target("layer_activations", 70.0, 100.0)
+
+
+def test_format_rows_flags_a_miss():
+    case = bench.CASES[0]
+    plan = {t: 1024.0 for t in bench.TERMS}
+    meas = dict(plan, grads=2048.0)
+    rows = bench.format_rows(case, plan, meas, markdown=True)
+    grads = [r for r in rows if "| grads |" in r]
+    assert grads and grads[0].endswith("| MISS |") and "-50.0 %" in grads[0]
+    assert sum(r.endswith("| ok |") for r in rows) == len(bench.TERMS) - 2  # grads MISS, head info
+
+
+def test_cases_cover_the_features_and_parse_args():
+    cases = bench.CASES
+    assert len(cases) >= 6
+    assert {c.tp for c in cases} >= {1, 2} and {c.pp for c in cases} >= {1, 2} and {c.dp for c in cases} >= {1, 2}
+    assert {c.recompute for c in cases} == {"none", "selective", "full"}
+    assert any(c.distributed_optimizer for c in cases) and any(c.grad_offload for c in cases)
+    assert [c.name for c in bench.parse_args(["--cases", "tp2,dp2-ddp"]).cases] == ["tp2", "dp2-ddp"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--cases", "nope"])
+
+
+def test_case_config_runs_one_micro_batch_per_rank():
+    from megaflow.config.topology import train_batch_sizes
+
+    for case in bench.CASES:
+        sizes = train_batch_sizes(bench.build_case_config(case), "actor")
+        assert (sizes.micro_batch_size, sizes.num_micro_batches) == (case.micro_batch, 1), case.name
