@@ -243,8 +243,8 @@ def worker_lost_error(error: BaseException, placements: Sequence[RankPlacement],
     failed = dead[0] if dead else reporter
     method = method or getattr(error, "method", None)
     run_nodes = {p.node_id for p in placements} | {p.node_ip for p in placements}
-    dead = [n for n in (nodes or []) if not n.alive and (n.node_id in run_nodes or n.ip in run_nodes)]
-    dead_ids = {n.node_id for n in dead} | {n.ip for n in dead}
+    dead_nodes = [n for n in (nodes or []) if not n.alive and (n.node_id in run_nodes or n.ip in run_nodes)]
+    dead_ids = {n.node_id for n in dead_nodes} | {n.ip for n in dead_nodes}
     lines = []
     if failed is not None:
         where = f"node {failed.node_ip}" + (f" ({failed.hostname})" if failed.hostname else "")
@@ -259,10 +259,10 @@ def worker_lost_error(error: BaseException, placements: Sequence[RankPlacement],
                          f"{_first_line(error)})")
     else:
         lines.append(f"worker lost: a worker process of the run died ({type(error).__name__})")
-    if dead:
+    if dead_nodes:
         lost_here = [p for p in placements if p.node_id in dead_ids or p.node_ip in dead_ids]
         lost = _by_role(lost_here)
-        for node in dead:
+        for node in dead_nodes:
             on_node = _by_role(p for p in lost_here if p.node_id == node.node_id or p.node_ip == node.ip)
             host = f" ({node.hostname})" if node.hostname and node.hostname != node.ip else ""
             lines.append(f"node {node.ip}{host} is dead; it ran {_describe_ranks(on_node) or 'no ranks of the run'}")
@@ -276,7 +276,7 @@ def worker_lost_error(error: BaseException, placements: Sequence[RankPlacement],
         lost = {}
     lines.append(resume_hint)
     return WorkerLostError("\n".join(lines), role=failed.role if failed else None,
-                           rank=failed.rank if failed else None, dead_nodes=tuple(n.ip for n in dead), lost=lost)
+                           rank=failed.rank if failed else None, dead_nodes=tuple(n.ip for n in dead_nodes), lost=lost)
 
 
 class RunInterrupted(Exception):
