@@ -1,0 +1,57 @@
+"""tools/bench_vs_trl.py: its workload pieces, and a --quick side-by-side run (slow; needs TRL's venv)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+import bench_vs_trl as bench  # noqa: E402
+
+TRL_VENV = os.environ.get("MEGAFLOW_TRL_VENV", "/tmp/trl-venv")
+
+
+def test_word_tokenizer_round_trips_sums():
+    tok = bench.word_tokenizer()
+    ids = tok("12+7=")["input_ids"]
+    assert tok.convert_ids_to_tokens(ids) == ["1", "2", "+", "7", "="]
+    assert tok.decode(ids) == "12+7=" and len(tok) == 512
+    assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == (0, 1, 2)
+
+
+def test_exact_sum_reward():
+    got = [bench.exact_sum(t, 19) for t in ["19", "19<eos>", "19 x", "190", " 19", "1", ""]]
+    assert got == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_megaflow_config_is_the_workload(tmp_path):
+    import argparse
+
+    from megaflow.config import generation_sizes, num_samples_per_step
+
+    args = argparse.Namespace(size="15m", seed=0, tp=2, gen_tp=1, procs=2, warmup=1, steps=2, fixed_length=True)
+    cfg = bench.megaflow_config(args, str(tmp_path))
+    assert cfg.model.hf_config["hidden_size"] == 512 and cfg.model.hf_config["num_hidden_layers"] == 8
+    assert num_samples_per_step(cfg) == 32 and generation_sizes(cfg).num_replicas == 2
+    assert cfg.rollout.ignore_eos and cfg.algorithm.rollout_correction.bypass
+    lines = (tmp_path / "train.jsonl").read_text().splitlines()
+    assert len(lines) == bench.NUM_PROMPTS
+    a, b = map(int, re.fullmatch(r"(\d+)\+(\d+)=", __import__("json").loads(lines[0])["prompt"]).groups())
+    assert __import__("json").loads(lines[0])["reward_model"]["ground_truth"] == str(a + b)
+
+
+@pytest.mark.slow
+def test_quick_side_by_side_prints_both_frameworks():
+    if not os.path.exists(os.path.join(TRL_VENV, "bin", "python")):
+        pytest.skip(f"TRL's venv {TRL_VENV} is absent (python tools/bench_vs_trl.py --setup)")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_vs_trl.py"), "--quick", "--trl-venv", TRL_VENV,
+                           "--timeout", "280"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {m.group(1): float(m.group(2)) for m in re.finditer(r"^3m\s+(trl|megaflow)\s+([\d.]+)", proc.stdout, re.M)}
+    assert set(rows) == {"trl", "megaflow"} and all(v > 0 for v in rows.values()), proc.stdout
+    assert re.search(r"^3m\s+ratio\s+[\d.]+x", proc.stdout, re.M), proc.stdout
