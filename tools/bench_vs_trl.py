@@ -210,7 +210,9 @@ def megaflow_config(args, work: str):
                                 "reward_model": {"style": "rule", "ground_truth": str(answer)},
                                 "extra_info": {"index": i}}) + "\n")
     rollout = {"tp": args.gen_tp, "n": NUM_GENERATIONS, "response_length": RESPONSE_LENGTH, "temperature": 1.0,
-               "cpu_kv_cache_auto": True, "ignore_eos": bool(args.fixed_length)}
+               "cpu_kv_cache_auto": not args.kv_cache_gib, "ignore_eos": bool(args.fixed_length)}
+    if args.kv_cache_gib:
+        rollout["cpu_kv_cache_gib"] = args.kv_cache_gib
     tree = {
         "model": {"hf_config": hf_config(args.size), "tokenizer": tok_dir, "dtype": "float32"},
         "data": {"train_files": [train], "max_prompt_length": 8, "train_batch_size": PROMPTS_PER_STEP,
@@ -308,7 +310,8 @@ def child(args, framework: str, size: str, out: str) -> subprocess.CompletedProc
     py = os.path.join(args.trl_venv, "bin", "python") if framework == "trl" else sys.executable
     cmd = [py, os.path.abspath(__file__), "--_child", framework, "--_size", size, "--_out", out,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed),
-           "--tp", str(args.tp), "--gen-tp", str(args.gen_tp), "--procs", str(args.procs)]
+           "--tp", str(args.tp), "--gen-tp", str(args.gen_tp), "--procs", str(args.procs),
+           "--kv-cache-gib", str(args.kv_cache_gib)]
     if args.fixed_length:
         cmd.append("--fixed-length")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE])) if framework == "megaflow" else None
@@ -329,6 +332,8 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=2, help="megaflow actor.tp (default 2)")
     p.add_argument("--gen-tp", type=int, default=1, help="megaflow rollout.tp (default 1)")
     p.add_argument("--procs", type=int, default=2, help="megaflow resources.procs_per_node (default 2)")
+    p.add_argument("--kv-cache-gib", type=int, default=0,
+                   help="megaflow rollout.cpu_kv_cache_gib; 0 (default): rollout.cpu_kv_cache_auto")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run before it is killed")
     p.add_argument("--json", help="write the summaries here")
     p.add_argument("--_child", choices=["trl", "megaflow"], help=argparse.SUPPRESS)
@@ -351,8 +356,8 @@ def main(argv=None) -> int:
     bad = [s for s in sizes if s not in SIZES]
     if bad or not sizes:
         p.error(f"--sizes: unknown {bad or sizes}; choose from {sorted(SIZES)}")
-    if args.repeats < 1 or args.steps < 1 or args.warmup < 0:
-        p.error("--repeats and --steps must be >= 1, --warmup >= 0")
+    if args.repeats < 1 or args.steps < 1 or args.warmup < 0 or args.kv_cache_gib < 0:
+        p.error("--repeats and --steps must be >= 1, --warmup and --kv-cache-gib >= 0")
     if not os.path.exists(os.path.join(args.trl_venv, "bin", "python")):
         p.error(f"--trl-venv: no python in {args.trl_venv}; run with --setup first")
     results: dict = {}

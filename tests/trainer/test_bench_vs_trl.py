@@ -34,7 +34,8 @@ def test_megaflow_config_is_the_workload(tmp_path):
 
     from megaflow.config import generation_sizes, num_samples_per_step
 
-    args = argparse.Namespace(size="15m", seed=0, tp=2, gen_tp=1, procs=2, warmup=1, steps=2, fixed_length=True)
+    args = argparse.Namespace(size="15m", seed=0, tp=2, gen_tp=1, procs=2, warmup=1, steps=2, fixed_length=True,
+                              kv_cache_gib=0)
     cfg = bench.megaflow_config(args, str(tmp_path))
     assert cfg.model.hf_config["hidden_size"] == 512 and cfg.model.hf_config["num_hidden_layers"] == 8
     assert num_samples_per_step(cfg) == 32 and generation_sizes(cfg).num_replicas == 2
@@ -55,3 +56,12 @@ def test_quick_side_by_side_prints_both_frameworks():
     rows = {m.group(1): float(m.group(2)) for m in re.finditer(r"^3m\s+(trl|megaflow)\s+([\d.]+)", proc.stdout, re.M)}
     assert set(rows) == {"trl", "megaflow"} and all(v > 0 for v in rows.values()), proc.stdout
     assert re.search(r"^3m\s+ratio\s+[\d.]+x", proc.stdout, re.M), proc.stdout
+
+
+def test_kv_cache_gib_option_turns_auto_off(tmp_path):
+    import argparse
+
+    args = argparse.Namespace(size="3m", seed=0, tp=2, gen_tp=1, procs=2, warmup=1, steps=2, fixed_length=False,
+                              kv_cache_gib=2)
+    cfg = bench.megaflow_config(args, str(tmp_path))
+    assert not cfg.rollout.cpu_kv_cache_auto and cfg.rollout.cpu_kv_cache_gib == 2 and not cfg.rollout.ignore_eos
