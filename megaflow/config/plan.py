@@ -179,7 +179,10 @@ def _phases(roles: dict[str, RolePlan], pool_roles: tuple[str, ...], rollout: Ro
     phases = []
     if "actor" in pool_roles:
         actor, gen = roles["actor"].memory, rollout.memory
-        parts = [("rollout weights (incl. actor params)", gen.weights), ("rollout KV cache", gen.kv_reserved),
+        # the training shard plus what the reshard adds (the whole generation shard when the
+        # distributed optimizer's param buffer prevents aliasing; see rollout_memory)
+        parts = [("actor params", actor.params), ("rollout weights gathered", gen.extra_weights),
+                 ("rollout KV cache", gen.kv_reserved),
                  ("actor grads+optimizer resident", actor.resident - (0 if actor.param_offload else actor.params))]
         phases.append(PhaseMemory("generate", sum(b for _, b in parts + others("actor")),
                                   tuple(parts + others("actor"))))
