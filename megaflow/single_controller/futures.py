@@ -62,9 +62,25 @@ def _get(refs: Sequence[ray.ObjectRef], where: Sequence[str], method: str) -> li
         raise
 
 
+def _local_process_gone(node_ip: str, pid: int) -> bool:
+    """Whether ``pid`` on this machine has exited (or is a zombie); False for other nodes."""
+    import psutil
+
+    from ray.util import get_node_ip_address
+
+    if node_ip not in ("127.0.0.1", "localhost", get_node_ip_address()):
+        return False
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False
+
+
 def get_all(refs: Sequence[ray.ObjectRef], where: Sequence[str], method: str,
             fetch: Sequence[int] | None = None, check: Collection[int] | None = None,
-            poll_s: float = POLL_S) -> list[Any]:
+            poll_s: float = POLL_S, processes: Sequence[tuple[str, int]] | None = None) -> list[Any]:
     """Wait for every ref, fail fast on the first worker error, return the fetched values.
 
     Args:
@@ -76,6 +92,11 @@ def get_all(refs: Sequence[ray.ObjectRef], where: Sequence[str], method: str,
             or at the end) so that their failures surface; default all. Leave out large
             outputs that this caller does not need (their consumers see their errors).
         poll_s: seconds between failure checks.
+        processes: per ref, the ``(node ip, pid)`` of the rank's process. Ranks on this
+            machine whose process has exited fail the call at the next poll, without waiting
+            for Ray: a process that forked helpers (megatron-core's checkpoint writers)
+            keeps its sockets open through them, and Ray then notices its death only when
+            they exit, minutes later.
 
     Raises:
         WorkerError: a rank raised or its process died (the first one detected).
@@ -90,6 +111,11 @@ def get_all(refs: Sequence[ray.ObjectRef], where: Sequence[str], method: str,
         early = [index_of[r] for r in ready if index_of[r] in check]
         if pending and early:  # some ranks are done, others still run: did a done one fail?
             values.update(zip(early, _get([refs[i] for i in early], [where[i] for i in early], method)))
+        if pending and processes is not None:
+            for i in (index_of[r] for r in pending):
+                if _local_process_gone(*processes[i]):
+                    raise WorkerError(where[i], method, f"the worker process died or was killed: pid "
+                                                        f"{processes[i][1]} on this node has exited")
     missing = [i for i in sorted(check | set(fetch)) if i not in values]
     values.update(zip(missing, _get([refs[i] for i in missing], [where[i] for i in missing], method)))
     return [values[i] for i in fetch]

@@ -265,7 +265,8 @@ class RayWorkerGroup:
             if plan.kind == "proto":
                 return DataProtoFuture(refs, where, collect_index, plan.pad_size, plan.num_rows, method)
             return refs[0] if plan.kind == "single" else refs
-        outputs = get_all(refs, where, method, fetch=collect_index)
+        processes = [(self._core.metadata[r].node_ip, self._core.metadata[r].pid) for r in plan.ranks]
+        outputs = get_all(refs, where, method, fetch=collect_index, processes=processes)
         return collect(plan, outputs, method)
 
     def execute_async(self, rank: int, method: str, *args: Any, **kwargs: Any) -> ray.ObjectRef:
