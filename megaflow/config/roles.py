@@ -209,7 +209,7 @@ class RolloutConfig(Section):
     """CPU: size each process's KV cache from the step instead of ``cpu_kv_cache_gib``:
     samples per generation replica x (data.max_prompt_length + response_length) tokens,
     each sequence rounded up to vLLM's 128-token blocks, plus 10 % (at least one block)
-    (``megaflow.rollout.batch.kv_cache_bytes_for_batch``). Larger batches (validation)
+    (``megaflow.config.memory.kv_cache_bytes_for_batch``). Larger batches (validation)
     still run; vLLM then schedules fewer sequences at a time."""
     ignore_eos: bool = False
     """Never stop a response at the tokenizer's EOS: every response is exactly

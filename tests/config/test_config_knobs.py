@@ -93,3 +93,15 @@ def test_the_plan_sizes_activations_from_the_token_budget(tiny):
     # a budget of 4 full-length (256-token) rows per micro-batch plans the same activations
     assert actor_activations(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=4 * 256) == pytest.approx(fixed)
     assert actor_activations(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=8 * 256) > fixed
+
+
+def test_the_plan_counts_the_auto_sized_kv_cache(tiny):
+    from megaflow.config import build_plan
+    from megaflow.config.memory import cpu_kv_cache_bytes
+
+    fixed = config_from_dict(tiny())
+    auto = config_from_dict(tiny(rollout={"cpu_kv_cache_auto": True}))
+    assert cpu_kv_cache_bytes(fixed) == 2**30
+    assert 0 < cpu_kv_cache_bytes(auto) < 2**30
+    assert build_plan(auto).rollout.memory.kv_reserved == cpu_kv_cache_bytes(auto)
+    assert build_plan(fixed).rollout.memory.kv_reserved == 2**30

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from megaflow.config import load_config
-from megaflow.rollout.batch import kv_cache_bytes_for_batch
+from megaflow.config.memory import kv_cache_bytes_for_batch
 from megaflow.trainer.roles import rollout_settings
 
 TOK = SimpleNamespace(eos_token_id=[0, 5], pad_token_id=0)
