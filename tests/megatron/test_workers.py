@@ -44,7 +44,8 @@ def groups(ray_session, hf_dirs):
 
     engine = EngineConfig(max_seq_len=32, micro_batch_size=2, forward_micro_batch_size=2,
                           lr=5e-3, weight_decay=0.0)
-    common = dict(tp=2, engine=engine, temperature=0.9, offload_between_phases=True)
+    common = dict(tp=2, engine=engine, temperature=0.9, param_offload=True, grad_offload=True,
+                  optimizer_offload=True)
     causal = dict(common, model_path=hf_dirs["causal_dir"])
     score = dict(common, model_path=hf_dirs["score_dir"])
     spec = create_colocated_worker_cls({
