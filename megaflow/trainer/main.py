@@ -75,14 +75,22 @@ def build_reward_fn(cfg, tokenizer, functions=None):
     return RuleRewardManager(tokenizer, reward_kwargs=rc.reward_kwargs)
 
 
+#: Whether this process's init_ray started (or connected) the Ray it uses; a Ray that the
+#: caller initialised (an embedding program, the test suite) is left running at the end.
+_started_ray = False
+
+
 def init_ray(cfg) -> None:
-    """Connect to ``ray.address`` or start a local Ray bound to localhost."""
+    """Connect to ``ray.address`` or start a local Ray bound to localhost (a no-op when
+    Ray is already initialised in this process)."""
     import ray
 
     from megaflow.utils.tracking import warning_filters_env
 
+    global _started_ray
     if ray.is_initialized():
         return
+    _started_ray = True
     r = cfg.ray
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            # vLLM logs every engine start at INFO; keep the console to the run's own output.
@@ -111,12 +119,15 @@ def init_ray(cfg) -> None:
 
 
 def _stop_local_ray(cfg) -> None:
-    """Stop the Ray this process started (its helper processes end with it); a cluster
-    given by ``ray.address`` is only disconnected from."""
+    """Stop the Ray that :func:`init_ray` started (its helper processes end with it); a
+    cluster given by ``ray.address`` is only disconnected from, and a Ray the caller had
+    initialised before is left alone."""
     import ray
 
-    if ray.is_initialized():
+    global _started_ray
+    if _started_ray and ray.is_initialized():
         ray.shutdown()
+    _started_ray = False
 
 
 def _fit_naming_lost_workers(trainer, groups, total_steps: int) -> dict[str, float]:
