@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from megaflow.launch.resources import NodeResources
+from megaflow.single_controller.futures import process_gone
 
 #: What the controller prints about resuming (the trainer's checkpoints, issue 7).
 RESUME_HINT = ("the run cannot continue without these ranks; once the cluster is whole again, start it with the "
@@ -155,17 +156,6 @@ def _dead_actor_processes() -> set[tuple[str, int]] | None:
             if info.get("State") == "DEAD" and info.get("Pid")}
 
 
-def _local_process_gone(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-    except psutil.Error:
-        return False
-
-
 def dead_placements(placements: Sequence[RankPlacement]) -> list[RankPlacement]:
     """The ranks whose process is dead: Ray's actor table says so, or the process ran on
     this machine and is gone. Ordered by role (as given) then rank.
@@ -178,7 +168,7 @@ def dead_placements(placements: Sequence[RankPlacement]) -> list[RankPlacement]:
     dead = _dead_actor_processes() or set()
     here = {socket.gethostname()}
     out = [p for p in placements
-           if (p.node_id, p.pid) in dead or (p.pid and p.hostname in here and _local_process_gone(p.pid))]
+           if (p.node_id, p.pid) in dead or (p.pid and p.hostname in here and process_gone(p.pid))]
     return out
 
 

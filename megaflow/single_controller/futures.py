@@ -62,20 +62,23 @@ def _get(refs: Sequence[ray.ObjectRef], where: Sequence[str], method: str) -> li
         raise
 
 
-def _local_process_gone(node_ip: str, pid: int) -> bool:
-    """Whether ``pid`` on this machine has exited (or is a zombie); False for other nodes."""
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` of this machine has exited (or is a zombie)."""
     import psutil
 
-    from ray.util import get_node_ip_address
-
-    if node_ip not in ("127.0.0.1", "localhost", get_node_ip_address()):
-        return False
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
     except psutil.Error:
         return False
+
+
+def _local_process_gone(node_ip: str, pid: int) -> bool:
+    """:func:`process_gone` for a rank on this node; False for other nodes."""
+    from ray.util import get_node_ip_address
+
+    return node_ip in ("127.0.0.1", "localhost", get_node_ip_address()) and process_gone(pid)
 
 
 def get_all(refs: Sequence[ray.ObjectRef], where: Sequence[str], method: str,
