@@ -1,7 +1,11 @@
-"""Model architecture facts the planner needs, read from an HF config without weights.
+"""The one reader of Hugging Face ``config.json`` architectures, and parameter counts by formula.
 
 :func:`resolve_hf_config` finds the HF config of a role (inline ``hf_config`` dict or the
-checkpoint's ``config.json``); :func:`model_spec` turns it into a :class:`ModelSpec`;
+checkpoint's ``config.json``); :func:`model_spec` validates it and turns it into a
+:class:`ModelSpec`. The planner (:mod:`megaflow.config.topology`), the model builder
+(:mod:`megaflow.megatron.model`) and the weight mapping (:mod:`megaflow.models.hf_mapping`)
+all read architectures through it, so a config the planner accepts builds in the workers,
+and a feature megaflow cannot build is refused once, at load, naming the field and file.
 :func:`count_parameters` and :func:`stage_parameters` count parameters by formula
 (checked against ``transformers`` models in the tests). Pure Python: no torch import.
 """
@@ -15,16 +19,51 @@ from typing import Any, Mapping
 from megaflow.config.typed import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+#: HF architecture -> (model_type, head): ``lm_head`` for causal LMs, ``score`` for
+#: sequence-classification models (critic / reward model: megaflow's scalar head).
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", "lm_head"), "Qwen2ForCausalLM": ("qwen2", "lm_head"),
+    "LlamaForSequenceClassification": ("llama", "score"),
+    "Qwen2ForSequenceClassification": ("qwen2", "score"),
+}
 #: Architecture fields that must agree between an inline hf_config and path/config.json.
 ARCH_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                "intermediate_size", "vocab_size", "tie_word_embeddings")
+#: Values ``transformers`` fills in for fields a config.json omits (the keyword defaults of
+#: ``LlamaConfig`` / ``Qwen2Config`` in transformers 5; the tests compare them with those
+#: classes). ``None`` for ``num_key_value_heads``: the number of attention heads.
+HF_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
+    "llama": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": None, "max_position_embeddings": 2048,
+              "rms_norm_eps": 1e-6, "initializer_range": 0.02, "attention_dropout": 0.0, "rope_theta": 10000.0},
+    "qwen2": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32768,
+              "rms_norm_eps": 1e-6, "initializer_range": 0.02, "attention_dropout": 0.0, "rope_theta": 10000.0},
+}
+#: Mixture-of-experts fields of the HF families megaflow does not build.
+MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+#: megatron-core's ``RotaryEmbedding._apply_scaling`` hard-codes these llama3 RoPE parameters.
+MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+class UnsupportedModelError(ConfigError):
+    """The HF config describes an architecture megaflow cannot build (a :class:`ConfigError`,
+    hence a ``ValueError``); ``key`` names the field, the message the file or config key."""
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A Llama/Qwen2-family decoder: sizes and bias/tying flags.
+    """A Llama/Qwen2-family decoder as megaflow builds it, read from an HF config.
 
-    ``source`` is the dotted config key the facts came from (for error messages).
+    Sizes use HF's names where HF has one (``num_attention_heads``, ``num_key_value_heads``,
+    ``head_dim``, ``vocab_size`` unpadded); ``ffn_hidden_size`` is HF ``intermediate_size``
+    and ``num_layers`` HF ``num_hidden_layers`` (megatron-core's names). ``qkv_bias``: biases
+    on q/k/v (Qwen2), never on o_proj or the MLP. RoPE: base ``rope_theta``; llama3 scaling
+    factor (megatron ``rope_scaling_factor``) or linear interpolation factor (megatron
+    ``seq_len_interpolation_factor``), None when unscaled. ``head`` is ``"lm_head"`` (causal
+    LM; absent from the checkpoint when ``tie_word_embeddings``) or ``"score"`` (a
+    ``[num_labels=1, hidden]`` value/reward head, never tied). ``source`` is the dotted
+    config key the facts came from (for error messages).
     """
 
     model_type: str
@@ -37,9 +76,31 @@ class ModelSpec:
     vocab_size: int
     tie_word_embeddings: bool
     qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    source: str
+    norm_eps: float
+    rope_theta: float
+    rope_scaling_factor: float | None
+    rope_interpolation_factor: float | None
+    max_position_embeddings: int
+    attention_dropout: float
+    initializer_range: float
+    head: str = "lm_head"
+    source: str = "hf_config"
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any, source: str = "hf_config") -> ModelSpec:
+        """:func:`model_spec` (the weight mapping's and the workers' spelling)."""
+        return model_spec(hf_config, source)
+
+    # The weight mapping and the resharding code call the head counts by these shorter names.
+    @property
+    def num_heads(self) -> int:
+        """``num_attention_heads``."""
+        return self.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        """``num_key_value_heads``."""
+        return self.num_key_value_heads
 
 
 def _read_config_json(path: str, key: str) -> dict[str, Any]:
@@ -57,7 +118,8 @@ def resolve_hf_config(path: str | None, inline: Mapping[str, Any] | None, prefix
     """The HF config of the section at ``prefix`` (``"model"``, ``"reward_model"``).
 
     Returns ``(config, source_key)``: the inline ``<prefix>.hf_config`` when set (checked
-    against ``<path>/config.json`` when that file exists), else ``<path>/config.json``.
+    against ``<path>/config.json`` when that file exists), else ``<path>/config.json``
+    (source ``<prefix>.path``).
 
     Raises:
         ConfigError: neither is set, config.json is missing/invalid, or the two disagree
@@ -77,70 +139,188 @@ def resolve_hf_config(path: str | None, inline: Mapping[str, Any] | None, prefix
     return _read_config_json(path, f"{prefix}.path"), f"{prefix}.path"
 
 
-def _field_error(source: str, name: str, detail: str) -> ConfigError:
-    """Error about HF config field ``name``: keyed ``<source>.<name>`` for an inline
-    hf_config, ``<source>`` (the path key) for a config.json."""
-    if source.endswith(".hf_config"):
-        return ConfigError(f"{source}.{name}", detail)
-    return ConfigError(source, f"config.json field {name!r}: {detail}")
+def _field_error(source: str, name: str, detail: str, cls: type[ConfigError] = ConfigError) -> ConfigError:
+    """Error about HF config field ``name`` (dotted for nested fields): keyed
+    ``<source>.<name>`` unless ``source`` is a checkpoint path key (``*.path``), whose
+    config.json is then named in the message."""
+    if source.endswith(".path"):
+        return cls(source, f"config.json field {name!r}: {detail}")
+    return cls(f"{source}.{name}", detail)
 
 
-def _int_field(cfg: Mapping[str, Any], name: str, source: str, default: Any = None) -> int:
-    value = cfg.get(name, default)
+def _unsupported(source: str, name: str, detail: str) -> UnsupportedModelError:
+    return _field_error(source, name, detail, UnsupportedModelError)
+
+
+def _int_field(value: Any, name: str, source: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise _field_error(source, name, "missing" if value is None else f"must be a positive int, got {value!r}")
     return value
 
 
-def model_spec(cfg: Mapping[str, Any], source: str = "model.hf_config") -> ModelSpec:
-    """Parse a Llama/Qwen2 HF config into a :class:`ModelSpec`.
+def _float_field(value: Any, name: str, source: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _field_error(source, name, f"must be a number, got {value!r}")
+    return float(value)
 
-    Defaults follow ``transformers``: ``num_key_value_heads`` = heads, ``head_dim`` =
-    hidden / heads, ``tie_word_embeddings`` false, Llama's ``attention_bias`` (q, k, v, o)
-    and ``mlp_bias`` false; Qwen2 always has q/k/v biases and no o/MLP bias.
+
+def _as_mapping(hf_config: Any) -> Mapping[str, Any]:
+    if isinstance(hf_config, Mapping):
+        return hf_config
+    to_dict = getattr(hf_config, "to_dict", None)
+    if callable(to_dict):
+        return to_dict()
+    raise TypeError(f"hf_config must be a transformers.PretrainedConfig or a dict of config.json, "
+                    f"got {type(hf_config).__name__}")
+
+
+def _head(cfg: Mapping[str, Any], source: str) -> str:
+    """``"score"`` for a ``*ForSequenceClassification`` architecture, else ``"lm_head"``."""
+    archs = list(cfg.get("architectures") or [])
+    heads = set()
+    for name in archs:
+        model_type, head = SUPPORTED_ARCHITECTURES.get(name, (None, None))
+        if model_type is None or model_type != cfg.get("model_type"):
+            raise _unsupported(source, "architectures",
+                               f"{archs!r} (model_type={cfg.get('model_type')!r}) is not supported; "
+                               f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+        heads.add(head)
+    if len(heads) > 1:
+        raise _unsupported(source, "architectures", f"{archs!r} mixes an LM head and a score head")
+    if "score" in heads and cfg.get("num_labels", 1) != 1:
+        raise _unsupported(source, "num_labels", f"{cfg['num_labels']!r}: a value/reward head has exactly one output")
+    return heads.pop() if heads else "lm_head"
+
+
+def _refuse_unbuildable(cfg: Mapping[str, Any], model_type: str, source: str) -> None:
+    """Raise :class:`UnsupportedModelError` for a field whose value megaflow's GPTModel
+    (SwiGLU, RMSNorm, full causal attention, q/k/v bias only) cannot reproduce."""
+    for name in MOE_FIELDS:
+        if cfg.get(name):
+            raise _unsupported(source, name, f"{cfg[name]!r}: mixture-of-experts models are not supported")
+    if cfg.get("use_sliding_window"):
+        raise _unsupported(source, "use_sliding_window", "true: sliding-window attention is not supported")
+    if model_type != "qwen2" and cfg.get("sliding_window") is not None:  # Qwen2 ignores it unless use_sliding_window
+        raise _unsupported(source, "sliding_window", f"{cfg['sliding_window']!r}: sliding-window attention "
+                                                     "is not supported")
+    layer_types = cfg.get("layer_types")
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise _unsupported(source, "layer_types", f"{list(layer_types)!r}: only full_attention layers are supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise _unsupported(source, "hidden_act", f"{cfg['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
+    if model_type == "llama":  # Qwen2 has fixed biases: q/k/v on, o_proj and MLP off
+        if cfg.get("attention_bias"):
+            raise _unsupported(source, "attention_bias", "true (bias on q/k/v and o_proj) is not supported; "
+                                                         "megaflow builds q/k/v biases only (Qwen2)")
+        if cfg.get("mlp_bias"):
+            raise _unsupported(source, "mlp_bias", "true is not supported (the MLP has no biases)")
+    if cfg.get("quantization_config"):
+        raise _unsupported(source, "quantization_config", "quantized checkpoints are not supported")
+
+
+def _rope(cfg: Mapping[str, Any], default_theta: float, source: str) -> tuple[float, float | None, float | None]:
+    """``(rope_theta, llama3 factor, linear factor)`` from transformers 5 ``rope_parameters``
+    or transformers 4 ``rope_scaling`` + ``rope_theta``."""
+    key = "rope_parameters" if cfg.get("rope_parameters") is not None else "rope_scaling"
+    params = cfg.get(key) or {}
+    if not isinstance(params, Mapping):
+        raise _field_error(source, key, f"must be a mapping, got {params!r}")
+    theta = _float_field(params.get("rope_theta", cfg.get("rope_theta", default_theta)), "rope_theta", source)
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise _unsupported(source, "partial_rotary_factor", f"{partial!r}: only full rotary embeddings are supported")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None, None
+    if rope_type not in ("linear", "llama3"):
+        raise _unsupported(source, f"{key}.rope_type", f"{rope_type!r} is not supported (supported: default, "
+                                                      "linear, llama3)")
+    if params.get("factor") is None:
+        raise _field_error(source, f"{key}.factor", f"missing (required with rope_type {rope_type!r})")
+    factor = _float_field(params["factor"], f"{key}.factor", source)
+    if rope_type == "linear":
+        return theta, None, factor
+    for name, wanted in MEGATRON_LLAMA3_ROPE.items():
+        if float(params.get(name, wanted)) != wanted:
+            raise _unsupported(source, f"{key}.{name}", f"{params.get(name)!r}: megatron-core implements llama3 "
+                                                        f"RoPE scaling only with {MEGATRON_LLAMA3_ROPE}")
+    return theta, factor, None
+
+
+def model_spec(hf_config: Any, source: str = "hf_config") -> ModelSpec:
+    """Validate a Llama/Qwen2 HF config and read it into a :class:`ModelSpec`.
+
+    The one architecture reader of megaflow (planner, model builder, weight mapping).
+    Fields the config omits take ``transformers``' defaults for its ``model_type``
+    (:data:`HF_DEFAULTS`); ``num_key_value_heads`` null means one KV head per attention
+    head; ``head_dim`` defaults to ``hidden_size / num_attention_heads`` (``LlamaConfig``,
+    ``Qwen2Attention``). Llama has q/k/v biases only with ``attention_bias`` (refused),
+    Qwen2 always.
+
+    Args:
+        hf_config: the dict of a ``config.json`` or a ``transformers.PretrainedConfig``.
+        source: dotted config key the dict came from (``model.hf_config``; ``model.path``
+            for a checkpoint's config.json), used in the errors and kept as ``spec.source``.
 
     Raises:
-        ConfigError: unsupported ``model_type``, mixture-of-experts fields, or a missing /
-            non-positive size (the key names the field).
+        UnsupportedModelError: (a :class:`ConfigError`) an architecture megaflow does not
+            build: unknown ``model_type`` or ``architectures``, ``num_labels`` != 1 for a
+            score head, mixture-of-experts fields, sliding-window or non-full attention
+            layers, an activation other than SiLU, o_proj/MLP biases, quantization, partial
+            rotary embeddings, RoPE scaling other than linear / megatron-core's llama3.
+        ConfigError: a non-positive or non-integer size, ``hidden_size`` not divisible by
+            the heads without ``head_dim``, heads not a multiple of the KV heads.
+        TypeError: ``hf_config`` is neither a mapping nor a ``PretrainedConfig``.
     """
+    cfg = _as_mapping(hf_config)
+    head = _head(cfg, source)  # first: an unsupported architecture is named by its class
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise _field_error(source, "model_type",
+        raise _unsupported(source, "model_type",
                            f"{model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    for moe_key in ("num_local_experts", "num_experts"):
-        if cfg.get(moe_key):
-            raise _field_error(source, moe_key, "mixture-of-experts models are not supported")
-    hidden = _int_field(cfg, "hidden_size", source)
-    heads = _int_field(cfg, "num_attention_heads", source)
+    _refuse_unbuildable(cfg, model_type, source)
+    defaults = HF_DEFAULTS[model_type]
+
+    def size(name: str) -> int:
+        return _int_field(cfg[name] if name in cfg else defaults[name], name, source)
+
+    hidden, heads = size("hidden_size"), size("num_attention_heads")
+    kv_heads = cfg["num_key_value_heads"] if "num_key_value_heads" in cfg else defaults["num_key_value_heads"]
+    kv_heads = _int_field(heads if kv_heads is None else kv_heads, "num_key_value_heads", source)
+    if heads % kv_heads:
+        raise _field_error(source, "num_attention_heads",
+                           f"{heads} is not a multiple of num_key_value_heads={kv_heads}")
     if cfg.get("head_dim") is None and hidden % heads:
         raise _field_error(source, "hidden_size", f"{hidden} is not divisible by num_attention_heads={heads} "
                                                   "(set head_dim explicitly)")
-    head_dim = cfg.get("head_dim") or hidden // heads
-    is_qwen2 = model_type == "qwen2"
+    head_dim = _int_field(cfg.get("head_dim") or hidden // heads, "head_dim", source)
+    theta, llama3_factor, linear_factor = _rope(cfg, defaults["rope_theta"], source)
+
+    def number(name: str) -> float:
+        value = cfg.get(name)
+        return _float_field(defaults[name] if value is None else value, name, source)
+
     return ModelSpec(
-        model_type=model_type,
-        num_layers=_int_field(cfg, "num_hidden_layers", source),
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_key_value_heads=_int_field(cfg, "num_key_value_heads", source, default=heads),
-        head_dim=_int_field({"head_dim": head_dim}, "head_dim", source),
-        ffn_hidden_size=_int_field(cfg, "intermediate_size", source),
-        vocab_size=_int_field(cfg, "vocab_size", source),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=is_qwen2 or bool(cfg.get("attention_bias", False)),
-        o_bias=not is_qwen2 and bool(cfg.get("attention_bias", False)),
-        mlp_bias=not is_qwen2 and bool(cfg.get("mlp_bias", False)),
-        source=source,
+        model_type=model_type, num_layers=size("num_hidden_layers"), hidden_size=hidden,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        ffn_hidden_size=size("intermediate_size"), vocab_size=size("vocab_size"),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) and head == "lm_head",
+        qkv_bias=model_type == "qwen2", norm_eps=number("rms_norm_eps"), rope_theta=theta,
+        rope_scaling_factor=llama3_factor, rope_interpolation_factor=linear_factor,
+        max_position_embeddings=size("max_position_embeddings"), attention_dropout=number("attention_dropout"),
+        initializer_range=number("initializer_range"), head=head, source=source,
     )
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
-    """Megatron's padded vocabulary: the next multiple of ``divisible_by * tp``.
+    """Megatron's padded vocabulary: the smallest multiple of ``divisible_by * tp`` that is
+    >= ``vocab_size`` (megatron-core's ``make_vocab_size_divisible_by`` rule).
 
-    Same rule as megatron-core's ``make_vocab_size_divisible_by`` (and
-    ``megaflow.megatron.model.padded_vocab_size``), kept here so that planning needs no
-    torch/megatron import.
+    Raises:
+        ValueError: a non-positive argument.
     """
+    if vocab_size < 1 or tp < 1 or divisible_by < 1:
+        raise ValueError(f"vocab_size, tp and divisible_by must be >= 1, got {vocab_size}, {tp}, {divisible_by}")
     multiple = divisible_by * tp
     return -(-vocab_size // multiple) * multiple
 
@@ -149,8 +329,8 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
 class LayerParameters:
     """Parameters of one transformer layer, split by how TP shards them.
 
-    ``sharded`` is divided by the TP size (QKV/O/MLP weights, column-parallel biases);
-    ``replicated`` is held whole on every TP rank (norms, row-parallel biases).
+    ``sharded`` is divided by the TP size (QKV/O/MLP weights, the q/k/v biases);
+    ``replicated`` is held whole on every TP rank (the two norms).
     """
 
     sharded: int
@@ -165,15 +345,15 @@ def layer_parameters(spec: ModelSpec) -> LayerParameters:
     """Parameters of one decoder layer.
 
     Attention: ``h*(a + 2*g)*d`` for Q, K, V and ``a*d*h`` for O (``a`` heads, ``g`` KV
-    heads, ``d`` head_dim), biases ``(a + 2*g)*d`` (+``h`` for O); SwiGLU MLP
-    ``3*h*f`` (+``2*f + h`` biases); two RMSNorm weights ``2*h``.
+    heads, ``d`` head_dim), q/k/v biases ``(a + 2*g)*d`` (Qwen2); SwiGLU MLP
+    ``3*h*f``; two RMSNorm weights ``2*h`` (no o_proj or MLP biases: :func:`model_spec`
+    refuses them).
     """
     h, d, f = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size
     qkv_out = (spec.num_attention_heads + 2 * spec.num_key_value_heads) * d
     sharded = h * qkv_out + spec.num_attention_heads * d * h + 3 * h * f
     sharded += qkv_out if spec.qkv_bias else 0
-    sharded += 2 * f if spec.mlp_bias else 0
-    replicated = 2 * h + (h if spec.o_bias else 0) + (h if spec.mlp_bias else 0)
+    replicated = 2 * h
     return LayerParameters(sharded=sharded, replicated=replicated)
 
 

@@ -1,7 +1,8 @@
 """Build megatron-core GPT models from Llama/Qwen2-family Hugging Face configs.
 
-:func:`transformer_config_from_hf` maps HF ``config.json`` fields to a megatron-core
-``TransformerConfig`` and refuses features megaflow cannot reproduce exactly;
+:func:`transformer_config_from_hf` maps an HF ``config.json``, read by the one
+architecture reader :func:`megaflow.config.model_spec.model_spec` (which refuses features
+megaflow cannot reproduce exactly), to a megatron-core ``TransformerConfig``;
 :func:`build_gpt_model` builds this rank's TP shard / PP stage of a ``GPTModel`` for a role.
 
 Parameter names of the built model (PP stage-local layer numbers, 0-based):
@@ -24,173 +25,27 @@ Parameter names of the built model (PP stage-local layer numbers, 0-based):
 """
 from __future__ import annotations
 
-import dataclasses
-import math
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
+from megaflow.config.model_spec import SUPPORTED_MODEL_TYPES, ModelSpec, model_spec, padded_vocab_size
 from megaflow.megatron import parallel
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 ROLES = ("actor", "critic", "reward")
-_QKV_BIAS_MODEL_TYPES = ("qwen2",)
-_MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-# megatron-core's RotaryEmbedding._apply_scaling hard-codes these llama3 parameters.
-_MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192}
+#: The architecture reader is megaflow.config.model_spec's (shared with the planner and the
+#: weight mapping); this name stays for the workers' call site.
+read_hf_architecture = model_spec
 
 
-@dataclasses.dataclass(frozen=True)
-class HFArchitecture:
-    """The validated subset of an HF Llama/Qwen2 config that megaflow's models use."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_kv_heads: int
-    head_dim: int
-    norm_eps: float
-    rope_theta: float
-    rope_scaling_factor: Optional[float]  # llama3 scaling (megatron ``rope_scaling``)
-    rope_interpolation_factor: Optional[float]  # linear scaling
-    qkv_bias: bool
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    attention_dropout: float
-    initializer_range: float
-
-
-def _as_dict(hf_config: Any) -> dict:
-    if isinstance(hf_config, Mapping):
-        return dict(hf_config)
-    to_dict = getattr(hf_config, "to_dict", None)
-    if callable(to_dict):
-        return to_dict()
-    raise TypeError(f"hf_config must be a transformers.PretrainedConfig or a dict of "
-                    f"config.json, got {type(hf_config).__name__}")
-
-
-def _require(cfg: dict, key: str) -> Any:
-    if cfg.get(key) is None:
-        raise ValueError(f"HF config field {key!r} is missing (model_type="
-                         f"{cfg.get('model_type')!r})")
-    return cfg[key]
-
-
-def _rope(cfg: dict) -> tuple[float, Optional[float], Optional[float]]:
-    """Return (rope_theta, llama3 factor, linear factor) from v4 or v5 style fields."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if not isinstance(params, Mapping):
-        raise ValueError(f"HF config field 'rope_scaling' must be a dict, got {params!r}")
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return float(theta), None, None
-    if rope_type == "linear":
-        return float(theta), None, float(_require(params, "factor"))
-    if rope_type == "llama3":
-        for key, wanted in _MEGATRON_LLAMA3_ROPE.items():
-            if float(params.get(key, wanted)) != wanted:
-                raise ValueError(
-                    f"HF config field 'rope_scaling.{key}'={params.get(key)!r}: megatron-core "
-                    f"implements llama3 RoPE scaling only with {_MEGATRON_LLAMA3_ROPE}")
-        return float(theta), float(_require(params, "factor")), None
-    raise ValueError(f"HF config field 'rope_scaling.rope_type'={rope_type!r} is not supported "
-                     f"(supported: default, linear, llama3)")
-
-
-def _check_unsupported(cfg: dict, model_type: str) -> None:
-    for key in _MOE_FIELDS:
-        if cfg.get(key):
-            raise ValueError(f"HF config field {key!r}={cfg[key]!r}: mixture-of-experts models "
-                             f"are not supported")
-    if cfg.get("use_sliding_window"):
-        raise ValueError("HF config field 'use_sliding_window'=True: sliding-window attention "
-                         "is not supported")
-    if model_type != "qwen2" and cfg.get("sliding_window") is not None:
-        raise ValueError(f"HF config field 'sliding_window'={cfg['sliding_window']!r}: "
-                         f"sliding-window attention is not supported")
-    layer_types = cfg.get("layer_types")
-    if layer_types and any(t != "full_attention" for t in layer_types):
-        raise ValueError(f"HF config field 'layer_types'={layer_types!r}: only full_attention "
-                         f"layers are supported")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"HF config field 'hidden_act'={cfg['hidden_act']!r}: only 'silu' "
-                         f"(SwiGLU) is supported")
-    if cfg.get("attention_bias"):
-        raise ValueError("HF config field 'attention_bias'=True (bias on q/k/v and o_proj) is "
-                         "not supported")
-    if cfg.get("mlp_bias"):
-        raise ValueError("HF config field 'mlp_bias'=True is not supported")
-
-
-def read_hf_architecture(hf_config: Any) -> HFArchitecture:
-    """Validate a Llama/Qwen2-family HF config and return its :class:`HFArchitecture`.
-
-    Args:
-        hf_config: ``transformers.PretrainedConfig`` or the dict of a ``config.json``.
-
-    Raises:
-        TypeError: ``hf_config`` is neither.
-        ValueError: unknown ``model_type``, a missing field, or an unsupported feature
-            (MoE, sliding window, unknown RoPE scaling, non-SiLU activation, o_proj/MLP
-            bias); the message names the config field.
-    """
-    cfg = _as_dict(hf_config)
-    model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"HF config field 'model_type'={model_type!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    _check_unsupported(cfg, model_type)
-    heads = int(_require(cfg, "num_attention_heads"))
-    hidden = int(_require(cfg, "hidden_size"))
-    theta, llama3_factor, linear_factor = _rope(cfg)
-    return HFArchitecture(
-        model_type=model_type,
-        vocab_size=int(_require(cfg, "vocab_size")),
-        hidden_size=hidden,
-        ffn_hidden_size=int(_require(cfg, "intermediate_size")),
-        num_layers=int(_require(cfg, "num_hidden_layers")),
-        num_attention_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling_factor=llama3_factor,
-        rope_interpolation_factor=linear_factor,
-        qkv_bias=model_type in _QKV_BIAS_MODEL_TYPES,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        attention_dropout=float(cfg.get("attention_dropout", 0.0) or 0.0),
-        initializer_range=float(cfg.get("initializer_range", 0.02)),
-    )
-
-
-def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
-    """Smallest multiple of ``divisible_by * tp`` that is >= ``vocab_size`` (Megatron's rule).
-
-    Raises:
-        ValueError: a non-positive argument.
-    """
-    if vocab_size < 1 or tp < 1 or divisible_by < 1:
-        raise ValueError(f"vocab_size, tp and divisible_by must be >= 1, got "
-                         f"{vocab_size}, {tp}, {divisible_by}")
-    multiple = divisible_by * tp
-    return int(math.ceil(vocab_size / multiple) * multiple)
-
-
-def check_tp_divides_heads(arch: HFArchitecture, tp: int) -> None:
+def check_tp_divides_heads(arch: ModelSpec, tp: int) -> None:
     """Raise ValueError unless ``tp`` divides the attention heads and the KV heads."""
     if arch.num_attention_heads % tp:
         raise ValueError(f"tp={tp} does not divide num_attention_heads="
                          f"{arch.num_attention_heads} (HF field 'num_attention_heads')")
-    if arch.num_kv_heads % tp:
-        raise ValueError(f"tp={tp} does not divide num_key_value_heads={arch.num_kv_heads} "
+    if arch.num_key_value_heads % tp:
+        raise ValueError(f"tp={tp} does not divide num_key_value_heads={arch.num_key_value_heads} "
                          f"(HF field 'num_key_value_heads')")
 
 
@@ -220,17 +75,19 @@ def transformer_config_from_hf(hf_config: Any, *, dtype: torch.dtype = torch.flo
             (default 1 here; :func:`build_gpt_model` fills in the live parallel sizes).
 
     Raises:
-        ValueError: unsupported config features (see :func:`read_hf_architecture`), tp not
-            dividing heads/KV heads, or num_layers not divisible by pp.
+        ValueError: unsupported config features
+            (:class:`~megaflow.config.model_spec.UnsupportedModelError`, see
+            :func:`~megaflow.config.model_spec.model_spec`), tp not dividing heads/KV
+            heads, or num_layers not divisible by pp.
     """
     from megatron.core.transformer import TransformerConfig
 
-    arch = read_hf_architecture(hf_config)
+    arch = model_spec(hf_config)
     on_cpu = not torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size, num_attention_heads=arch.num_attention_heads,
-        num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim,
+        num_query_groups=arch.num_key_value_heads, kv_channels=arch.head_dim,
         normalization="RMSNorm", layernorm_epsilon=arch.norm_eps,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias, attention_dropout=arch.attention_dropout,
@@ -320,7 +177,7 @@ def build_gpt_model(hf_config: Any, *, role: str = "actor", dtype: torch.dtype =
     if info.cp_size > 1:
         raise NotImplementedError("context parallelism (cp > 1) is not supported by "
                                   "megaflow's models yet")
-    arch = read_hf_architecture(hf_config)
+    arch = model_spec(hf_config)
     config = transformer_config_from_hf(
         hf_config, dtype=dtype, tensor_model_parallel_size=info.tp_size,
         pipeline_model_parallel_size=info.pp_size, **config_overrides)
@@ -352,6 +209,6 @@ def build_gpt_model(hf_config: Any, *, role: str = "actor", dtype: torch.dtype =
     return model
 
 
-__all__ = ["HFArchitecture", "ScalarHead", "build_gpt_model", "check_tp_divides_heads",
+__all__ = ["ScalarHead", "build_gpt_model", "check_tp_divides_heads",
            "padded_vocab_size", "read_hf_architecture", "transformer_config_from_hf",
            "SUPPORTED_MODEL_TYPES", "ROLES"]

@@ -8,7 +8,9 @@ Engine spec fuses them into ``linear_qkv.layer_norm_weight`` / ``linear_fc1.laye
 its HF source tensors, the named transform that joins them and the tensor-parallel
 partition dimension. :func:`hf_to_megatron_shard` and :func:`megatron_shards_to_hf` apply a
 row in either direction for one TP rank / all TP ranks; they are pure and used by the
-weight loader, the exporter, the conversion tools and the HybridEngine.
+weight loader, the exporter, the conversion tools and the HybridEngine. The architecture
+they take (:class:`ModelSpec`, :data:`SUPPORTED_ARCHITECTURES`, :class:`UnsupportedModelError`)
+is megaflow's one HF-config reader, :mod:`megaflow.config.model_spec`, re-exported here.
 
 ``{layer}`` in a name is the *global* layer index on the HF side and the *local* index of
 the pipeline stage (or virtual chunk) on the Megatron side; callers pass both.
@@ -17,90 +19,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Sequence
 
 import torch
 
 import megaflow.models.transforms as T
+from megaflow.config.model_spec import SUPPORTED_ARCHITECTURES, ModelSpec, UnsupportedModelError
 
-# HF architecture -> (model_type, head): ``lm_head`` for causal LMs, ``score`` for
-# sequence-classification models (critic / reward model: megaflow's ScalarHead).
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": ("llama", "lm_head"), "Qwen2ForCausalLM": ("qwen2", "lm_head"),
-    "LlamaForSequenceClassification": ("llama", "score"),
-    "Qwen2ForSequenceClassification": ("qwen2", "score"),
-}
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 SCORE = "score.weight"
-
-
-class UnsupportedModelError(ValueError):
-    """The HF config describes an architecture megaflow cannot represent."""
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The shape facts of an HF checkpoint that the mapping needs.
-
-    ``head`` is ``"lm_head"`` (causal LM; absent from the checkpoint when
-    ``tie_word_embeddings``) or ``"score"`` (``[num_labels=1, hidden]`` value/reward head).
-    """
-
-    model_type: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn_hidden_size: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    head: str = "lm_head"
-
-    @classmethod
-    def from_hf_config(cls, hf_config: Any) -> "ModelSpec":
-        """Validate ``hf_config`` (a ``PretrainedConfig`` or its dict) and extract the spec.
-
-        Feature validation (MoE, sliding window, RoPE scaling, activation, o_proj/MLP
-        bias) is :func:`megaflow.megatron.model.read_hf_architecture`'s; this adds the
-        ``architectures`` check.
-
-        Raises:
-            UnsupportedModelError: an architecture other than Llama/Qwen2 causal LM or
-                sequence classification (the field and value are named).
-            ValueError: an unsupported config feature, naming the config field.
-        """
-        from megaflow.megatron.model import read_hf_architecture
-
-        cfg = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
-        archs = list(cfg.get("architectures") or [])
-        heads = set()
-        for arch_name in archs:
-            model_type, head = SUPPORTED_ARCHITECTURES.get(arch_name, (None, None))
-            if model_type is None or model_type != cfg.get("model_type"):
-                raise UnsupportedModelError(
-                    f"HF config field 'architectures'={archs!r} (model_type="
-                    f"{cfg.get('model_type')!r}) is not supported; supported: "
-                    f"{sorted(SUPPORTED_ARCHITECTURES)}")
-            heads.add(head)
-        if len(heads) > 1:
-            raise UnsupportedModelError(f"HF config field 'architectures'={archs!r} mixes heads")
-        if "score" in heads and cfg.get("num_labels", 1) != 1:
-            raise UnsupportedModelError(f"HF config field 'num_labels'={cfg['num_labels']!r}: a "
-                                        "value/reward head has exactly one output")
-        arch = read_hf_architecture(cfg)
-        if arch.num_attention_heads % arch.num_kv_heads:
-            raise UnsupportedModelError(
-                f"HF config field 'num_attention_heads'={arch.num_attention_heads} is not a "
-                f"multiple of 'num_key_value_heads'={arch.num_kv_heads}")
-        return cls(model_type=arch.model_type, num_layers=arch.num_layers,
-                   hidden_size=arch.hidden_size, num_heads=arch.num_attention_heads,
-                   num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
-                   ffn_hidden_size=arch.ffn_hidden_size, vocab_size=arch.vocab_size,
-                   tie_word_embeddings=arch.tie_word_embeddings and "score" not in heads,
-                   qkv_bias=arch.qkv_bias, head=heads.pop() if heads else "lm_head")
 
 
 @dataclass(frozen=True)
@@ -225,13 +153,13 @@ def hf_shape(name: str, spec: ModelSpec) -> tuple[int, ...]:
         EMBED: (spec.vocab_size, h), LM_HEAD: (spec.vocab_size, h), SCORE: (1, h),
         "model.norm.weight": (h,),
         "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (spec.num_heads * d, h),
-        "self_attn.k_proj.weight": (spec.num_kv_heads * d, h),
-        "self_attn.v_proj.weight": (spec.num_kv_heads * d, h),
-        "self_attn.q_proj.bias": (spec.num_heads * d,),
-        "self_attn.k_proj.bias": (spec.num_kv_heads * d,),
-        "self_attn.v_proj.bias": (spec.num_kv_heads * d,),
-        "self_attn.o_proj.weight": (h, spec.num_heads * d),
+        "self_attn.q_proj.weight": (spec.num_attention_heads * d, h),
+        "self_attn.k_proj.weight": (spec.num_key_value_heads * d, h),
+        "self_attn.v_proj.weight": (spec.num_key_value_heads * d, h),
+        "self_attn.q_proj.bias": (spec.num_attention_heads * d,),
+        "self_attn.k_proj.bias": (spec.num_key_value_heads * d,),
+        "self_attn.v_proj.bias": (spec.num_key_value_heads * d,),
+        "self_attn.o_proj.weight": (h, spec.num_attention_heads * d),
         "mlp.gate_proj.weight": (spec.ffn_hidden_size, h),
         "mlp.up_proj.weight": (spec.ffn_hidden_size, h),
         "mlp.down_proj.weight": (h, spec.ffn_hidden_size),
@@ -265,15 +193,15 @@ def hf_to_megatron_shard(row: ParamMapping, hf_tensors: Sequence[torch.Tensor],
     tp, rank = layout.tp_size, layout.tp_rank
     if row.transform == "qkv":
         q, k, v = hf_tensors
-        num_kv = spec.num_kv_heads * layout.kv_replication
-        if spec.num_heads % tp or num_kv % tp:
-            raise ValueError(f"tp={tp} does not divide num_attention_heads={spec.num_heads} and "
-                             f"num_key_value_heads={spec.num_kv_heads} x kv_replication="
+        num_kv = spec.num_key_value_heads * layout.kv_replication
+        if spec.num_attention_heads % tp or num_kv % tp:
+            raise ValueError(f"tp={tp} does not divide num_attention_heads={spec.num_attention_heads} and "
+                             f"num_key_value_heads={spec.num_key_value_heads} x kv_replication="
                              f"{layout.kv_replication} (see transforms.kv_replication_factor)")
-        k, v = (T.replicate_kv_heads(t, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+        k, v = (T.replicate_kv_heads(t, num_kv_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
                                      factor=layout.kv_replication) for t in (k, v))
         q, k, v = (T.shard_tp(t, 0, tp, rank) for t in (q, k, v))
-        return T.fuse_qkv(q, k, v, num_heads=spec.num_heads // tp, num_kv_heads=num_kv // tp,
+        return T.fuse_qkv(q, k, v, num_heads=spec.num_attention_heads // tp, num_kv_heads=num_kv // tp,
                           head_dim=spec.head_dim)
     if row.transform == "gate_up":
         gate, up = (T.shard_tp(t, 0, tp, rank) for t in hf_tensors)
@@ -296,11 +224,11 @@ def megatron_shards_to_hf(row: ParamMapping, shards: Sequence[torch.Tensor], spe
     """
     tp = len(shards)
     if row.transform == "qkv":
-        num_kv = spec.num_kv_heads * kv_replication
-        parts = [T.split_qkv(s, num_heads=spec.num_heads // tp, num_kv_heads=num_kv // tp,
+        num_kv = spec.num_key_value_heads * kv_replication
+        parts = [T.split_qkv(s, num_heads=spec.num_attention_heads // tp, num_kv_heads=num_kv // tp,
                              head_dim=spec.head_dim) for s in shards]
         q, k, v = (T.gather_tp([p[i] for p in parts], 0) for i in range(3))
-        k, v = (T.deduplicate_kv_heads(t, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+        k, v = (T.deduplicate_kv_heads(t, num_kv_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
                                        factor=kv_replication) for t in (k, v))
         return [q, k, v]
     if row.transform == "gate_up":

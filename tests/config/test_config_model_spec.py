@@ -8,7 +8,6 @@ BASE = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "num
 CASES = {
     "llama-untied": {"model_type": "llama", **BASE},
     "llama-tied": {"model_type": "llama", **BASE, "tie_word_embeddings": True},
-    "llama-biases": {"model_type": "llama", **BASE, "attention_bias": True, "mlp_bias": True},
     "llama-head_dim": {"model_type": "llama", **BASE, "head_dim": 32},
     "llama-mha": {"model_type": "llama", **dict(BASE, num_key_value_heads=4)},
     "qwen2": {"model_type": "qwen2", **BASE},

@@ -50,7 +50,7 @@ def test_world_size_must_be_tp_pp_cp_dp_exactly(tiny):
 def test_reward_model_architecture_is_its_own(tiny):
     rm = {"enabled": True, "tp": 2, "hf_config": {"model_type": "qwen2", "hidden_size": 96, "intermediate_size": 64,
                                                    "num_hidden_layers": 2, "num_attention_heads": 3,
-                                                   "vocab_size": 32}}
+                                                   "num_key_value_heads": 3, "vocab_size": 32}}
     with pytest.raises(ConfigError, match=r"^reward_model\.tp: .*num_attention_heads=3 \(reward_model\.hf_config\)"):
         config_from_dict(tiny(reward_model=rm))
 

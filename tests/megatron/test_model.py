@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megaflow.config.model_spec import model_spec
 from megaflow.megatron import model as M
 from megaflow.utils.launch import run_distributed
 from megatron_testlib import (VOCAB, hf_causal_lm, hf_to_megatron_shard, load_shard,
@@ -27,7 +28,7 @@ def test_llama_config_maps_gqa_swiglu_rmsnorm():
 
 def test_qwen2_from_config_json_dict_has_qkv_bias_and_tied_embeddings():
     cfg = tiny_qwen2_config().to_dict()
-    arch = M.read_hf_architecture(cfg)
+    arch = model_spec(cfg)
     assert arch.qkv_bias and arch.tie_word_embeddings
     assert M.transformer_config_from_hf(cfg, dtype=torch.bfloat16).add_qkv_bias
     assert M.transformer_config_from_hf(cfg, dtype=torch.bfloat16).bf16
@@ -39,12 +40,12 @@ def test_rope_base_and_scaling():
               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     v4.pop("rope_parameters")
-    arch = M.read_hf_architecture(v4)
+    arch = model_spec(v4)
     assert (arch.rope_theta, arch.rope_scaling_factor) == (500000.0, 8.0)
     linear = dict(tiny_llama_config().to_dict(),
                   rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
-    assert M.read_hf_architecture(linear).rope_interpolation_factor == 2.0
-    assert M.read_hf_architecture(tiny_llama_config(rope_theta=12345.0)).rope_theta == 12345.0
+    assert model_spec(linear).rope_interpolation_factor == 2.0
+    assert model_spec(tiny_llama_config(rope_theta=12345.0)).rope_theta == 12345.0
 
 
 @pytest.mark.parametrize("change, field", [
@@ -55,9 +56,9 @@ def test_rope_base_and_scaling():
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(attention_bias=True), "attention_bias"),
     (dict(mlp_bias=True), "mlp_bias"),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope_scaling.rope_type"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope_parameters.rope_type"),
     (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
-                           "rope_theta": 1e4}), "rope_scaling.low_freq_factor"),
+                           "rope_theta": 1e4}), "rope_parameters.low_freq_factor"),
 ])
 def test_unsupported_features_name_the_field(change, field):
     cfg = dict(tiny_llama_config().to_dict(), **change)
@@ -67,11 +68,10 @@ def test_unsupported_features_name_the_field(change, field):
 
 def test_bad_types_and_missing_fields():
     with pytest.raises(TypeError, match="PretrainedConfig"):
-        M.read_hf_architecture(["not", "a", "config"])
-    cfg = tiny_llama_config().to_dict()
-    del cfg["hidden_size"]
-    with pytest.raises(ValueError, match="'hidden_size' is missing"):
-        M.read_hf_architecture(cfg)
+        model_spec(["not", "a", "config"])
+    cfg = dict(tiny_llama_config().to_dict(), hidden_size=None)
+    with pytest.raises(ValueError, match=r"^hf_config\.hidden_size: missing"):
+        model_spec(cfg)
 
 
 def test_tp_must_divide_heads_and_kv_heads():

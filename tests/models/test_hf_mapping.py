@@ -12,6 +12,13 @@ from megaflow.models.hf_mapping import (PARAM_MAPPINGS, ModelSpec, ShardLayout,
                                         megatron_shards_to_hf)
 
 
+def _spec(model_type, layers, hidden, heads, kv_heads, head_dim, ffn, vocab):
+    """A spec read from an HF config dict (untied, causal LM)."""
+    return ModelSpec.from_hf_config({
+        "model_type": model_type, "num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "intermediate_size": ffn, "vocab_size": vocab})
+
+
 def _labelled(num_heads: int, head_dim: int, tag: float, hidden: int = 3) -> torch.Tensor:
     """Rows of head j are all ``tag + j`` (so a layout can be read off the row values)."""
     heads = torch.arange(num_heads, dtype=torch.float32) + tag
@@ -45,7 +52,7 @@ def test_megatron_shard_to_vllm_layout_written_by_hand():
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_qkv_split_fuse_shard_gather_unfuse_is_bit_exact(num_heads, num_kv_heads, tp, with_bias):
     head_dim, hidden = 4, 16
-    spec = ModelSpec("qwen2", 1, hidden, num_heads, num_kv_heads, head_dim, 8, 10, False, True)
+    spec = _spec("qwen2", 1, hidden, num_heads, num_kv_heads, head_dim, 8, 10)
     g = torch.Generator().manual_seed(tp * 100 + num_kv_heads)
     tail = () if with_bias else (hidden,)
     q = torch.randn(num_heads * head_dim, *tail, generator=g)
@@ -70,7 +77,7 @@ def test_qkv_split_fuse_shard_gather_unfuse_is_bit_exact(num_heads, num_kv_heads
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_gate_up_split_fuse_shard_gather_unfuse_is_bit_exact(tp):
-    spec = ModelSpec("llama", 1, 16, 4, 4, 4, 24, 10, False, False)
+    spec = _spec("llama", 1, 16, 4, 4, 4, 24, 10)
     g = torch.Generator().manual_seed(tp)
     gate, up = torch.randn(24, 16, generator=g), torch.randn(24, 16, generator=g)
     row = next(r for r in PARAM_MAPPINGS if r.transform == "gate_up")
@@ -85,9 +92,9 @@ def test_gate_up_split_fuse_shard_gather_unfuse_is_bit_exact(tp):
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_every_row_round_trips_with_vocab_padding(tp):
-    spec = ModelSpec("qwen2", 2, 16, 4, 2, 4, 24, 10, False, True)
+    spec = _spec("qwen2", 2, 16, 4, 2, 4, 24, 10)
     padded = 16 * tp  # rows 10..padded-1 are padding
-    rep = T.kv_replication_factor(spec.num_kv_heads, spec.num_heads, tp)
+    rep = T.kv_replication_factor(spec.num_key_value_heads, spec.num_attention_heads, tp)
     g = torch.Generator().manual_seed(tp)
     for row, layer in hf_order(spec):
         names = hf_names(row, spec, layer)
@@ -158,8 +165,8 @@ def test_megatron_names_of_local_and_transformer_engine_specs_resolve():
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("architectures", ["MistralForCausalLM"], "'architectures'"),
-    ("model_type", "gpt2", "model_type='gpt2'"),
+    ("architectures", ["MistralForCausalLM"], r"^hf_config\.architectures: \['MistralForCausalLM'\]"),
+    ("model_type", "gpt2", r"^hf_config\.architectures: .*\(model_type='gpt2'\) is not supported"),
     ("num_local_experts", 8, "num_local_experts"),
     ("use_sliding_window", True, "use_sliding_window"),
     ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}, "rope_type"),

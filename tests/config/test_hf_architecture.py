@@ -1,0 +1,166 @@
+"""One HF-architecture reader: the planner, the model builder and the weight mapping read the
+same facts from a config, ``transformers`` (its config classes and a meta-device model) is
+the independent reference, and every feature megaflow cannot build is refused by all three
+with the field named."""
+import json
+
+import pytest
+import yaml
+
+from megaflow.config import ConfigError, config_from_dict, role_model_spec
+from megaflow.config.loader import RECIPES_DIR
+from megaflow.config.model_spec import HF_DEFAULTS, UnsupportedModelError, count_parameters, model_spec
+from megaflow.megatron.model import transformer_config_from_hf
+from megaflow.models.hf_mapping import ModelSpec, expected_hf_keys, hf_shape
+
+SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "vocab_size": 100}
+
+
+def _recipe_hf_config(name):
+    return yaml.safe_load((RECIPES_DIR / f"{name}.yaml").read_text())["model"]["hf_config"]
+
+
+CONFIGS = {
+    "llama-gqa-untied": {"model_type": "llama", **SMALL, "num_key_value_heads": 2},
+    "llama-mha-tied": {"model_type": "llama", **SMALL, "num_key_value_heads": 4, "tie_word_embeddings": True},
+    "llama-head_dim": {"model_type": "llama", **SMALL, "num_key_value_heads": 2, "head_dim": 32},
+    "llama-kv-null": {"model_type": "llama", **SMALL, "num_key_value_heads": None, "rms_norm_eps": 1e-5},
+    "llama-defaults": {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+                       "vocab_size": 100},  # intermediate_size, KV heads, eps, RoPE: transformers' defaults
+    "qwen2-bias-untied": {"model_type": "qwen2", **SMALL, "num_key_value_heads": 2,
+                          "architectures": ["Qwen2ForCausalLM"]},
+    "qwen2-bias-tied": {"model_type": "qwen2", **SMALL, "num_key_value_heads": 1, "tie_word_embeddings": True},
+    "qwen2-kv-default": {"model_type": "qwen2", **dict(SMALL, num_attention_heads=32), "rope_theta": 1e6},
+    "smollm2": _recipe_hf_config("smollm2_gsm8k_grpo"),
+}
+
+
+def _hf_reference(cfg):
+    """``(PretrainedConfig, {name: shape} of the meta-device causal LM as saved)``."""
+    import torch
+    import transformers
+
+    cfg = dict(cfg)
+    config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()
+              if not (config.tie_word_embeddings and k == "lm_head.weight")}  # save_pretrained drops it
+    return config, shapes, sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_planner_builder_and_mapping_agree_with_transformers(name, tiny):
+    cfg = CONFIGS[name]
+    ref, ref_shapes, ref_params = _hf_reference(cfg)
+    ref_head_dim = getattr(ref, "head_dim", None) or ref.hidden_size // ref.num_attention_heads
+    planner = role_model_spec(config_from_dict(tiny(model={"hf_config": cfg})), "actor")
+    mapping = ModelSpec.from_hf_config(cfg)
+    builder = transformer_config_from_hf(cfg)
+
+    # planner and mapping: the same reader, the same facts
+    assert planner.source == "model.hf_config"
+    assert {**vars(planner), "source": None} == {**vars(mapping), "source": None}
+    # derived values against transformers' own config classes
+    assert (planner.num_key_value_heads, planner.head_dim) == (ref.num_key_value_heads, ref_head_dim)
+    assert (planner.ffn_hidden_size, planner.num_layers) == (ref.intermediate_size, ref.num_hidden_layers)
+    assert (planner.vocab_size, planner.tie_word_embeddings) == (ref.vocab_size, ref.tie_word_embeddings)
+    assert planner.norm_eps == ref.rms_norm_eps and planner.rope_theta == ref.rope_parameters["rope_theta"]
+    assert planner.max_position_embeddings == ref.max_position_embeddings
+    # the builder's TransformerConfig against the same reference
+    assert (builder.num_layers, builder.hidden_size, builder.ffn_hidden_size) == (
+        ref.num_hidden_layers, ref.hidden_size, ref.intermediate_size)
+    assert (builder.num_attention_heads, builder.num_query_groups, builder.kv_channels) == (
+        ref.num_attention_heads, ref.num_key_value_heads, ref_head_dim)
+    assert builder.add_qkv_bias == ("model.layers.0.self_attn.q_proj.bias" in ref_shapes)
+    assert builder.layernorm_epsilon == ref.rms_norm_eps
+    # the mapping's tensor names and shapes, and the planner's parameter count, against the model
+    assert sorted(expected_hf_keys(mapping)) == sorted(ref_shapes)
+    assert all(hf_shape(k, mapping) == shape for k, shape in ref_shapes.items())
+    assert count_parameters(planner) == ref_params
+
+
+def test_defaults_table_equals_transformers_config_classes():
+    from transformers import LlamaConfig, Qwen2Config
+
+    for model_type, cls in (("llama", LlamaConfig), ("qwen2", Qwen2Config)):
+        ref = cls()
+        for field, value in HF_DEFAULTS[model_type].items():
+            if field == "rope_theta":
+                assert ref.rope_parameters["rope_theta"] == value
+            elif field == "num_key_value_heads" and value is None:  # None: one KV head per attention head
+                assert cls(num_attention_heads=8).num_key_value_heads == 8
+            else:
+                assert getattr(ref, field) == value, (model_type, field)
+
+
+UNBUILDABLE = [
+    ("model_type", "mistral"),
+    ("architectures", ["MistralForCausalLM"]),
+    ("num_local_experts", 8),
+    ("num_experts", 4),
+    ("use_sliding_window", True),
+    ("sliding_window", 128),
+    ("layer_types", ["full_attention", "sliding_attention"]),
+    ("hidden_act", "gelu"),
+    ("attention_bias", True),
+    ("mlp_bias", True),
+    ("quantization_config", {"quant_method": "gptq"}),
+    ("partial_rotary_factor", 0.5),
+    ("rope_scaling.rope_type", {"rope_type": "yarn", "factor": 4.0}),
+    ("rope_scaling.rope_type", {"rope_type": "dynamic", "factor": 2.0}),
+    ("rope_scaling.low_freq_factor", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0}),
+]
+
+
+@pytest.mark.parametrize("field, value", UNBUILDABLE, ids=[f"{f}={v}" for f, v in UNBUILDABLE])
+def test_every_consumer_refuses_an_unbuildable_field(field, value, tiny):
+    cfg = {"model_type": "llama", **SMALL, "num_key_value_heads": 2}
+    top = field.split(".")[0]
+    cfg[top] = value
+    with pytest.raises(ConfigError) as planner:
+        config_from_dict(tiny(model={"hf_config": cfg}))
+    assert planner.value.key == f"model.hf_config.{field}"
+    with pytest.raises(UnsupportedModelError) as mapping:
+        ModelSpec.from_hf_config(cfg)
+    assert mapping.value.key == f"hf_config.{field}"
+    with pytest.raises(ValueError, match=f"hf_config.{field}".replace(".", r"\.")):
+        transformer_config_from_hf(cfg)
+
+
+def test_a_checkpoint_config_json_is_refused_at_load_naming_file_and_field(tmp_path, tiny):
+    cfg = {"model_type": "llama", **SMALL, "architectures": ["LlamaForCausalLM"], "sliding_window": 4096}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    tree = tiny(model={"path": str(tmp_path), "hf_config": None})
+    with pytest.raises(UnsupportedModelError) as err:
+        config_from_dict(tree)
+    assert err.value.key == "model.path"
+    assert str(err.value).startswith("model.path: config.json field 'sliding_window': 4096: sliding-window")
+
+
+def test_qwen2_ignores_sliding_window_without_use_sliding_window():
+    # Qwen2.5 checkpoints ship sliding_window with use_sliding_window false: full attention.
+    cfg = {"model_type": "qwen2", **SMALL, "num_key_value_heads": 2, "sliding_window": 131072,
+           "use_sliding_window": False}
+    assert model_spec(cfg).qkv_bias and transformer_config_from_hf(cfg).add_qkv_bias
+    with pytest.raises(UnsupportedModelError, match="use_sliding_window"):
+        model_spec(dict(cfg, use_sliding_window=True))
+
+
+@pytest.mark.parametrize("params, expected", [
+    ({"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}, (1e4, None, 2.0)),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192, "rope_theta": 5e5}, (5e5, 8.0, None)),
+    ({"rope_type": "default", "rope_theta": 1234.0}, (1234.0, None, None)),
+])
+def test_rope_parameters_map_to_megatron_arguments(params, expected):
+    for style in ("rope_parameters", "rope_scaling"):  # transformers 5 and 4 spellings
+        cfg = {"model_type": "llama", **SMALL}
+        if style == "rope_scaling":
+            cfg["rope_theta"] = params["rope_theta"]
+            cfg[style] = {k: v for k, v in params.items() if k != "rope_theta"}
+        else:
+            cfg[style] = params
+        spec = model_spec(cfg)
+        assert (spec.rope_theta, spec.rope_scaling_factor, spec.rope_interpolation_factor) == expected
