@@ -49,7 +49,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
-from tensordict import NonTensorStack, TensorDict
+from tensordict import TensorDict
 
 STANDARD_FIELDS: dict[str, str] = {
     "input_ids": "[B, S] int64: prompt then response tokens",
@@ -153,35 +153,6 @@ class DataProto:
                 raise ValueError(f"tensor fields disagree on the batch size: {sizes}")
             batch = TensorDict(tensors, batch_size=[next(iter(sizes.values()))])
         return cls(batch=batch, non_tensor_batch=dict(non_tensors or {}), meta_info=dict(meta_info or {}))
-
-    @classmethod
-    def from_single_dict(cls, data: dict[str, Any], meta_info: dict[str, Any] | None = None) -> "DataProto":
-        """Build from one dict: tensors go to ``batch``, everything else to ``non_tensor_batch``."""
-        tensors = {k: v for k, v in data.items() if isinstance(v, torch.Tensor)}
-        others = {k: v for k, v in data.items() if not isinstance(v, torch.Tensor)}
-        return cls.from_dict(tensors, others, meta_info)
-
-    @classmethod
-    def from_tensordict(cls, td: TensorDict, meta_info: dict[str, Any] | None = None) -> "DataProto":
-        """Inverse of :meth:`to_tensordict`: ``NonTensorStack`` entries become non-tensor fields."""
-        non_tensor_keys = [k for k in td.keys() if isinstance(td.get(k), NonTensorStack)]
-        non_tensors = {k: td.get(k).tolist() for k in non_tensor_keys}
-        batch = td.exclude(*non_tensor_keys) if non_tensor_keys else td
-        if len(batch.keys()) == 0:
-            batch = None
-        if batch is None and not non_tensors:
-            return cls(meta_info=dict(meta_info or {}))
-        return cls(batch=batch, non_tensor_batch=non_tensors, meta_info=dict(meta_info or {}))
-
-    def to_tensordict(self) -> TensorDict:
-        """A plain TensorDict with the tensor fields and the non-tensor fields as ``NonTensorStack``.
-
-        ``meta_info`` is not part of the TensorDict; pass it to :meth:`from_tensordict`.
-        """
-        td = self.batch.clone(recurse=False) if self.batch is not None else TensorDict({}, batch_size=[len(self)])
-        for k, v in self.non_tensor_batch.items():
-            td[k] = NonTensorStack.from_list(list(v))
-        return td
 
     # ------------------------------------------------------------------ basic access
     def __len__(self) -> int:
@@ -437,15 +408,4 @@ class DataProto:
                 f"non_tensors={list(self.non_tensor_batch)}, meta_info={list(self.meta_info)})")
 
 
-def pad_dataproto_to_divisor(data: DataProto, divisor: int) -> tuple[DataProto, int]:
-    """Function form of :meth:`DataProto.pad_to_divisor`."""
-    return data.pad_to_divisor(divisor)
-
-
-def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
-    """Function form of :meth:`DataProto.unpad`."""
-    return data.unpad(pad_size)
-
-
-__all__ = ["DataProto", "STANDARD_FIELDS", "LOSS_WEIGHT_KEYS", "pad_dataproto_to_divisor",
-           "unpad_dataproto"]
+__all__ = ["DataProto", "STANDARD_FIELDS", "LOSS_WEIGHT_KEYS"]

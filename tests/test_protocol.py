@@ -1,10 +1,8 @@
 """DataProto: construction, indexing, union, chunk/concat, repeat, padding and transfer."""
 import pickle
 
-import numpy as np
 import pytest
 import torch
-from tensordict import TensorDict
 
 from megaflow.protocol import LOSS_WEIGHT_KEYS, STANDARD_FIELDS, DataProto
 
@@ -134,16 +132,6 @@ def test_pad_unpad_round_trip(n, k):
     back = padded.unpad(pad)
     assert torch.equal(back.batch["input_ids"], d.batch["input_ids"])
     assert back.non_tensor_batch["uid"].tolist() == d.non_tensor_batch["uid"].tolist()
-
-
-def test_tensordict_round_trip():
-    d = make()
-    td = d.to_tensordict()
-    assert isinstance(td, TensorDict) and td.batch_size == torch.Size([6])
-    back = DataProto.from_tensordict(td, meta_info=d.meta_info)
-    assert torch.equal(back.batch["input_ids"], d.batch["input_ids"])
-    assert back.non_tensor_batch["ground_truth"].tolist() == d.non_tensor_batch["ground_truth"].tolist()
-    assert back.meta_info == d.meta_info
 
 
 def test_pickle_moves_tensors_out_of_band_and_keeps_dtypes():

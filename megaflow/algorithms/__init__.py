@@ -2,8 +2,8 @@
 
 Every function here is a pure torch function on ``[batch, response_len]`` tensors: no
 ``torch.distributed``, no global state. Anything that depends on how a mini-batch was
-split over DP ranks and micro-batches enters as an argument (global denominators from
-:func:`count_global_denominators`, all-reduced by the caller), so results are
+split over DP ranks and micro-batches enters as an argument (global denominators: valid
+tokens and sequences, all-reduced over DP by the caller), so results are
 split-invariant.
 """
 from megaflow.algorithms.advantages import (
@@ -14,7 +14,7 @@ from megaflow.algorithms.advantages import (
     discounted_returns,
     masked_gae,
 )
-from megaflow.algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss, count_global_denominators
+from megaflow.algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss
 from megaflow.algorithms.grouping import GroupStats, group_index, group_stats
 from megaflow.algorithms.kl import (
     KL_CONTROLLERS,
@@ -62,7 +62,6 @@ __all__ = [
     "masked_gae",
     "LOSS_AGG_MODES",
     "aggregate_loss",
-    "count_global_denominators",
     "GroupStats",
     "group_index",
     "group_stats",

@@ -41,13 +41,3 @@ def check_choice(kind: str, value: str, choices: Iterable[str]) -> str:
         raise ValueError(f"unknown {kind} {value!r}; valid choices: {', '.join(choices)}")
     return value
 
-
-def check_nonnegative(name: str, value: float | None) -> None:
-    """Raise ValueError when a numeric hyper-parameter is negative (None is allowed)."""
-    if value is not None and not value >= 0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
-
-
-def as_float_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Return ``mask`` (bool/int/float, 1 = valid) as a 0/1 tensor of ``like``'s dtype and device."""
-    return mask.to(device=like.device, dtype=like.dtype if like.is_floating_point() else torch.float32)

@@ -8,7 +8,8 @@ the *whole* mini-batch (global denominators, across DP ranks and micro-batches):
 
 holds exactly (up to float rounding) for every mode, and so do the gradients.
 
-Denominators (what the trainer must all-reduce, see :func:`count_global_denominators`):
+Denominators (what the engine all-reduces over DP,
+:meth:`megaflow.megatron.engine.MegatronEngine.global_denominators`):
 
 * ``num_tokens``: the number of valid tokens (mask non-zero).
 * ``num_seqs``: the number of sequences with **at least one** valid token. Fully masked
@@ -54,25 +55,6 @@ LOSS_AGG_MODES: tuple[str, ...] = (
 )
 
 Count = int | float | torch.Tensor
-
-
-def count_global_denominators(response_mask: torch.Tensor) -> torch.Tensor:
-    """Local denominator counts of one micro-batch, ready to be all-reduced (SUM).
-
-    Args:
-        response_mask: ``[batch, response_len]``, non-zero = valid token.
-
-    Returns:
-        ``torch.int64`` tensor ``[2]`` on the mask's device: ``(num_tokens, num_seqs)``,
-        where ``num_seqs`` counts rows with at least one valid token. Sum it over all
-        micro-batches of the mini-batch and all-reduce it over the DP group, then pass
-        ``global_num_tokens=counts[0]`` and ``global_num_seqs=counts[1]`` to the losses.
-    """
-    check_tensor("response_mask", response_mask, ndim=2)
-    valid = response_mask != 0
-    num_tokens = valid.sum()
-    num_seqs = valid.any(dim=-1).sum()
-    return torch.stack([num_tokens, num_seqs]).to(torch.int64)
 
 
 def _denominator(name: str, value: Count | None, local: torch.Tensor) -> torch.Tensor:

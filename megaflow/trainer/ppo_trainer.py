@@ -5,11 +5,17 @@
     prompts -> repeat n -> rollout -> reward -> old log-probs -> ref log-probs -> values
             -> KL (in reward or not) -> advantages -> critic update -> actor update
 
-Weights never pass through the controller: the actor group's next ``generate_sequences``
-reshards the updated training weights into the rollout engine (the 3D-HybridEngine).
-Variants are table lookups (``KL_STAGES``), not branches in the step. What the controller
-needs from its worker groups is the small :class:`WorkerGroups` interface, so the loop is
-tested with fake workers as well as with real Megatron/vLLM groups.
+Weights never pass through the controller: the step's first call,
+``sync_rollout_weights``, reshards the actor's training weights into the rollout engines
+(the 3D-HybridEngine). Optional stages (ReMax's greedy baseline, batch balancing, the
+old-log-prob forward or its bypass, reference, critic) are ``if`` branches on the config
+and on which groups exist; KL in the reward or not is the lookup ``KL_STAGES``.
+
+Each group is typed with its protocol (:mod:`megaflow.trainer.worker_api`), whose methods
+name the worker method that runs and the batch fields it reads; every call sends only
+those fields (:func:`~megaflow.trainer.worker_api.inputs_for`). Anything with the
+protocols' methods can stand in for a group, so the loop is tested with fake workers as
+well as with real Megatron/vLLM groups.
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -28,28 +34,32 @@ import torch
 from megaflow.protocol import DataProto
 from megaflow.trainer.checkpoint import (TRAINER_STATE_FILE, CheckpointManager, read_trainer_state,
                                          write_trainer_state)
-from megaflow.trainer.stages import (balance_batch, bypass_old_log_probs, compute_advantage, compute_data_metrics,
-                                     kl_in_reward, rollout_correction, scores_as_rewards)
+from megaflow.trainer.stages import (add_advantages, balance_batch, bypass_old_log_probs, check_rollout_batch,
+                                     compute_data_metrics, kl_in_reward, rollout_correction, scores_as_rewards)
+from megaflow.trainer.worker_api import (ActorRolloutGroup, CriticGroup, RefGroup, RewardModelGroup, inputs_for)
 
-PROMPT_KEYS = ["input_ids", "attention_mask", "position_ids"]
+if TYPE_CHECKING:
+    from megaflow.config import Config
+    from megaflow.single_controller import ResourcePool
+
+#: The prompt tensors the rollout's outputs replace (its ``input_ids``, ``attention_mask``
+#: and ``position_ids`` cover prompt and response).
+ROLLOUT_REPLACES = ("input_ids", "attention_mask", "position_ids")
 
 
 @dataclass
 class WorkerGroups:
-    """The worker groups a step talks to (None where the role is not configured).
+    """The worker groups a step talks to (None where the role is not configured), each
+    typed with its protocol in :mod:`megaflow.trainer.worker_api`.
 
-    ``actor`` must provide ``generate_sequences``, ``compute_log_prob``, ``update_actor``,
-    ``save_checkpoint(path)`` and ``load_checkpoint(path)``; ``ref`` provides
-    ``compute_ref_log_prob``; ``critic`` provides ``compute_values``, ``update_critic`` and
-    the checkpoint methods; ``reward_model`` provides ``compute_rm_score``.
     ``resource_pools`` are released when the groups shut down.
     """
 
-    actor: Any
-    ref: Any | None = None
-    critic: Any | None = None
-    reward_model: Any | None = None
-    resource_pools: list = field(default_factory=list)
+    actor: ActorRolloutGroup
+    ref: RefGroup | None = None
+    critic: CriticGroup | None = None
+    reward_model: RewardModelGroup | None = None
+    resource_pools: list[ResourcePool] = field(default_factory=list)
 
 
 @contextmanager
@@ -149,7 +159,7 @@ class RayPPOTrainer:
         config_yaml: the resolved config as YAML, written into every checkpoint.
     """
 
-    def __init__(self, cfg: Any, groups: WorkerGroups, reward_fn: Callable[[DataProto], DataProto],
+    def __init__(self, cfg: Config, groups: WorkerGroups, reward_fn: Callable[[DataProto], DataProto],
                  train_loader: Any, val_loader: Any = None, tracker: Any = None,
                  checkpoints: CheckpointManager | None = None, config_yaml: str | None = None):
         self.cfg = cfg
@@ -177,8 +187,9 @@ class RayPPOTrainer:
         with _timer("sync", t):  # the actor's weights -> the rollout engines; versions checked on every rank
             sync_metrics = check_synced(g.actor.sync_rollout_weights(verify=self.cfg.rollout.verify_sync))
         with _timer("gen", t):
-            batch = self.rollout(prompts, self.cfg.rollout.n, greedy=False)
-        rollout_metrics = {**batch.meta_info.pop("rollout_metrics", {}), **sync_metrics}
+            batch, rollout_metrics = self._generate(prompts, self.cfg.rollout.n, greedy=False)
+        check_rollout_batch(batch)  # the layout every later worker call relies on, checked once here
+        rollout_metrics.update(sync_metrics)
         if algo.adv_estimator == "remax":
             with _timer("gen_greedy", t):
                 batch = self.add_greedy_baseline(prompts, batch)
@@ -191,25 +202,26 @@ class RayPPOTrainer:
             batch = bypass_old_log_probs(batch)
         else:
             with _timer("old_log_prob", t):
-                batch = batch.union(g.actor.compute_log_prob(batch))
+                batch = batch.union(g.actor.compute_log_prob(inputs_for(ActorRolloutGroup.compute_log_prob, batch)))
         if g.ref is not None:
             with _timer("ref", t):
-                batch = batch.union(g.ref.compute_ref_log_prob(batch))
+                batch = batch.union(g.ref.compute_ref_log_prob(inputs_for(RefGroup.compute_ref_log_prob, batch)))
         if g.critic is not None:
             with _timer("values", t):
-                batch = batch.union(g.critic.compute_values(batch))
+                batch = batch.union(g.critic.compute_values(inputs_for(CriticGroup.compute_values, batch)))
         with _timer("adv", t):
             batch, metrics = KL_STAGES[bool(algo.use_kl_in_reward)](self, batch)
-            batch = compute_advantage(batch, algo.adv_estimator, gamma=algo.gamma, lam=algo.lam,
-                                      norm_adv_by_std=algo.norm_adv_by_std)
-        batch.meta_info["global_step"] = self.global_step
+            batch = add_advantages(batch, algo.adv_estimator, gamma=algo.gamma, lam=algo.lam,
+                                   norm_adv_by_std=algo.norm_adv_by_std)
         if g.critic is not None:
             with _timer("update_critic", t):
-                metrics.update(_worker_metrics(g.critic.update_critic(batch)))
+                out = g.critic.update_critic(inputs_for(CriticGroup.update_critic, batch))
+                metrics.update(_worker_metrics(out))
         actor_batch, correction_metrics = rollout_correction(batch, algo.rollout_correction, step=self.global_step)
         metrics.update(correction_metrics)
         with _timer("update_actor", t):
-            metrics.update(_worker_metrics(g.actor.update_actor(actor_batch)))
+            metrics.update(_worker_metrics(g.actor.update_actor(inputs_for(ActorRolloutGroup.update_actor,
+                                                                           actor_batch))))
         metrics.update(compute_data_metrics(batch, self.cfg.rollout.response_length))
         metrics.update(rollout_metrics)
         metrics.update(balance_metrics)
@@ -222,25 +234,28 @@ class RayPPOTrainer:
     def rollout(self, prompts: DataProto, n: int, *, greedy: bool) -> DataProto:
         """Repeat each prompt ``n`` times (samples of one prompt share a ``uid``) and generate.
 
-        Returns the prompts' non-tensor fields joined with the rollout's outputs
-        (``prompts``, ``responses``, ``input_ids``, ``attention_mask``, ``position_ids``,
-        ``response_mask``, ``rollout_log_probs``).
+        Returns the prompts' non-tensor fields (and tensor fields other than
+        :data:`ROLLOUT_REPLACES`) joined with the rollout's outputs (``prompts``,
+        ``responses``, ``response_mask``, ``rollout_log_probs`` ``[B, R]``; ``input_ids``,
+        ``attention_mask``, ``position_ids`` ``[B, S]``), ``B = n x len(prompts)``.
         """
+        return self._generate(prompts, n, greedy=greedy)[0]
+
+    def _generate(self, prompts: DataProto, n: int, *, greedy: bool) -> tuple[DataProto, dict[str, float]]:
+        """:meth:`rollout` and the rollout's metrics (engine weight version, reshard figures)."""
         prompts = prompts.union(DataProto.from_dict(
             non_tensors={"uid": [uuid.uuid4().hex for _ in range(len(prompts))]})) \
             if "uid" not in prompts.non_tensor_batch else prompts
-        gen_in = prompts.select(batch_keys=PROMPT_KEYS).repeat(n, interleave=True)
+        gen_in = inputs_for(ActorRolloutGroup.generate_sequences, prompts).repeat(n, interleave=True)
         gen_in.meta_info.update(self.sampling_params(greedy=greedy))
         out = self.groups.actor.generate_sequences(gen_in)
-        rollout_metrics = dict(out.meta_info.get("metrics", {}))
-        rest = prompts.select(batch_keys=[k for k in prompts.batch.keys() if k not in PROMPT_KEYS])
+        metrics = dict(out.meta_info.get("metrics", {}))
+        rest = prompts.select(batch_keys=[k for k in prompts.batch.keys() if k not in ROLLOUT_REPLACES])
         rest = rest.repeat(n, interleave=True)
         if rest.batch is not None and len(rest.batch.keys()) == 0:
             rest.batch = None
         out.meta_info = {}
-        batch = rest.union(out)
-        batch.meta_info["rollout_metrics"] = rollout_metrics
-        return batch
+        return rest.union(out), metrics
 
     def sampling_params(self, *, greedy: bool) -> dict[str, Any]:
         """The rollout's sampling parameters for one call (``meta_info`` of the generate call).
@@ -268,7 +283,7 @@ class RayPPOTrainer:
         scored = self.reward_fn(batch)
         extra = [k for k in scored.non_tensor_batch if k.startswith("reward_")] if keep_reward_fields else []
         if self.groups.reward_model is not None:
-            rm = self.groups.reward_model.compute_rm_score(batch)
+            rm = self.groups.reward_model.compute_rm_score(inputs_for(RewardModelGroup.compute_rm_score, batch))
             scored.batch["token_level_scores"] = scored.batch["token_level_scores"] + rm.batch["rm_scores"]
         return batch.union(scored.select(batch_keys=["token_level_scores"], non_tensor_keys=extra))
 

@@ -1,4 +1,5 @@
-"""The controller's light math on a step's batch: KL in the reward, advantages, batch metrics.
+"""The controller's light math on a step's batch: layout check, KL in the reward, advantages,
+batch balancing, rollout correction, batch metrics.
 
 These run on the controller between worker-group calls (DESIGN.md section 2). Each is a
 function of a :class:`~megaflow.protocol.DataProto` and plain settings, so the trainer's
@@ -36,9 +37,55 @@ def scores_as_rewards(batch: DataProto) -> tuple[DataProto, dict[str, float]]:
     return batch.union(out), {}
 
 
-def compute_advantage(batch: DataProto, estimator: str, *, gamma: float, lam: float,
-                      norm_adv_by_std: bool) -> DataProto:
-    """Add ``advantages`` and ``returns`` ``[B, R]`` with the named estimator.
+def check_rollout_batch(batch: DataProto) -> None:
+    """Check the layout of a rollout's batch once on the controller (every later worker call
+    relies on it; the workers send no ``position_ids`` to Megatron).
+
+    Layout (verl's, :mod:`megaflow.protocol`): ``input_ids``/``attention_mask``/``position_ids``
+    ``[B, S]`` are a left-padded prompt followed by a right-padded response whose real tokens
+    form one contiguous span, ``position_ids = cumsum(attention_mask) - 1`` on them;
+    ``responses``/``response_mask`` ``[B, R]`` with ``responses == input_ids[:, -R:]`` on real
+    tokens and ``response_mask`` only on real response tokens.
+
+    Raises:
+        ValueError: the first violated rule, naming the field and the first bad rows.
+    """
+    b = batch.batch
+    missing = [k for k in ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+               if b is None or k not in b.keys()]
+    if missing:
+        raise ValueError(f"the rollout returned no {missing}")
+    ids, mask, pos, resp, resp_mask = (b[k] for k in ("input_ids", "attention_mask", "position_ids", "responses",
+                                                      "response_mask"))
+    rows, seq = ids.shape
+    width = resp.shape[1] if resp.ndim == 2 else -1
+    if mask.shape != ids.shape or pos.shape != ids.shape or resp.shape[:1] != (rows,) or not 0 < width < seq \
+            or resp_mask.shape != resp.shape:
+        raise ValueError(f"rollout batch shapes: input_ids {tuple(ids.shape)}, attention_mask {tuple(mask.shape)}, "
+                         f"position_ids {tuple(pos.shape)}, responses {tuple(resp.shape)}, response_mask "
+                         f"{tuple(resp_mask.shape)}; expected [B, S] x3 and [B, R] x2 with 0 < R < S")
+
+    def fail(rule: str, bad: torch.Tensor) -> None:
+        rows_bad = bad.nonzero().flatten().tolist()
+        if rows_bad:
+            raise ValueError(f"rollout batch: {rule} (rows {rows_bad[:8]})")
+
+    real = mask != 0
+    starts = (real.long().diff(dim=1) == 1).sum(-1) + real[:, 0].long()
+    fail("attention_mask must be 0/1 with one contiguous span of real tokens", ((mask != 0) & (mask != 1)).any(-1)
+         | (starts != 1))
+    fail("position_ids must be cumsum(attention_mask) - 1 on real tokens",
+         (real & (pos != mask.long().cumsum(-1) - 1)).any(-1))
+    real_resp = real[:, seq - width:]
+    fail(f"responses must equal input_ids[:, -{width}:] on real tokens",
+         (real_resp & (resp != ids[:, seq - width:])).any(-1))
+    fail("response_mask must be 0 on padding", ((resp_mask != 0) & ~real_resp).any(-1))
+
+
+def add_advantages(batch: DataProto, estimator: str, *, gamma: float, lam: float,
+                   norm_adv_by_std: bool) -> DataProto:
+    """Add ``advantages`` and ``returns`` ``[B, R]`` with the named estimator
+    (:func:`megaflow.algorithms.compute_advantages`).
 
     ``values`` (critic), ``uid`` (groups) and ``baseline_rewards`` (ReMax's greedy reward,
     ``[B]``) are passed when present; the estimator decides which it needs and raises a
@@ -216,6 +263,6 @@ def compute_data_metrics(batch: DataProto, max_response_length: int) -> dict[str
     return metrics
 
 
-__all__ = ["kl_in_reward", "scores_as_rewards", "compute_advantage", "compute_data_metrics", "bypass_old_log_probs",
+__all__ = ["check_rollout_batch", "kl_in_reward", "scores_as_rewards", "add_advantages", "compute_data_metrics", "bypass_old_log_probs",
            "balanced_dp_order", "balance_batch",
            "rollout_correction", "RolloutMismatchError"]

@@ -12,8 +12,7 @@
   one scalar per numeric metric, flushed every step;
 * ``wandb``: imported lazily; requesting it without the package installed is an error.
 
-A ``tqdm`` bar over ``total_steps`` shows the same key figures. ``reduce_metrics`` and ``Timer`` are small helpers
-for the trainer's per-phase numbers.
+A ``tqdm`` bar over ``total_steps`` shows the same key figures.
 """
 from __future__ import annotations
 
@@ -21,9 +20,8 @@ import json
 import logging
 import math
 import numbers
-import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -298,49 +296,6 @@ def read_metrics_jsonl(path: str | Path) -> list[dict[str, Any]]:
             raise ValueError(f"{path}, line {lineno}: not a metrics record ({exc})") from exc
         by_step.setdefault(step, {}).update(record)
     return [by_step[s] for s in sorted(by_step)]
-
-
-def reduce_metrics(metrics: Iterable[Mapping[str, Any]]) -> dict[str, float]:
-    """Mean of each key over a list of metric dicts (e.g. one per micro-batch or rank).
-
-    A key missing from some dicts is averaged over the dicts that have it; non-numeric
-    values raise TypeError naming the key.
-    """
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    for m in metrics:
-        for key, value in m.items():
-            number = _scalar(value)
-            if number is None:
-                raise TypeError(f"metric {key!r} is not a numeric scalar: {value!r}")
-            sums[key] = sums.get(key, 0.0) + number
-            counts[key] = counts.get(key, 0) + 1
-    return {k: sums[k] / counts[k] for k in sums}
-
-
-class Timer:
-    """Wall-clock timing of a block, in seconds (``time.perf_counter``).
-
-    ``with Timer("gen", timings): ...`` adds the elapsed seconds to ``timings["gen"]``
-    (accumulating over repeated blocks); ``Timer().elapsed`` is available after exit
-    without a dict.
-    """
-
-    def __init__(self, name: str | None = None, timings: dict[str, float] | None = None):
-        if timings is not None and name is None:
-            raise ValueError("Timer needs a name to record into a timings dict")
-        self.name, self.timings = name, timings
-        self.elapsed = 0.0
-        self._start = 0.0
-
-    def __enter__(self) -> "Timer":
-        self._start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.elapsed = time.perf_counter() - self._start
-        if self.timings is not None:
-            self.timings[self.name] = self.timings.get(self.name, 0.0) + self.elapsed
 
 
 def _fmt(value: float) -> str:

@@ -1,14 +1,13 @@
-"""Tracking backends (JSONL, TensorBoard, console, wandb), reduce_metrics, Timer."""
+"""Tracking backends (JSONL, TensorBoard, console, wandb)."""
 import json
 import sys
-import time
 import types
 
 import numpy as np
 import pytest
 import torch
 
-from megaflow.utils.tracking import Timer, Tracking, key_figures, read_metrics_jsonl, reduce_metrics
+from megaflow.utils.tracking import Tracking, key_figures, read_metrics_jsonl
 
 
 def test_jsonl_one_object_per_step_flushed_and_appended(tmp_path):
@@ -109,22 +108,3 @@ def test_wandb_backend_calls(tmp_path, monkeypatch):
     assert calls[0][0] == "init" and calls[0][1]["project"] == "proj" and calls[0][1]["name"] == "exp"
     assert calls[0][1]["config"] == {"lr": 1e-6}
     assert calls[1:] == [("log", {"a": 1.0}, 7), ("finish",)]
-
-
-def test_reduce_metrics_means_per_key():
-    out = reduce_metrics([{"loss": 1.0, "kl": 0.5}, {"loss": 3.0}, {"loss": torch.tensor(5.0), "kl": np.float32(1.5)}])
-    assert out == {"loss": 3.0, "kl": 1.0}
-    assert reduce_metrics([]) == {}
-    with pytest.raises(TypeError, match="metric 'x' is not a numeric scalar"):
-        reduce_metrics([{"x": [1, 2]}])
-
-
-def test_timer_accumulates():
-    timings = {}
-    with Timer("gen", timings):
-        time.sleep(0.02)
-    with Timer("gen", timings) as t:
-        time.sleep(0.01)
-    assert t.elapsed >= 0.01 and timings["gen"] >= 0.03 and timings["gen"] < 1.0
-    with pytest.raises(ValueError, match="needs a name"):
-        Timer(timings={})

@@ -33,7 +33,7 @@ class FakeActor:
             "position_ids": torch.cumsum(am, -1) - 1,
             "rollout_log_probs": -torch.ones(b, R) * 0.5})
 
-    def sync_rollout_weights(self, verify=False):
+    def sync_rollout_weights(self, verify=False, bucket_mb=None):
         """One rank's view (ActorRolloutWorker.sync_rollout_weights): its engine serves the actor's version."""
         v = float(self.version)
         return [{"rollout/weight_version": v, "rollout/synced_actor_version": v, "rollout/actor_version": v}]
@@ -42,11 +42,11 @@ class FakeActor:
         return SimpleNamespace(dp_size=2)
 
     def compute_log_prob(self, batch):
-        self.calls.append(("log_prob", len(batch)))
-        return DataProto.from_dict({"old_log_probs": batch.batch["rollout_log_probs"].clone()})
+        self.calls.append(("log_prob", len(batch), sorted(batch.keys())))
+        return DataProto.from_dict({"old_log_probs": -torch.ones(len(batch), R) * 0.5})  # = the rollout's
 
     def update_actor(self, batch):
-        self.calls.append(("update", len(batch)))
+        self.calls.append(("update", len(batch), sorted(batch.keys())))
         self.updates.append(batch)
         self.version += 1
         return DataProto(meta_info={"metrics": {"actor/pg_loss": float(self.version)}})
@@ -101,7 +101,7 @@ def make_cfg(tmp_path, total_steps=3, resume="disable", balance_batch=False):
                      kl_penalty="k1", kl_ctrl=ns(type="fixed", kl_coef=0.001, target_kl=None, horizon=None),
                      rollout_correction=RolloutCorrectionConfig()),
         rollout=ns(n=3, temperature=1.0, top_p=1.0, top_k=-1, response_length=R, val_do_sample=False,
-                   verify_sync=False),
+                   verify_sync=False, weight_sync_bucket_mb=512),
         actor=ns(optim=ns(clip_grad=1.0)),
         trainer=ns(total_steps=total_steps, test_freq=0, save_freq=1, seed=7, resume=resume,
                    balance_batch=balance_batch))
@@ -114,12 +114,32 @@ def run(tmp_path, total_steps, resume="disable", balance_batch=False):
     return trainer, actor
 
 
-def test_step_data_flow_groups_and_grpo_advantages(tmp_path):
+@pytest.fixture
+def step_batches(monkeypatch):
+    """The controller's whole batch of every step (what the data metrics see), in order."""
+    import megaflow.trainer.ppo_trainer as ppo
+
+    seen, real = [], ppo.compute_data_metrics
+
+    def spy(batch, *args, **kwargs):
+        seen.append(batch)
+        return real(batch, *args, **kwargs)
+
+    monkeypatch.setattr(ppo, "compute_data_metrics", spy)
+    return seen
+
+
+def test_step_data_flow_groups_and_grpo_advantages(tmp_path, step_batches):
     trainer, actor = run(tmp_path, total_steps=1)
     trainer.fit()
     assert [c[0] for c in actor.calls] == ["generate", "log_prob", "update"]
     assert actor.calls[0][1] == 6 and actor.calls[0][2]["do_sample"] is True
-    batch = actor.updates[0]
+    # each call gets only the fields its worker reads, not the step's whole batch
+    assert actor.calls[1][2] == ["attention_mask", "input_ids", "responses"]
+    assert actor.calls[2][2] == ["advantages", "attention_mask", "input_ids", "old_log_probs", "response_mask",
+                                 "responses"]
+    batch = step_batches[0]
+    assert torch.equal(batch.batch["advantages"], actor.updates[0].batch["advantages"])
     uids = batch.non_tensor_batch["uid"]
     assert len(set(uids[:3])) == 1 and len(set(uids[3:])) == 1 and uids[0] != uids[3]
     assert batch.non_tensor_batch["ground_truth"].tolist() == ["0"] * 3 + ["1"] * 3
@@ -136,23 +156,26 @@ def test_step_data_flow_groups_and_grpo_advantages(tmp_path):
             assert (adv[i][~m] == 0).all()
 
 
-def test_resume_continues_exactly(tmp_path):
+def test_resume_continues_exactly(tmp_path, step_batches):
     full, full_actor = run(tmp_path / "a", total_steps=4)
     full.fit()
+    full_batches = list(step_batches)
     part, _ = run(tmp_path / "b", total_steps=2)
     part.fit()
+    step_batches.clear()
     resumed, resumed_actor = run(tmp_path / "b", total_steps=4, resume="auto")
     resumed.fit()
     assert sorted(p.name for p in (tmp_path / "b" / "ckpt").iterdir() if p.is_dir()) == \
         [f"global_step_{i}" for i in (1, 2, 3, 4)]
     assert resumed_actor.version == 4
-    for a, b in zip(full_actor.updates[2:], resumed_actor.updates):
+    assert len(step_batches) == 2
+    for a, b in zip(full_batches[2:], step_batches):
         assert torch.equal(a.batch["responses"], b.batch["responses"])
         assert torch.equal(a.batch["advantages"], b.batch["advantages"])
         assert a.non_tensor_batch["ground_truth"].tolist() == b.non_tensor_batch["ground_truth"].tolist()
 
 
-def test_balance_batch_gives_each_dp_rank_equal_rows_and_balanced_tokens(tmp_path):
+def test_balance_batch_gives_each_dp_rank_equal_rows_and_balanced_tokens(tmp_path, step_batches):
     from megaflow.trainer.stages import balanced_dp_order
 
     lengths = torch.tensor([9, 1, 8, 2, 7, 3])
@@ -167,5 +190,6 @@ def test_balance_batch_gives_each_dp_rank_equal_rows_and_balanced_tokens(tmp_pat
     assert metrics["perf/dp_tokens_imbalance"] == pytest.approx(float(per_rank.max() / per_rank.float().mean()))
     assert int((per_rank[0] - per_rank[1]).abs()) <= int(batch.batch["attention_mask"].sum(-1).max())
     # the groups survive the reorder: GRPO statistics are per uid, not per position
-    uids = batch.non_tensor_batch["uid"]
+    uids = step_batches[0].non_tensor_batch["uid"]
+    assert torch.equal(step_batches[0].batch["attention_mask"], batch.batch["attention_mask"])
     assert sorted(np.unique(uids, return_counts=True)[1].tolist()) == [3, 3]

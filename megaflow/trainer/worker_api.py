@@ -1,0 +1,205 @@
+"""What the controller may call on each role's worker group, with the batch each call reads.
+
+A :class:`~megaflow.single_controller.RayWorkerGroup` exposes every ``@register``-ed
+method of its worker class as a group method (bound when the group is built). The
+protocols below are the typed face of those groups: one per role, one method per
+registered worker method, with the same parameters and the *group's* return value
+(``Dispatch.ONE_TO_ALL``: the list of per-rank returns, index = rank; ``nd_compute``: the
+collected :class:`~megaflow.protocol.DataProto` of all rows). Each method's docstring
+names the worker method that runs. ``tests/trainer/test_worker_api.py`` checks the
+protocols against the worker classes' registered methods, so the two cannot drift.
+
+Batch methods also declare the fields they read (:func:`reads`); the controller sends
+only those (:func:`inputs_for`), so a call does not ship the step's whole growing batch
+(raw prompts, scores, other roles' outputs) to every rank. Shapes: ``B`` rows, ``S``
+tokens (prompt + response), ``R`` response tokens; field meanings in
+:mod:`megaflow.protocol`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, TypeVar
+
+from megaflow.protocol import DataProto
+from megaflow.single_controller.dispatch import MeshInfo
+from megaflow.single_controller.worker import DPInfo
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: The tensors every Megatron forward reads (:func:`megaflow.megatron.batch.pack_batch`):
+#: ``input_ids``/``attention_mask`` ``[B, S]``, ``responses`` ``[B, R]``. ``position_ids``
+#: are not sent: Megatron's RoPE uses the packed positions, and the controller checks them
+#: once per step (:func:`megaflow.trainer.stages.check_rollout_batch`).
+FORWARD_KEYS = ("input_ids", "attention_mask", "responses")
+#: The prompt tensors the rollout reads, ``[B, P]`` (left-padded; the engine takes each
+#: row's real tokens and numbers positions itself).
+PROMPT_KEYS = ("input_ids", "attention_mask")
+
+_READS_ATTR = "__megaflow_reads__"
+
+
+@dataclass(frozen=True)
+class Reads:
+    """The part of a batch one worker call reads.
+
+    Attributes:
+        tensors: tensor fields that must be present.
+        optional: tensor fields sent when the batch has them (e.g. ``ref_log_probs`` with
+            a KL loss, ``rollout_is_weights`` with importance weighting).
+        meta: ``meta_info`` keys sent when present.
+    """
+
+    tensors: tuple[str, ...]
+    optional: tuple[str, ...] = ()
+    meta: tuple[str, ...] = ()
+
+
+def reads(tensors: tuple[str, ...], optional: tuple[str, ...] = (), meta: tuple[str, ...] = ()) -> Callable[[F], F]:
+    """Declare on a protocol method which batch fields its worker method reads (see :class:`Reads`)."""
+    def mark(fn: F) -> F:
+        setattr(fn, _READS_ATTR, Reads(tuple(tensors), tuple(optional), tuple(meta)))
+        return fn
+    return mark
+
+
+def declared_reads(method: Callable[..., Any]) -> Reads:
+    """The :class:`Reads` of a protocol method (e.g. ``ActorRolloutGroup.update_actor``).
+
+    Raises:
+        TypeError: ``method`` declares no reads (not a batch method of a protocol).
+    """
+    spec = getattr(method, _READS_ATTR, None)
+    if not isinstance(spec, Reads):
+        raise TypeError(f"{getattr(method, '__qualname__', method)!r} declares no batch fields (@reads)")
+    return spec
+
+
+def inputs_for(method: Callable[..., Any], batch: DataProto) -> DataProto:
+    """The fields of ``batch`` that the protocol ``method`` reads, as a new DataProto.
+
+    The required tensors, the optional tensors present, the declared ``meta_info`` keys
+    present, and no non-tensor fields. Tensors are shared, not copied.
+
+    Raises:
+        KeyError: a required tensor is missing (the method and the missing field named).
+    """
+    spec = declared_reads(method)
+    present = set(batch.batch.keys()) if batch.batch is not None else set()
+    missing = [k for k in spec.tensors if k not in present]
+    if missing:
+        raise KeyError(f"{method.__qualname__} reads {missing}, which the batch lacks; it has {sorted(present)}")
+    keys = list(spec.tensors) + [k for k in spec.optional if k in present]
+    return batch.select(batch_keys=keys, non_tensor_keys=[],
+                        meta_info_keys=[k for k in spec.meta if k in batch.meta_info])
+
+
+class RoleGroup(Protocol):
+    """What every worker group offers besides its role's methods
+    (:class:`~megaflow.single_controller.RayWorkerGroup`)."""
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the group."""
+
+    def mesh_info(self, mesh: str) -> MeshInfo:
+        """The group's cached layout of ``mesh`` (``dp_size``, per-rank DP rank and collect flag)."""
+
+    def shutdown(self) -> None:
+        """Stop the group's processes."""
+
+
+class MegatronRoleGroup(RoleGroup, Protocol):
+    """The methods of every Megatron role (:class:`~megaflow.workers.megatron_workers.MegatronWorker`)."""
+
+    def get_dp_info(self, mesh: str) -> list[DPInfo]:
+        """``Worker.get_dp_info`` on every rank: each rank's place in ``mesh`` (what
+        :meth:`RoleGroup.mesh_info` caches)."""
+
+    def init_model(self) -> list[None]:
+        """``MegatronWorker.init_model`` on every rank (collective): build and load the model."""
+
+    def save_checkpoint(self, path: str) -> list[None]:
+        """``MegatronWorker.save_checkpoint`` on every rank: model, optimizer, LR schedule to ``path``."""
+
+    def load_checkpoint(self, path: str) -> list[None]:
+        """``MegatronWorker.load_checkpoint`` on every rank: restore what ``save_checkpoint`` wrote."""
+
+    def export_hf(self, path: str, overwrite: bool = False) -> list[None]:
+        """``MegatronWorker.export_hf`` on every rank: the model as a Hugging Face directory at ``path``."""
+
+
+class ActorRolloutGroup(MegatronRoleGroup, Protocol):
+    """The actor with its colocated rollout engines
+    (:class:`~megaflow.workers.actor_rollout.ActorRolloutWorker`)."""
+
+    def sync_rollout_weights(self, verify: bool = False) -> list[dict[str, float]]:
+        """``ActorRolloutWorker.sync_rollout_weights`` on every rank: reshard the actor's
+        weights into the engines when they changed. Returns each rank's version metrics
+        (check them with :func:`megaflow.workers.actor_rollout.check_synced`)."""
+
+    def rollout_weight_version(self) -> list[int]:
+        """``ActorRolloutWorker.rollout_weight_version`` on every rank: engine syncs so far."""
+
+    @reads(PROMPT_KEYS, meta=("temperature", "top_p", "top_k", "response_length", "do_sample", "seed"))
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """``ActorRolloutWorker.generate_sequences`` on the ``rollout`` mesh.
+
+        Reads ``input_ids``, ``attention_mask`` ``[B, P]`` (left-padded prompts) and the
+        sampling parameters in ``meta_info``. Returns ``prompts``
+        ``[B, P]``, ``responses``, ``response_mask``, ``rollout_log_probs`` ``[B, R]``,
+        ``input_ids``, ``attention_mask``, ``position_ids`` ``[B, S]``, and the engine's
+        weight version (and reshard figures) in ``meta_info["metrics"]``.
+        """
+
+    @reads(FORWARD_KEYS, meta=("temperature",))
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        """``ActorWorker.compute_log_prob`` on the ``actor`` mesh: ``old_log_probs`` and
+        ``entropys`` ``[B, R]`` (float32) at the rollout temperature."""
+
+    @reads(FORWARD_KEYS + ("response_mask", "old_log_probs", "advantages"),
+           optional=("ref_log_probs", "rollout_is_weights"), meta=("temperature",))
+    def update_actor(self, data: DataProto) -> DataProto:
+        """``ActorRolloutWorker.update_actor`` on the ``actor`` mesh: PPO epochs over
+        mini-batches. Reads ``response_mask``, ``old_log_probs``, ``advantages`` ``[B, R]``
+        (+ ``ref_log_probs`` with a KL loss, ``rollout_is_weights`` with importance
+        weights). Returns a row-less DataProto with ``meta_info["metrics"]``
+        (``actor/pg_loss``, ``actor/grad_norm``, ...)."""
+
+
+class RefGroup(MegatronRoleGroup, Protocol):
+    """The frozen reference policy (:class:`~megaflow.workers.megatron_workers.RefWorker`)."""
+
+    @reads(FORWARD_KEYS, meta=("temperature",))
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """``RefWorker.compute_ref_log_prob`` on the ``ref`` mesh: ``ref_log_probs`` ``[B, R]``."""
+
+
+class CriticGroup(MegatronRoleGroup, Protocol):
+    """The value model (:class:`~megaflow.workers.megatron_workers.CriticWorker`)."""
+
+    @reads(FORWARD_KEYS)
+    def compute_values(self, data: DataProto) -> DataProto:
+        """``CriticWorker.compute_values`` on the ``critic`` mesh: ``values`` ``[B, R]``, V
+        of the state before each response token."""
+
+    @reads(FORWARD_KEYS + ("response_mask", "values", "returns"))
+    def update_critic(self, data: DataProto) -> DataProto:
+        """``CriticWorker.update_critic`` on the ``critic`` mesh: clipped value regression
+        of ``values`` (old, ``[B, R]``) towards ``returns`` ``[B, R]`` on ``response_mask``.
+        Returns a row-less DataProto with ``meta_info["metrics"]`` (``critic/vf_loss``, ...)."""
+
+
+class RewardModelGroup(MegatronRoleGroup, Protocol):
+    """A scalar-head reward model (:class:`~megaflow.workers.megatron_workers.RewardModelWorker`)."""
+
+    @reads(FORWARD_KEYS)
+    def compute_rm_score(self, data: DataProto) -> DataProto:
+        """``RewardModelWorker.compute_rm_score`` on the ``reward_model`` mesh: ``rm_scores``
+        ``[B, R]``, the score on the last real response token and 0 elsewhere."""
+
+
+#: Members of :class:`RoleGroup`: the group's own methods, not a worker's.
+GROUP_MEMBERS = ("world_size", "mesh_info", "shutdown")
+
+__all__ = ["ActorRolloutGroup", "RefGroup", "CriticGroup", "RewardModelGroup", "MegatronRoleGroup", "RoleGroup",
+           "Reads", "reads", "declared_reads", "inputs_for", "FORWARD_KEYS", "PROMPT_KEYS", "GROUP_MEMBERS"]
