@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from megaflow.protocol import DataProto
-from megaflow.rewards.registry import RewardSpec, get_reward_spec
+from megaflow.rewards.registry import RewardSpec, RewardTable, get_reward_spec
 
 #: Prefix of the per-sample fields the manager returns (``reward_score``, ``reward_acc``...).
 REWARD_FIELD_PREFIX = "reward_"
@@ -40,6 +40,8 @@ class RuleRewardManager:
         reward_kwargs: ``{data_source: {kwarg: value}}`` passed to that source's scorer,
             e.g. ``{"openai/gsm8k": {"method": "flexible"}}``.
         max_error_chars: how much of the response an error message shows.
+        table: the run's :class:`~megaflow.rewards.registry.RewardTable`; None: the
+            process registry at the time of each call.
 
     Input fields: ``responses`` ``[batch, response_len]``, ``response_mask``
     ``[batch, response_len]``; non-tensor ``data_source`` and ``ground_truth`` (or verl's
@@ -51,8 +53,9 @@ class RuleRewardManager:
     """
 
     def __init__(self, tokenizer: Any, *, reward_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
-                 max_error_chars: int = 200):
+                 max_error_chars: int = 200, table: RewardTable | None = None):
         self.tokenizer = tokenizer
+        self.table = table
         self.reward_kwargs = {k: dict(v) for k, v in (reward_kwargs or {}).items()}
         self.max_error_chars = max_error_chars
 
@@ -109,13 +112,13 @@ class RuleRewardManager:
         extras = list(nt["extra_info"]) if "extra_info" in nt else [None] * len(data)
         return nt["data_source"], truths, extras
 
-    @staticmethod
-    def _specs(sources: np.ndarray) -> dict[str, RewardSpec]:
+    def _specs(self, sources: np.ndarray) -> dict[str, RewardSpec]:
+        lookup = get_reward_spec if self.table is None else self.table.spec
         specs = {}
         for i, source in enumerate(sources):
             if source not in specs:
                 try:
-                    specs[source] = get_reward_spec(source)
+                    specs[source] = lookup(source)
                 except ValueError as exc:
                     raise ValueError(f"sample {i}: {exc}") from None
         return specs

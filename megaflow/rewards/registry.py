@@ -16,12 +16,16 @@ data_source                       scorer                                      sp
 ================================  ==========================================  ================
 
 "special tokens" says how :class:`~megaflow.rewards.manager.RuleRewardManager` decodes the
-response for that source. Add sources with :func:`register_reward`.
+response for that source. Add sources for every later use in the process with
+:func:`register_reward`. A training run never changes this registry: it scores with its
+own :class:`RewardTable`, a snapshot of the registry plus the run's ``reward.functions``
+and format reward, so two runs in one process do not see each other's scorers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
 
 import megaflow.rewards.arith as arith
 import megaflow.rewards.countdown as countdown
@@ -93,10 +97,65 @@ def get_reward_spec(data_source: str) -> RewardSpec:
     try:
         return _REGISTRY[data_source]
     except (KeyError, TypeError):
-        raise ValueError(
-            f"no rule reward registered for data_source {data_source!r}; known data sources: "
-            f"{', '.join(known_data_sources())} (add one with megaflow.rewards.register_reward)"
-        ) from None
+        raise _unknown(data_source, known_data_sources()) from None
+
+
+def _unknown(data_source: Any, known: list[str]) -> ValueError:
+    return ValueError(f"no rule reward registered for data_source {data_source!r}; known data sources: "
+                      f"{', '.join(known)} (add one with megaflow.rewards.register_reward)")
+
+
+@dataclass(frozen=True)
+class RewardTable:
+    """The scorers of one run: data source -> :class:`RewardSpec`, never changed in place.
+
+    Build it with :meth:`registered` (a snapshot of the process registry) and derive the
+    run's table with :meth:`with_functions` and :meth:`with_format_reward`; each returns a
+    new table.
+    """
+
+    specs: Mapping[str, RewardSpec] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "specs", MappingProxyType(dict(self.specs)))
+
+    @classmethod
+    def registered(cls) -> "RewardTable":
+        """The registry as it is now (built-ins plus :func:`register_reward` additions)."""
+        return cls(_REGISTRY)
+
+    def with_functions(self, functions: Mapping[str, ScoreFn], skip_special_tokens: bool = True) -> "RewardTable":
+        """A table where each ``functions[source]`` scores ``source`` (replacing a built-in)."""
+        return RewardTable({**self.specs, **{s: RewardSpec(fn, skip_special_tokens=skip_special_tokens)
+                                             for s, fn in functions.items()}})
+
+    def with_format_reward(self, pattern: str, format_weight: float) -> "RewardTable":
+        """A table whose every scorer is wrapped by
+        :func:`megaflow.rewards.format.with_format_reward` (``(1 - w) * base + w * format``).
+
+        Raises:
+            ValueError: ``format_weight`` outside [0, 1].
+        """
+        from megaflow.rewards.format import with_format_reward
+
+        return RewardTable({s: RewardSpec(with_format_reward(spec.fn, pattern, format_weight=format_weight),
+                                          skip_special_tokens=spec.skip_special_tokens)
+                            for s, spec in self.specs.items()})
+
+    def sources(self) -> list[str]:
+        """Sorted data-source names."""
+        return sorted(self.specs)
+
+    def spec(self, data_source: str) -> RewardSpec:
+        """The :class:`RewardSpec` of ``data_source``.
+
+        Raises:
+            ValueError: unknown data source; the message lists the known ones.
+        """
+        try:
+            return self.specs[data_source]
+        except (KeyError, TypeError):
+            raise _unknown(data_source, self.sources()) from None
 
 
 def compute_score(

@@ -10,17 +10,18 @@ Layout under ``root`` (the run's ``checkpoints/`` directory)::
         rng_state.pt           torch RNG state (a tensor; read with weights_only=True)
         config.yaml            the run's resolved config
         actor/ critic/ ...     worker-group parts (megatron-core distributed checkpoints)
-    global_step_30.partial-<id>/   a save in progress, or one that crashed: never loaded,
-                               removed by :meth:`CheckpointManager.remove_partials`
+    .global_step_30.incomplete-<id>/   a save in progress, or one that crashed: never
+                               loaded, removed by :meth:`CheckpointManager.remove_partials`
     latest                     text file with the name of the newest complete checkpoint
 
-A save writes everything into a ``.partial-`` directory, writes the manifest, fsyncs it,
-writes ``COMPLETE`` and renames the directory to its final name (atomic on POSIX within
-one filesystem), then replaces ``latest`` atomically. A crash at any point leaves the
+A save is one :mod:`megaflow.utils.atomic_dir` directory: everything is written into its
+hidden ``.incomplete-`` sibling, which :meth:`CheckpointManager.commit` seals (manifest,
+then ``COMPLETE``), fsyncs and renames to its final name (atomic on POSIX within one
+filesystem); then ``latest`` is replaced atomically. A crash at any point leaves the
 previous checkpoint intact and the new one unmistakably incomplete (no ``COMPLETE``, a
-``.partial-`` name). No file holds a pickled Python object: loading runs no code from
-the checkpoint (:meth:`CheckpointManager.verify` checks checksums and every pickle the
-distributed-checkpoint libraries keep).
+hidden ``.incomplete-`` name). No file holds a pickled Python object: loading runs no
+code from the checkpoint (:meth:`CheckpointManager.verify` checks checksums and every
+pickle the distributed-checkpoint libraries keep).
 """
 from __future__ import annotations
 
@@ -34,12 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megaflow.utils.atomic_dir import fsync_path, fsync_tree, seal_directory
+from megaflow.utils.atomic_dir import (COMPLETE_MARKER, commit_directory, final_name_of, fsync_path,
+                                       remove_temporary_siblings, temporary_sibling)
 from megaflow.utils.integrity import IntegrityError, check_dcp_pickles, load_tensors, read_json, verify_manifest
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
-_PARTIAL_DIR = re.compile(r"^global_step_\d+\.partial-[0-9a-f]+$")
-COMPLETE_MARKER = "COMPLETE"
 TRAINER_STATE_FILE, RNG_STATE_FILE = "trainer_state.json", "rng_state.pt"
 #: The format of ``trainer_state.json``; older checkpoints (a pickled ``trainer_state.pt``)
 #: are refused.
@@ -76,7 +76,7 @@ class CheckpointManager:
 
     def __init__(self, root: str | os.PathLike, keep_last: int | None = None):
         if keep_last is not None and keep_last < 1:
-            raise ValueError(f"trainer.checkpoint_keep_last must be >= 1 or null, got {keep_last}")
+            raise ValueError(f"trainer.max_ckpt_to_keep must be >= 1 or null, got {keep_last}")
         self.root = Path(root)
         self.keep_last = keep_last
 
@@ -84,16 +84,19 @@ class CheckpointManager:
     _verified: set[tuple[Path, int, int]] = set()
 
     def begin(self, step: int) -> PendingCheckpoint:
-        """Start a checkpoint for ``step`` in a fresh ``.partial-`` directory."""
+        """Start a checkpoint for ``step`` in a fresh hidden ``.incomplete-`` directory
+        (:func:`~megaflow.utils.atomic_dir.temporary_sibling` of ``global_step_<step>``)."""
         if step < 0:
             raise ValueError(f"checkpoint step must be >= 0, got {step}")
         self.root.mkdir(parents=True, exist_ok=True)
-        path = self.root / f"global_step_{step}.partial-{uuid.uuid4().hex[:8]}"
+        path = temporary_sibling(self.root / f"global_step_{step}")
         path.mkdir()
         return PendingCheckpoint(step, path)
 
     def commit(self, pending: PendingCheckpoint, required_parts: tuple[str, ...] = ()) -> Path:
-        """Publish ``pending``: check parts exist, fsync, write COMPLETE, rename, update ``latest``.
+        """Publish ``pending`` (:func:`~megaflow.utils.atomic_dir.commit_directory`: manifest,
+        COMPLETE, fsync, rename; an older save of the same step is replaced), then update
+        ``latest`` and prune.
 
         Raises:
             FileNotFoundError: a required part (file or directory under the checkpoint) is
@@ -102,15 +105,9 @@ class CheckpointManager:
         missing = [p for p in required_parts if not (pending.path / p).exists()]
         if missing:
             raise FileNotFoundError(f"checkpoint {pending.path} lacks parts {missing}; not published")
-        final = self.root / f"global_step_{pending.step}"
-        if final.exists():  # an older save of the same step (e.g. after resume): replace it
-            shutil.rmtree(final)
         marker = {"step": pending.step, "time": time.time(),
                   "parts": sorted(p.name for p in pending.path.iterdir())}
-        fsync_tree(pending.path)
-        seal_directory(pending.path, marker)  # MANIFEST.json, then COMPLETE
-        os.rename(pending.path, final)
-        fsync_path(self.root)
+        final = commit_directory(pending.path, self.root / f"global_step_{pending.step}", marker)
         atomic_write_text(self.root / "latest", final.name + "\n")
         self._prune()
         return final
@@ -153,29 +150,25 @@ class CheckpointManager:
             inside = [p for p in (path, path / "checkpoints") if p.is_dir()]
             newest = next((found for p in inside if (found := CheckpointManager(p).latest()) is not None), None)
             hint = f"; the newest complete one inside it is {newest}" if newest is not None else ""
-            partial = " (an interrupted save)" if _PARTIAL_DIR.match(path.name) else ""
+            partial = " (an interrupted save)" if final_name_of(path) is not None else ""
             raise FileNotFoundError(f"trainer.resume={resume!r} is not a complete checkpoint{partial}: no "
                                     f"{COMPLETE_MARKER} marker in it{hint}")
         return path
 
     def remove_partials(self) -> list[Path]:
-        """Delete the ``.partial-`` directories of saves that never completed (a crash or a
-        kill during a save) and stray temporary ``latest`` files; returns what was removed.
+        """Delete the ``.incomplete-`` directories of saves that never completed (a crash or
+        a kill during a save) and stray temporary ``latest`` files; returns what was removed.
 
         Call it at start-up, before this run saves anything (a save in progress of another
         run writing the same directory would be removed too).
         """
-        if not self.root.is_dir():
-            return []
-        removed = []
-        for p in sorted(self.root.iterdir()):
-            if p.is_dir() and _PARTIAL_DIR.match(p.name):
-                shutil.rmtree(p, ignore_errors=True)
-                removed.append(p)
-            elif p.is_file() and p.name.startswith(".latest.tmp-"):
-                p.unlink(missing_ok=True)
-                removed.append(p)
-        return removed
+        removed = remove_temporary_siblings(self.root)
+        if self.root.is_dir():
+            for p in sorted(self.root.glob(".latest.tmp-*")):
+                if p.is_file():
+                    p.unlink(missing_ok=True)
+                    removed.append(p)
+        return sorted(removed)
 
     def verify(self, path: str | os.PathLike, *, checksums: bool = True) -> None:
         """Check a complete checkpoint before anything reads it: every file against its

@@ -57,22 +57,20 @@ def build_loaders(cfg, inputs):
 
 
 def build_reward_fn(cfg, tokenizer, functions=None):
-    """The rule reward of each data source (custom scorers from ``reward.functions``,
-    already imported by the pre-start checks when ``functions`` is given)."""
+    """The run's rule reward of each data source: a :class:`~megaflow.rewards.RewardTable`
+    of the registered scorers, the custom scorers of ``reward.functions`` (already imported
+    by the pre-start checks when ``functions`` is given) and, with ``reward.format_weight``
+    > 0, the format reward around each. The process registry is not changed."""
+    from megaflow.rewards import RewardTable, RuleRewardManager
+    from megaflow.rewards.format import THINK_ANSWER_PATTERN
     from megaflow.trainer.preflight import resolve_reward_functions
-    from megaflow.rewards import RuleRewardManager, get_reward_spec, known_data_sources, register_reward
-    from megaflow.rewards.format import THINK_ANSWER_PATTERN, with_format_reward
 
     rc = cfg.reward
-    for source, fn in (functions if functions is not None else resolve_reward_functions(cfg)).items():
-        register_reward(source, override=True)(fn)
+    table = RewardTable.registered().with_functions(
+        functions if functions is not None else resolve_reward_functions(cfg))
     if rc.format_weight > 0:
-        pattern = rc.format_pattern or THINK_ANSWER_PATTERN
-        for source in known_data_sources():
-            spec = get_reward_spec(source)
-            register_reward(source, override=True, skip_special_tokens=spec.skip_special_tokens)(
-                with_format_reward(spec.fn, pattern, format_weight=rc.format_weight))
-    return RuleRewardManager(tokenizer, reward_kwargs=rc.reward_kwargs)
+        table = table.with_format_reward(rc.format_pattern or THINK_ANSWER_PATTERN, rc.format_weight)
+    return RuleRewardManager(tokenizer, reward_kwargs=rc.reward_kwargs, table=table)
 
 
 #: Whether this process's init_ray started (or connected) the Ray it uses; a Ray that the

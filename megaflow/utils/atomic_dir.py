@@ -1,10 +1,14 @@
-"""Output directories that appear complete or not at all.
+"""Output directories that appear complete or not at all: the one protocol of megaflow's
+model conversions, prepared models and training checkpoints.
 
-Writers fill a hidden sibling ``.<name>.incomplete-<token>``; :func:`commit_directory`
-seals it (:func:`seal_directory`: the checksum manifest ``MANIFEST.json``, then the
-``COMPLETE`` marker), fsyncs every file, renames the directory into place (atomic within
-one POSIX filesystem) and fsyncs the parent. On error the temporary directory is
-removed, so a failed conversion leaves no partial output behind.
+Writers fill a hidden sibling ``.<name>.incomplete-<token>`` (:func:`temporary_sibling`);
+:func:`commit_directory` seals it (:func:`seal_directory`: the checksum manifest
+``MANIFEST.json``, then the ``COMPLETE`` marker), fsyncs every file, renames the directory
+into place (atomic within one POSIX filesystem) and fsyncs the parent. On error the
+temporary directory is removed (:func:`atomic_directory`), so a failed conversion leaves
+no partial output behind; a killed writer leaves only a hidden ``.incomplete-`` sibling,
+which :func:`is_complete` and the readers never accept and
+:func:`remove_temporary_siblings` deletes.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 COMPLETE_MARKER = "COMPLETE"
+#: Infix of the temporary directory names (``.<name>.incomplete-<token>``).
+INCOMPLETE_INFIX = ".incomplete-"
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -52,7 +58,31 @@ def check_output_dir(final: str | os.PathLike, overwrite: bool = False) -> Path:
 def temporary_sibling(final: str | os.PathLike, token: str | None = None) -> Path:
     """The hidden temporary directory name used while writing ``final``."""
     final = Path(final).absolute()
-    return final.parent / f".{final.name}.incomplete-{token or uuid.uuid4().hex[:10]}"
+    return final.parent / f".{final.name}{INCOMPLETE_INFIX}{token or uuid.uuid4().hex[:10]}"
+
+
+def final_name_of(temporary: str | os.PathLike) -> str | None:
+    """The final directory name a :func:`temporary_sibling` is written for; None when
+    ``temporary`` is not such a name."""
+    name = Path(temporary).name
+    if not name.startswith(".") or INCOMPLETE_INFIX not in name:
+        return None
+    return name[1:].rsplit(INCOMPLETE_INFIX, 1)[0] or None
+
+
+def remove_temporary_siblings(parent: str | os.PathLike) -> list[Path]:
+    """Delete the temporary directories left in ``parent`` by writers that never committed
+    (a crash or a kill); returns what was removed, sorted. Call it only when no writer is
+    active in ``parent``."""
+    parent = Path(parent)
+    if not parent.is_dir():
+        return []
+    removed = []
+    for p in sorted(parent.iterdir()):
+        if p.is_dir() and final_name_of(p) is not None:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
 
 
 def seal_directory(directory: str | os.PathLike, marker: dict[str, Any]) -> None:
@@ -119,5 +149,6 @@ def is_complete(directory: str | os.PathLike) -> bool:
     return (Path(directory) / COMPLETE_MARKER).is_file()
 
 
-__all__ = ["COMPLETE_MARKER", "atomic_directory", "check_output_dir", "commit_directory",
-           "seal_directory", "temporary_sibling", "fsync_tree", "is_complete"]
+__all__ = ["COMPLETE_MARKER", "INCOMPLETE_INFIX", "atomic_directory", "check_output_dir", "commit_directory",
+           "seal_directory", "temporary_sibling", "final_name_of", "remove_temporary_siblings", "fsync_tree",
+           "is_complete"]

@@ -48,7 +48,7 @@ def test_keep_last_prunes_old_complete_only(tmp_path):
     for s in (1, 2, 3):
         _save(mgr, s)
     assert [s for s, _ in mgr.complete_checkpoints()] == [2, 3]
-    with pytest.raises(ValueError, match="checkpoint_keep_last"):
+    with pytest.raises(ValueError, match=r"trainer.max_ckpt_to_keep must be >= 1 or null, got 0"):
         CheckpointManager(tmp_path, keep_last=0)
 
 
@@ -74,5 +74,6 @@ def test_process_killed_mid_save_leaves_previous_intact(tmp_path):
     proc.wait()
     assert mgr.latest() == good
     assert (good / "actor" / "weights.bin").read_text() == "old"
-    partial = [p.name for p in tmp_path.iterdir() if ".partial-" in p.name]
-    assert len(partial) == 1 and partial[0].startswith("global_step_2.partial-")
+    partial = [p.name for p in tmp_path.iterdir() if ".incomplete-" in p.name]
+    assert len(partial) == 1 and partial[0].startswith(".global_step_2.incomplete-")
+    assert mgr.remove_partials() == [tmp_path / partial[0]] and mgr.latest() == good

@@ -57,8 +57,8 @@ def test_resume_continues_exactly(ray_session, tmp_path):
     full, _ = _train(tmp_path, "full", ["trainer.total_steps=4", *common])
     first, run_dir = _train(tmp_path, "resumed", ["trainer.total_steps=2", *common])
     assert sorted(first) == [1, 2]
-    # A save that crashed mid-write (no COMPLETE marker, partial name) must be ignored.
-    partial = run_dir / "checkpoints" / "global_step_3.partial-deadbeef"
+    # A save that crashed mid-write (no COMPLETE marker, a hidden .incomplete- name) must be ignored.
+    partial = run_dir / "checkpoints" / ".global_step_3.incomplete-deadbeef"
     (partial / "actor").mkdir(parents=True)
     resumed, _ = _train(tmp_path, "resumed", ["trainer.total_steps=4", "trainer.resume=auto", *common])
     assert (run_dir / "checkpoints" / "global_step_4" / "COMPLETE").is_file()

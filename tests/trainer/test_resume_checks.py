@@ -81,7 +81,7 @@ def test_corrupt_checkpoint_is_refused_naming_the_file(tmp_path, capsys):
 
 
 def test_partial_save_removed_at_start(tmp_path):
-    """A crashed save's .partial- directory goes when the next run starts (before Ray)."""
+    """A crashed save's .incomplete- directory goes when the next run starts (before Ray)."""
     good = _checkpoint(tmp_path)
     mgr = CheckpointManager(good.parent)
     partial = mgr.begin(4).path
