@@ -1,0 +1,294 @@
+"""Where each leaf key of :class:`megaflow.config.Config` is shown to do something, or refused.
+
+``KEYS`` maps every dotted leaf key (``resources.pools.*.nodes`` for the fields of a named
+pool) to one of:
+
+* :class:`Consumed`: test node ids in which a non-default value of the key changes what the
+  run does (a loss, a batch order, a layout, a refusal of an impossible layout the key
+  causes), checked against an independently computed expectation. ``tests/config/
+  test_every_key.py`` checks that each named test exists and that its source names the key
+  (dotted or leaf name).
+* :class:`Refused`: a value that ``load_config`` refuses with a ``ConfigError`` naming the
+  key and saying what is supported (``supported`` is a fragment of that message; ``extra``
+  are overrides needed to reach the check).
+
+``GAPS`` lists keys that the code reads but that no fast or slow test yet shows changing the
+outcome: each one needs such a test (the reason says what to measure). A key in neither
+table fails ``test_every_key``, so a new key cannot be added without a row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Consumed:
+    """Tests (``tests/path.py::test_name``) in which changing the key changes behaviour."""
+
+    tests: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Refused:
+    """``load_config`` with ``<key>=<value>`` (after ``extra``) raises a ``ConfigError``
+    keyed ``<key>`` whose message contains ``supported``."""
+
+    value: str
+    supported: str
+    extra: tuple[str, ...] = ()
+
+
+def consumed(*tests: str) -> Consumed:
+    return Consumed(tuple(tests))
+
+
+KE = "tests/config/test_key_effects.py::"
+HF = "tests/config/test_hf_architecture.py::"
+KNOBS = "tests/config/test_config_knobs.py::"
+TOPO = "tests/config/test_config_topology.py::"
+PLAN = "tests/config/test_config_plan.py::"
+LOSSES = "tests/algorithms/test_losses.py::"
+ADV = "tests/algorithms/test_advantages.py::"
+E2E_ALGO = "tests/trainer/test_e2e_algorithms.py::"
+E2E_RC = "tests/trainer/test_e2e_rollout_correction.py::"
+E2E_TINY = "tests/trainer/test_e2e_tiny.py::"
+WORKER_KNOBS = "tests/megatron/test_worker_knobs.py::"
+SCALE = "tests/megatron/test_scale_knobs.py::"
+MAIN_ERR = "tests/trainer/test_main_errors.py::"
+
+
+#: Overrides that enable a role on the tiny recipe (so that its layout is checked).
+_TINY_HF = ("{model_type: llama, hidden_size: 128, intermediate_size: 384, num_hidden_layers: 2, "
+            "num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 16}")
+_ENABLE = {"actor": (), "ref": ("ref.enabled=true", "algorithm.use_kl_loss=true"),
+           "critic": ("critic.enabled=true", "algorithm.adv_estimator=gae"),
+           "reward_model": ("reward_model.enabled=true", f"reward_model.hf_config={_TINY_HF}")}
+
+
+def _parallel(role: str) -> dict:
+    """tp/pp/cp/vpp/sequence_parallel of a role section."""
+    tp_tests = {
+        "actor": (TOPO + "test_tp_must_divide_the_attention_heads", TOPO + "test_world_size_must_be_tp_pp_cp_dp_exactly",
+                  PLAN + "test_plan_uses_the_hybridflow_generation_layout"),
+        "ref": (E2E_ALGO + "test_rloo_with_kl_loss",),
+        "critic": (TOPO + "test_critic_tp_is_checked_against_the_same_model",),
+        "reward_model": (TOPO + "test_reward_model_architecture_is_its_own",),
+    }[role]
+    pp_tests = {
+        "actor": (TOPO + "test_pp_must_divide_the_layers", "tests/megatron/test_engine_parity.py::test_tp2_pp2_matches_single_process"),
+        "ref": (PLAN + "test_impossible_memory_is_flagged_and_rejected",),
+        "critic": (E2E_ALGO + "test_ppo_gae_critic_with_kl_in_reward",),
+        "reward_model": (PLAN + "test_impossible_memory_is_flagged_and_rejected",),
+    }[role]
+    rows = {
+        f"{role}.tp": consumed(*tp_tests),
+        f"{role}.pp": consumed(*pp_tests),
+        f"{role}.cp": Refused("2", "context parallelism is not supported yet: use cp=1"),
+        f"{role}.vpp": Refused("2", "virtual pipeline stages are not supported yet: use vpp=null",
+                               extra=(f"{role}.pp=2",)),
+    }
+    # On CPU the flag is refused at load (the local layer spec cannot run it); on GPUs it reaches
+    # the TransformerConfig (the worker-config test) and the planner's activation account.
+    rows[f"{role}.sequence_parallel"] = Refused("true", "not available on CPU", extra=_ENABLE[role])
+    return rows
+
+
+def _optim(role: str) -> dict:
+    schedule = (KNOBS + "test_decay_horizon_is_the_runs_optimizer_steps",
+                KNOBS + "test_warmup_as_long_as_the_run_is_refused_for_a_decaying_schedule")
+    return {
+        f"{role}.optim.lr": consumed(SCALE + "test_lr_schedule_follows_closed_form_and_survives_resume"),
+        f"{role}.optim.lr_warmup_steps": consumed(*schedule),
+        f"{role}.optim.lr_decay_style": consumed(*schedule),
+        f"{role}.optim.lr_decay_steps": consumed(SCALE + "test_lr_decay_steps_span_the_whole_run",
+                                                 KNOBS + "test_decay_horizon_is_the_runs_optimizer_steps"),
+        f"{role}.optim.min_lr": consumed(SCALE + "test_lr_schedule_follows_closed_form_and_survives_resume"),
+    }
+
+
+KEYS: dict[str, Consumed | Refused] = {
+    # ------------------------------------------------------------------ model
+    "model.path": consumed(HF + "test_a_checkpoint_config_json_is_refused_at_load_naming_file_and_field",
+                           TOPO + "test_model_path_config_json_is_read_and_cross_checked"),
+    "model.hf_config": consumed(HF + "test_planner_builder_and_mapping_agree_with_transformers",
+                                TOPO + "test_tp_must_divide_the_attention_heads"),
+    "model.tokenizer": consumed(MAIN_ERR + "test_dry_run_reports_every_problem_after_the_plan"),
+    # ------------------------------------------------------------------ data
+    "data.train_files": consumed(KE + "test_data_prompt_key_chat_template_and_length_filter_reach_the_dataset"),
+    "data.task": consumed(MAIN_ERR + "test_preflight_loads_the_data_without_creating_the_run_dir"),
+    "data.task_args": consumed(MAIN_ERR + "test_dry_run_reports_every_problem_after_the_plan"),
+    "data.prompt_key": consumed(KE + "test_data_prompt_key_chat_template_and_length_filter_reach_the_dataset"),
+    "data.max_prompt_length": consumed(KE + "test_data_prompt_key_chat_template_and_length_filter_reach_the_dataset"),
+    "data.filter_overlong_prompts": consumed(
+        KE + "test_data_prompt_key_chat_template_and_length_filter_reach_the_dataset"),
+    "data.apply_chat_template": consumed(KE + "test_data_prompt_key_chat_template_and_length_filter_reach_the_dataset"),
+    "data.train_batch_size": consumed(KE + "test_data_loader_keys_reach_the_prompt_loaders",
+                                      TOPO + "test_num_training_steps"),
+    "data.val_batch_size": consumed(KE + "test_data_loader_keys_reach_the_prompt_loaders"),
+    "data.shuffle": consumed(KE + "test_data_loader_keys_reach_the_prompt_loaders"),
+    "data.seed": consumed(KE + "test_data_loader_keys_reach_the_prompt_loaders"),
+    # ------------------------------------------------------------------ algorithm
+    "algorithm.adv_estimator": consumed(E2E_ALGO + "test_rloo_with_kl_loss", E2E_ALGO + "test_remax_with_fixed_kl_in_reward"),
+    "algorithm.use_kl_in_reward": consumed(E2E_ALGO + "test_remax_with_fixed_kl_in_reward"),
+    "algorithm.kl_ctrl.type": consumed(E2E_ALGO + "test_remax_with_fixed_kl_in_reward"),
+    "algorithm.kl_ctrl.kl_coef": consumed(E2E_ALGO + "test_remax_with_fixed_kl_in_reward"),
+    "algorithm.kl_ctrl.target_kl": consumed(E2E_ALGO + "test_ppo_gae_critic_with_kl_in_reward"),
+    "algorithm.kl_ctrl.horizon": consumed(E2E_ALGO + "test_ppo_gae_critic_with_kl_in_reward"),
+    "algorithm.use_kl_loss": consumed(E2E_ALGO + "test_rloo_with_kl_loss"),
+    "algorithm.kl_loss_coef": consumed(E2E_ALGO + "test_rloo_with_kl_loss"),
+    "algorithm.rollout_correction.is_level": consumed(E2E_RC + "test_cispo_with_tis_and_icepop_learns"),
+    "algorithm.rollout_correction.rejection": consumed(E2E_RC + "test_cispo_with_tis_and_icepop_learns"),
+    "algorithm.rollout_correction.rejection_lower": consumed(E2E_RC + "test_cispo_with_tis_and_icepop_learns"),
+    "algorithm.rollout_correction.rejection_upper": consumed(E2E_RC + "test_cispo_with_tis_and_icepop_learns"),
+    "algorithm.rollout_correction.bypass": consumed(E2E_RC + "test_bypass_skips_the_old_log_prob_pass_and_learns"),
+    "algorithm.rollout_correction.max_mismatch": consumed(E2E_RC + "test_cispo_with_tis_and_icepop_learns"),
+    # ------------------------------------------------------------------ actor
+    **_parallel("actor"),
+    "actor.param_offload": consumed(WORKER_KNOBS + "test_each_offload_flag_offloads_exactly_its_part"),
+    "actor.grad_offload": consumed(WORKER_KNOBS + "test_each_offload_flag_offloads_exactly_its_part"),
+    "actor.optimizer_offload": consumed(WORKER_KNOBS + "test_each_offload_flag_offloads_exactly_its_part"),
+    "actor.recompute_granularity": consumed(WORKER_KNOBS + "test_recipe_knobs_reach_the_worker_config"),
+    "actor.recompute_method": consumed(WORKER_KNOBS + "test_recipe_knobs_reach_the_worker_config"),
+    "actor.recompute_num_layers": consumed(WORKER_KNOBS + "test_recipe_knobs_reach_the_worker_config"),
+    **_optim("actor"),
+    "actor.ppo_mini_batch_size": consumed(TOPO + "test_train_batch_sizes_by_hand",
+                                          KNOBS + "test_decay_horizon_is_the_runs_optimizer_steps"),
+    "actor.ppo_micro_batch_size_per_gpu": consumed(TOPO + "test_train_batch_sizes_by_hand"),
+    "actor.use_dynamic_bsz": consumed(KNOBS + "test_token_budgets_reach_the_engines_and_small_budgets_are_refused"),
+    "actor.ppo_max_token_len_per_gpu": consumed(
+        KNOBS + "test_token_budgets_reach_the_engines_and_small_budgets_are_refused"),
+    "actor.log_prob_max_token_len_per_gpu": consumed(
+        KNOBS + "test_token_budgets_reach_the_engines_and_small_budgets_are_refused"),
+    "actor.logits_chunk_tokens": consumed(KNOBS + "test_logits_chunk_tokens_reach_the_actor_and_ref_engines"),
+    "actor.ppo_epochs": consumed(KNOBS + "test_decay_horizon_is_the_runs_optimizer_steps"),
+    "actor.shuffle": consumed(WORKER_KNOBS + "test_shuffle_permutes_rows_reproducibly_per_step_epoch_and_rank",
+                              WORKER_KNOBS + "test_order_is_kept_without_shuffle_or_with_one_mini_batch"),
+    "actor.policy_loss": consumed(E2E_RC + "test_cispo_with_tis_and_icepop_learns"),
+    "actor.clip_ratio_c": consumed(E2E_RC + "test_cispo_with_tis_and_icepop_learns"),
+    # ------------------------------------------------------------------ rollout
+    "rollout.engine": Refused("hf", "expected one of 'vllm'"),
+    "rollout.tp": consumed(PLAN + "test_plan_uses_the_hybridflow_generation_layout",
+                           TOPO + "test_generation_sizes_hybridflow_example"),
+    "rollout.pp": consumed(TOPO + "test_generation_sizes_hybridflow_example"),
+    "rollout.n": consumed(E2E_ALGO + "test_ppo_gae_critic_with_kl_in_reward", TOPO + "test_train_batch_sizes_by_hand"),
+    "rollout.response_length": consumed(PLAN + "test_kv_cache_too_small_for_one_sequence_on_cpu"),
+    "rollout.cpu_kv_cache_gib": consumed(PLAN + "test_kv_cache_too_small_for_one_sequence_on_cpu",
+                                         "tests/rollout/test_fixed_length_kv_auto.py::test_kv_auto_off_keeps_the_fixed_gib"),
+    "rollout.cpu_kv_cache_auto": consumed("tests/rollout/test_fixed_length_kv_auto.py::test_kv_auto_matches_a_hand_computation"),
+    "rollout.ignore_eos": consumed("tests/rollout/test_fixed_length_kv_auto.py::test_ignore_eos_drops_every_stop_id"),
+    "rollout.verify_sync": consumed("tests/workers/test_actor_rollout_hybrid.py::test_verified_sync_reports_engine_equal_to_trainer"),
+    # ------------------------------------------------------------------ ref
+    **_parallel("ref"),
+    "ref.enabled": consumed(E2E_ALGO + "test_rloo_with_kl_loss"),
+    "ref.logits_chunk_tokens": consumed(KNOBS + "test_logits_chunk_tokens_reach_the_actor_and_ref_engines"),
+    "ref.param_offload": consumed(WORKER_KNOBS + "test_each_offload_flag_offloads_exactly_its_part"),
+    # ------------------------------------------------------------------ critic
+    **_parallel("critic"),
+    "critic.path": consumed("tests/trainer/test_e2e_smollm2.py::test_smollm2_gsm8k_grpo_runs_one_step"),
+    "critic.ppo_mini_batch_size": consumed(E2E_ALGO + "test_ppo_gae_critic_with_kl_in_reward"),
+    "critic.param_offload": consumed(WORKER_KNOBS + "test_each_offload_flag_offloads_exactly_its_part"),
+    "critic.grad_offload": consumed(WORKER_KNOBS + "test_each_offload_flag_offloads_exactly_its_part"),
+    "critic.optimizer_offload": consumed(WORKER_KNOBS + "test_each_offload_flag_offloads_exactly_its_part"),
+    **_optim("critic"),
+    # ------------------------------------------------------------------ reward model
+    **_parallel("reward_model"),
+    "reward_model.hf_config": consumed(TOPO + "test_reward_model_architecture_is_its_own"),
+    "reward_model.enabled": consumed(TOPO + "test_reward_model_architecture_is_its_own"),
+    "reward_model.param_offload": consumed(WORKER_KNOBS + "test_each_offload_flag_offloads_exactly_its_part"),
+    # ------------------------------------------------------------------ reward
+    "reward.reward_kwargs": consumed("tests/rewards/test_reward_manager.py::test_verl_reward_model_field_and_mixed_sources"),
+    # ------------------------------------------------------------------ trainer
+    "trainer.total_steps": consumed(TOPO + "test_num_training_steps"),
+    "trainer.total_epochs": consumed(TOPO + "test_num_training_steps"),
+    "trainer.save_freq": consumed(E2E_TINY + "test_resume_continues_exactly"),
+    "trainer.test_freq": consumed(KE + "test_validation_runs_only_with_val_files_and_a_cadence_or_a_pre_train_check"),
+    "trainer.val_before_train": consumed(
+        KE + "test_validation_runs_only_with_val_files_and_a_cadence_or_a_pre_train_check"),
+    "trainer.balance_batch": consumed(
+        "tests/trainer/test_ppo_trainer_fake.py::test_balance_batch_gives_each_dp_rank_equal_rows_and_balanced_tokens"),
+    "trainer.output_dir": consumed(MAIN_ERR + "test_bad_input_exits_2_with_the_key"),
+    "trainer.resume": consumed(E2E_TINY + "test_resume_continues_exactly",
+                               "tests/trainer/test_resume_checks.py::test_bad_resume_value_is_refused_at_load"),
+    "trainer.resume_ignore_config_diff": consumed("tests/trainer/test_resume_checks.py::test_finished_run_says_so"),
+    "trainer.max_ckpt_to_keep": consumed("tests/trainer/test_checkpoint.py::test_keep_last_prunes_old_complete_only"),
+    "trainer.export_hf": consumed(E2E_TINY + "test_default_recipe_learns_on_policy"),
+    "trainer.console_every": consumed("tests/tracking/test_tracking.py::test_console_line_every_n_steps_and_after_the_last"),
+    "trainer.experiment_name": consumed("tests/config/test_config_loader.py::test_recipe_path_and_invalid_yaml"),
+    # ------------------------------------------------------------------ resources and ray
+    "resources.nodes": consumed("tests/slurm/test_launch_resources.py::test_pools_sharing_a_node_add_up"),
+    "resources.procs_per_node": consumed(MAIN_ERR + "test_local_resources_that_ray_would_wait_for_forever",
+                                         TOPO + "test_world_size_must_be_tp_pp_cp_dp_exactly"),
+    "resources.use_gpu": consumed("tests/config/test_config_schema.py::test_use_gpu_null_means_detect",
+                                  MAIN_ERR + "test_local_resources_that_ray_would_wait_for_forever"),
+    "resources.num_cpus_per_proc": consumed("tests/slurm/test_launch_resources.py::test_tiny_cpu_recipe_needs_one_node_of_two_cpus",
+                                            MAIN_ERR + "test_local_resources_that_ray_would_wait_for_forever"),
+    "resources.gpu_memory_gib": consumed(PLAN + "test_impossible_memory_is_flagged_and_rejected"),
+    "resources.cpu_memory_gib": consumed(PLAN + "test_host_memory_per_node_on_cpu"),
+    "resources.pools.*.nodes": consumed(PLAN + "test_pools_first_fit_on_nodes", TOPO + "test_pools_and_placement"),
+    "resources.pools.*.procs_per_node": consumed(PLAN + "test_pools_first_fit_on_nodes", TOPO + "test_pools_and_placement"),
+    "resources.placement.actor": consumed(TOPO + "test_pools_and_placement"),
+    "resources.placement.critic": consumed(TOPO + "test_pools_and_placement"),
+    "ray.address": consumed(MAIN_ERR + "test_local_resources_that_fit_pass"),
+    "ray.num_cpus": consumed(KE + "test_ray_keys_reach_ray_init"),
+    "ray.namespace": consumed(KE + "test_ray_keys_reach_ray_init"),
+    "ray.include_dashboard": consumed(KE + "test_ray_keys_reach_ray_init"),
+    "ray.dashboard_host": consumed(KE + "test_ray_keys_reach_ray_init"),
+}
+
+#: Keys the run reads but no test yet shows changing the outcome, with what a test should measure.
+GAPS: dict[str, str] = {
+    "model.dtype": "bf16 vs fp32 parameters of the built model and vLLM engine (GPU)",
+    "data.val_files": "a validation file's rows are the validation batch (with a test cadence)",
+    "algorithm.gamma": "GAE/REINFORCE returns with gamma < 1 through the trainer's advantage stage",
+    "algorithm.lam": "GAE advantages with lam < 1 through the trainer's advantage stage",
+    "algorithm.norm_adv_by_std": "GRPO advantages not divided by the group std through the trainer",
+    "algorithm.kl_penalty": "the reward penalty's estimator (k1 vs k3) through the trainer's KL stage",
+    "algorithm.kl_loss_type": "the actor loss's KL estimator through the worker's loss function",
+    "algorithm.rollout_correction.is_threshold": "truncation of the importance weights in the trainer's stage",
+    "actor.optim.betas": "Adam's moments in one engine update",
+    "actor.optim.eps": "Adam's epsilon in one engine update",
+    "actor.optim.weight_decay": "decoupled weight decay in one engine update",
+    "actor.optim.clip_grad": "the clipped gradient norm of one engine update",
+    "actor.use_distributed_optimizer": "optimizer state sharded over DP ranks (per-rank state size)",
+    "actor.log_prob_micro_batch_size_per_gpu": "the old-log-prob forward's micro-batch rows in the engine",
+    "actor.clip_ratio_low": "the actor loss of the worker's loss function with a different lower clip",
+    "actor.clip_ratio_high": "the actor loss of the worker's loss function with a different upper clip",
+    "actor.loss_agg_mode": "the worker loss's aggregation (token-mean vs seq-mean)",
+    "actor.entropy_coeff": "the entropy term of the worker's actor loss",
+    "rollout.temperature": "the rollout's sampling temperature (vLLM SamplingParams)",
+    "rollout.top_p": "the rollout's nucleus mass (vLLM SamplingParams)",
+    "rollout.top_k": "the rollout's top-k (vLLM SamplingParams)",
+    "rollout.gpu_memory_utilization": "vLLM's gpu_memory_utilization (GPU)",
+    "rollout.val_do_sample": "validation sampling instead of greedy decoding",
+    "ref.log_prob_micro_batch_size_per_gpu": "the reference forward's micro-batch rows in the engine",
+    "ref.use_dynamic_bsz": "token-budget micro-batches of the reference forward",
+    "ref.log_prob_max_token_len_per_gpu": "the reference forward's token budget",
+    "critic.recompute_granularity": "activation recomputation of the critic's update",
+    "critic.recompute_method": "the critic's recomputation method",
+    "critic.recompute_num_layers": "the critic's recomputation unit",
+    "critic.optim.betas": "Adam's moments of the critic's update",
+    "critic.optim.eps": "Adam's epsilon of the critic's update",
+    "critic.optim.weight_decay": "weight decay of the critic's update",
+    "critic.optim.clip_grad": "the critic's clipped gradient norm",
+    "critic.use_distributed_optimizer": "the critic's optimizer state sharded over DP ranks",
+    "critic.ppo_micro_batch_size_per_gpu": "the critic update's micro-batch rows",
+    "critic.forward_micro_batch_size_per_gpu": "the value forward's micro-batch rows",
+    "critic.use_dynamic_bsz": "token-budget micro-batches of the critic",
+    "critic.ppo_max_token_len_per_gpu": "the critic update's token budget",
+    "critic.forward_max_token_len_per_gpu": "the value forward's token budget",
+    "critic.ppo_epochs": "passes of the critic over a step's batch",
+    "critic.cliprange_value": "the worker's value loss with a different clip range",
+    "critic.loss_agg_mode": "the worker's value-loss aggregation",
+    "reward_model.path": "the reward model's weights loaded from its checkpoint",
+    "reward_model.micro_batch_size_per_gpu": "the reward model forward's micro-batch rows",
+    "reward.functions": "a custom scorer registered for a data source scores its samples",
+    "reward.format_weight": "the combined score (1 - w) task + w format in the reward function",
+    "reward.format_pattern": "a custom format regex in the format reward",
+    "trainer.seed": "model init and sampling seeds (two seeds give different first-step scores)",
+    "trainer.logger": "the metric sinks created for a run",
+    "trainer.project_name": "the run directory level",
+    "resources.placement.ref": "the reference group on its own pool",
+    "resources.placement.reward_model": "the reward model group on its own pool",
+    "critic.enabled": "a critic group runs (the tiny_arith_ppo end-to-end test runs one, set by its recipe)",
+    "ray.resource_wait_timeout_s": "the cluster wait's bound (the launch tests pass it to wait_for_cluster directly)",
+}

@@ -1,0 +1,126 @@
+"""Config keys whose effect no other test showed: each test changes the key and checks what the
+run-time consumer (the dataset, the prompt loader, Ray's start, the validation switch) does
+differently, against a value computed here independently. Fast: no Ray, no processes."""
+from __future__ import annotations
+
+import pytest
+
+from megaflow.config import ConfigError, config_from_dict
+from megaflow.data.arith import ArithTaskConfig, build_arith_tokenizer, generate_arith_splits
+from megaflow.data.io import write_rows
+from megaflow.trainer import main as trainer_main
+from megaflow.trainer.preflight import load_datasets, uses_validation
+
+
+def _files_tree(tiny, train, val=None, **data):
+    """A config tree reading prompt files instead of the built-in task."""
+    tree = tiny(data={"task": None, "train_files": [str(train)], "val_files": [str(val)] if val else [], **data})
+    return tree
+
+
+@pytest.fixture(scope="module")
+def arith_rows():
+    return generate_arith_splits(ArithTaskConfig(num_train=24, num_val=6, min_operand=0, max_operand=99, seed=3))
+
+
+def _renamed(rows, column):
+    return [{(column if k == "prompt" else k): v for k, v in row.items()} for row in rows]
+
+
+def _template_ids(tok, messages):
+    return tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+               add_special_tokens=False)["input_ids"]
+
+
+def test_data_prompt_key_chat_template_and_length_filter_reach_the_dataset(tmp_path, tiny, arith_rows):
+    tok = build_arith_tokenizer()
+    # arith's own template renders the content unchanged; one that repeats it tells the two modes apart
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{{ m['content'] }}{% endfor %}"
+    rows = arith_rows["train"]
+    plain = write_rows(rows, tmp_path / "plain.jsonl")
+    renamed = write_rows(_renamed(rows, "question"), tmp_path / "question.jsonl")
+
+    # data.prompt_key: the column the prompts are read from
+    cfg = config_from_dict(_files_tree(tiny, renamed, prompt_key="question", max_prompt_length=64))
+    assert len(load_datasets(cfg, tok).train_dataset) == len(rows)
+    with pytest.raises(ConfigError) as err:
+        load_datasets(config_from_dict(_files_tree(tiny, renamed, max_prompt_length=64)), tok)
+    assert err.value.key == "data.train_files" and "prompt" in str(err.value)
+
+    # data.apply_chat_template: the chat template's rendering, or the raw content with special tokens
+    templated = load_datasets(config_from_dict(_files_tree(tiny, plain, max_prompt_length=64)), tok).train_dataset
+    raw = load_datasets(config_from_dict(_files_tree(tiny, plain, max_prompt_length=64, apply_chat_template=False)),
+                        tok).train_dataset
+    messages = rows[0]["prompt"]
+    assert list(templated.prompt_ids[0]) == _template_ids(tok, messages)
+    assert list(raw.prompt_ids[0]) == tok("\n".join(m["content"] for m in messages))["input_ids"]
+    assert list(templated.prompt_ids[0]) != list(raw.prompt_ids[0])
+
+    # data.max_prompt_length with data.filter_overlong_prompts: drop, or refuse naming the files key
+    lengths = sorted(len(_template_ids(tok, row["prompt"])) for row in rows)
+    limit = lengths[-1] - 1  # the longest prompts do not fit
+    kept = sum(n <= limit for n in lengths)
+    assert 0 < kept < len(rows)  # one- and two-digit operands: prompts of several lengths
+    filtered = load_datasets(config_from_dict(_files_tree(tiny, plain, max_prompt_length=limit)), tok)
+    assert len(filtered.train_dataset) == kept < len(rows)
+    with pytest.raises(ConfigError) as err:
+        load_datasets(config_from_dict(_files_tree(tiny, plain, max_prompt_length=limit,
+                                                   filter_overlong_prompts=False)), tok)
+    assert err.value.key == "data.train_files"
+
+
+class _Batch(list):
+    """What the patched collate function returns: the indices, with the loader's meta_info."""
+
+    def __init__(self, items):
+        super().__init__(items)
+        self.meta_info = {}
+
+
+def _epoch(loader):
+    return [list(batch) for batch in loader]
+
+
+def test_data_loader_keys_reach_the_prompt_loaders(tiny, monkeypatch):
+    import megaflow.data
+
+    monkeypatch.setattr(megaflow.data, "collate_fn", _Batch)
+    inputs = type("Inputs", (), {"train_dataset": list(range(32)), "val_dataset": list(range(10))})()
+
+    def loaders(**data):
+        return trainer_main.build_loaders(config_from_dict(tiny(data=data, actor={"ppo_mini_batch_size": 4})), inputs)
+
+    train, val, n = loaders(shuffle=False, train_batch_size=8, val_batch_size=4)
+    assert n == 32 and _epoch(train) == [list(range(i, i + 8)) for i in range(0, 32, 8)]
+    assert _epoch(val) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]  # data.val_batch_size, last batch kept
+    assert _epoch(loaders(train_batch_size=8)[1]) == [list(range(10))]  # null: the whole set at once
+    seed1, seed1_again, seed2 = (_epoch(loaders(shuffle=True, seed=s, train_batch_size=16)[0]) for s in (1, 1, 2))
+    assert [len(b) for b in seed1] == [16, 16]  # data.train_batch_size prompts per batch
+    assert sorted(sum(seed1, [])) == list(range(32)) and sum(seed1, []) != list(range(32))
+    assert seed1 == seed1_again and seed1 != seed2  # data.seed picks the permutation
+
+
+def test_validation_runs_only_with_val_files_and_a_cadence_or_a_pre_train_check(tiny):
+    def validates(**trainer):
+        return uses_validation(config_from_dict(tiny(trainer=trainer)), ["val.parquet"])
+
+    assert not validates(test_freq=0, val_before_train=False)
+    assert validates(test_freq=0, val_before_train=True)  # trainer.val_before_train
+    assert validates(test_freq=5)  # trainer.test_freq
+    assert not uses_validation(config_from_dict(tiny(trainer={"test_freq": 5})), [])
+
+
+def test_ray_keys_reach_ray_init(tiny, monkeypatch):
+    import ray
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(trainer_main, "_started_ray", False)
+    cfg = config_from_dict(tiny(ray={"namespace": "runs-a", "include_dashboard": True,
+                                     "dashboard_host": "127.0.0.2", "num_cpus": 3}))
+    trainer_main.init_ray(cfg)
+    (kwargs,) = calls
+    assert kwargs["address"] == "local"
+    assert (kwargs["namespace"], kwargs["include_dashboard"]) == ("runs-a", True)
+    assert (kwargs["dashboard_host"], kwargs["num_cpus"]) == ("127.0.0.2", 3)
