@@ -19,12 +19,7 @@ from megaflow.single_controller.collect import ChunkOutput
 from megaflow.single_controller.errors import WorkerError
 from megaflow.single_controller.futures import resolve_arguments
 from megaflow.single_controller.worker import WorkerMetadata
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from megaflow.utils.launch import find_free_port
 
 
 class WorkerHost:
@@ -50,7 +45,7 @@ class WorkerHost:
                               node_index=self._node_index, node_id=ctx.get_node_id(), node_ip=self._node_ip,
                               hostname=socket.gethostname(), pid=os.getpid(),
                               gpu_ids=tuple(str(g) for g in ctx.get_accelerator_ids().get("GPU", [])))
-        return meta, (_free_port(self._node_ip) if with_port else None)
+        return meta, (find_free_port(self._node_ip) if with_port else None)
 
     def _where(self, role: str) -> str:
         cls = type(self._roles[role]).__name__ if role in self._roles else "?"

@@ -25,10 +25,11 @@ class DistributedRunError(RuntimeError):
     """A rank of :func:`run_distributed` raised or did not finish in time."""
 
 
-def find_free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` (an address of this machine) that was free a moment ago: the
+    kernel's choice for a bind to port 0. Another process may take it before it is used."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

@@ -14,10 +14,11 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
+
+from megaflow.utils.launch import find_free_port
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo")
 NODE = "localhost"
@@ -27,12 +28,6 @@ def missing_binaries() -> list[str]:
     """Slurm/munge programs not on PATH (``/usr/sbin`` included)."""
     path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
     return [b for b in BINARIES if shutil.which(b, path=path) is None]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 SLURM_CONF = """\
@@ -102,7 +97,7 @@ class LocalSlurm:
         key.write_bytes(secrets.token_bytes(1024))
         key.chmod(0o400)
         (self.root / "slurm.conf").write_text(SLURM_CONF.format(
-            node=NODE, root=self.root, cpus=self.cpus, ctld_port=_free_port(), slurmd_port=_free_port()))
+            node=NODE, root=self.root, cpus=self.cpus, ctld_port=find_free_port(), slurmd_port=find_free_port()))
         munge = self.root / "munge"
         self._spawn(["munged", "--foreground", "--force", f"--key-file={key}", f"--socket={munge}/munge.sock",
                      f"--pid-file={munge}/munged.pid", f"--seed-file={munge}/seed",

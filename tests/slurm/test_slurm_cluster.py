@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from local_slurm import _free_port
 from megaflow.launch.slurm import SlurmJob, SlurmSubmitError, write_sbatch
+from megaflow.utils.launch import find_free_port
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ json.dump({"address": os.environ["RAY_ADDRESS"], "gcs": ray.get_runtime_context(
 
 def make_job(job_dir: Path, **kw) -> SlurmJob:
     # Free ports so that the job's Ray never collides with the test session's own Ray.
-    ports = [_free_port() for _ in range(3)]
+    ports = [find_free_port() for _ in range(3)]
     return SlurmJob(recipe="tiny_arith_grpo", job_dir=job_dir, ray_port=ports[0], ray_client_server_port=ports[1],
                     ray_start_args=("--object-store-memory=200000000", f"--dashboard-agent-listen-port={ports[2]}"),
                     **kw)
