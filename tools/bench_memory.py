@@ -289,18 +289,16 @@ def measure_rank(rank: int, world: int, case: Case, hf_config: dict, prompt_len:
     """Per-rank exact account of ``case`` (a :func:`run_distributed` function)."""
     from megaflow.hybrid_engine import MicroDPResharder, build_reshard_groups, plan_hybrid_layout
     from megaflow.megatron import parallel
-    from megaflow.megatron.engine import EngineConfig, MegatronEngine
+    from megaflow.config.role_spec import RoleSpec
+    from megaflow.megatron.engine import MegatronEngine
     from megaflow.megatron.model import build_gpt_model
-    from megaflow.workers.config import MegatronWorkerConfig
+    from megaflow.workers.megatron_workers import TORCH_DTYPES
 
-    wc = MegatronWorkerConfig(hf_config=hf_config, tp=case.tp, pp=case.pp, dtype=case.dtype,
-                              recompute_granularity=None if case.recompute == "none" else case.recompute)
+    cfg = build_case_config(case)
+    spec = RoleSpec(cfg, "actor", cfg.trainer.total_steps)  # what the actor worker reads
     info = parallel.initialize_parallel(tp=case.tp, pp=case.pp, seed=1)
-    model = build_gpt_model(hf_config, dtype=wc.torch_dtype, **wc.model_overrides)
-    seq = prompt_len + response_len
-    engine = MegatronEngine(model, info, EngineConfig(
-        max_seq_len=seq, micro_batch_size=case.micro_batch, lr=1e-3,
-        use_distributed_optimizer=case.distributed_optimizer), vocab_size=hf_config["vocab_size"])
+    model = build_gpt_model(hf_config, dtype=TORCH_DTYPES[cfg.model.dtype], **spec.model_overrides)
+    engine = MegatronEngine(model, info, spec, vocab_size=hf_config["vocab_size"])
     module = engine.module
     param_ptrs = {_storage(p)[0] for p in module.parameters()}
     batch = tiny_batch(case.micro_batch, prompt_len, response_len, hf_config["vocab_size"], seed=info.dp_rank)

@@ -98,22 +98,37 @@ def baseline_step_time(model, batch, args) -> float:
     return _timed(step, args.steps)
 
 
+def megaflow_spec(args, hf):
+    """The actor's settings: the tiny recipe on one rank with this model, one mini-batch of
+    ``--batch`` samples (REINFORCE++: one sample per prompt), lr 1e-5 without warm-up or decay."""
+    from megaflow.config import config_from_dict, config_to_dict, load_config
+    from megaflow.config.role_spec import RoleSpec
+
+    cfg = load_config("tiny_arith_grpo", [
+        "resources.procs_per_node=1", "actor.tp=1", "rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus",
+        f"data.train_batch_size={args.batch}", f"actor.ppo_mini_batch_size={args.batch}",
+        f"actor.ppo_micro_batch_size_per_gpu={args.micro_batch}", f"data.max_prompt_length={args.prompt_len}",
+        f"rollout.response_length={args.response_len}", "actor.optim.lr=1e-5", "actor.optim.weight_decay=0.0",
+        "actor.optim.clip_grad=1.0", "actor.optim.lr_warmup_steps=0"])
+    tree = config_to_dict(cfg)
+    tree["model"]["hf_config"] = {k: v for k, v in hf.to_dict().items() if v is not None}
+    return RoleSpec(config_from_dict(tree), "actor", cfg.trainer.total_steps)
+
+
 def megaflow_step_time(hf_model, batch, args) -> float:
     from megaflow.megatron import model as M
-    from megaflow.megatron.engine import EngineConfig, MegatronEngine
+    from megaflow.megatron.engine import MegatronEngine
     from megaflow.megatron.parallel import destroy_parallel, initialize_parallel
     from megaflow.models.weights import load_hf_weights
-    from megaflow.workers.config import ActorLossConfig
     from megaflow.workers.losses import actor_loss_fn
 
     info = initialize_parallel(tp=1, seed=0)
     cfg = hf_config(args)
+    spec = megaflow_spec(args, cfg)
     model = M.build_gpt_model(cfg)
     load_hf_weights(model, hf_model.state_dict(), cfg, info)
-    engine = MegatronEngine(model, info, EngineConfig(
-        max_seq_len=args.prompt_len + args.response_len, micro_batch_size=args.micro_batch,
-        lr=1e-5, weight_decay=0.0, clip_grad=1.0), vocab_size=args.vocab)
-    loss_fn = actor_loss_fn(ActorLossConfig())
+    engine = MegatronEngine(model, info, spec, vocab_size=args.vocab)
+    loss_fn = actor_loss_fn(spec.config)
     seconds = _timed(lambda: engine.train_step(batch, loss_fn), args.steps)
     destroy_parallel()
     return seconds

@@ -183,23 +183,21 @@ def run_smoke(args: argparse.Namespace) -> tuple[list[PhaseResult], list[str]]:
     torch_dtype = getattr(torch, dtype_name)
 
     def build() -> str:
-        from megaflow.megatron.engine import EngineConfig, MegatronEngine
+        from megaflow.config.role_spec import RoleSpec
+        from megaflow.megatron.engine import MegatronEngine
         from megaflow.megatron.model import build_gpt_model
         from megaflow.models.weights import load_hf_weights
-        from megaflow.workers.config import MegatronWorkerConfig
 
         info = parallel.initialize_parallel(tp=1, pp=1, seed=1)
         torch.manual_seed(0)
         hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_dict), dtype=torch_dtype,
                                               attn_implementation="eager").to(device).eval()
-        wc = MegatronWorkerConfig(hf_config=hf_dict, dtype=dtype_name, recompute_granularity="full")
-        model = build_gpt_model(hf_dict, dtype=torch_dtype, **wc.model_overrides)
+        spec = RoleSpec(cfg, "actor", cfg.trainer.total_steps)  # what the actor worker reads
+        model = build_gpt_model(hf_dict, dtype=torch_dtype, **spec.model_overrides)
         if not cuda:
             model = model.to(device)
         load_hf_weights(model, {k: v.detach().cpu() for k, v in hf.state_dict().items()}, hf_dict, info)
-        engine = MegatronEngine(model, info, EngineConfig(max_seq_len=prompt_len + resp_len,
-                                micro_batch_size=args.batch, forward_micro_batch_size=args.batch, lr=1e-3),
-                                vocab_size=hf_dict["vocab_size"])
+        engine = MegatronEngine(model, info, spec, vocab_size=hf_dict["vocab_size"])
         state.update(hf=hf, engine=engine, info=info)
         return f"{sum(p.numel() for p in model.parameters())} params, {dtype_name}, local spec"
 
@@ -238,8 +236,7 @@ def run_smoke(args: argparse.Namespace) -> tuple[list[PhaseResult], list[str]]:
 
     def reshard() -> str:
         from megaflow.hybrid_engine import MicroDPResharder, build_reshard_groups, plan_hybrid_layout
-        from megaflow.hybrid_engine.rollout_weights import hf_full_tensors
-        from megaflow.models.hf_mapping import ModelSpec
+        from megaflow.models.hf_mapping import ModelSpec, find_mapping, hf_names, megatron_shards_to_hf
 
         module = state["engine"].module
         layout = plan_hybrid_layout(1, 1, 1, gen_tp=1, num_attention_heads=hf_dict["num_attention_heads"],
@@ -248,11 +245,15 @@ def run_smoke(args: argparse.Namespace) -> tuple[list[PhaseResult], list[str]]:
                                      share_embeddings_and_output_weights=module.share_embeddings_and_output_weights)
         hf_params = dict(state["hf"].named_parameters())
         loaded = 0
+        spec = ModelSpec.from_hf_config(hf_dict)
         with resharder.generation() as stats, torch.no_grad():
-            for name, tensor in hf_full_tensors(resharder.named_generation_tensors(),
-                                                ModelSpec.from_hf_config(hf_dict)):
-                hf_params[name].copy_(tensor)
-                loaded += 1
+            for megatron_name, shard in resharder.named_generation_tensors():  # t_g = 1: whole tensors
+                row, layer = find_mapping(megatron_name, spec)
+                if row.tied_hf and spec.tie_word_embeddings:
+                    continue  # the HF model ties lm_head to the embedding itself
+                for name, tensor in zip(hf_names(row, spec, layer), megatron_shards_to_hf(row, [shard], spec)):
+                    hf_params[name].copy_(tensor)
+                    loaded += 1
         if loaded != len(hf_params):
             failures.append(f"reshard loaded {loaded} of {len(hf_params)} HF tensors")
         diff = max_log_prob_diff()  # the HF model now holds the updated actor's weights

@@ -190,7 +190,8 @@ class RolloutConfig(Section):
     tp: int = 1
     """Generation tensor-parallel size t_g; must divide actor.tp and the heads/KV heads."""
     pp: int = 1
-    """Generation pipeline size p_g; must divide actor.pp (1: stages folded into DP)."""
+    """Generation pipeline size p_g; only 1 is supported so far (the actor's stages fold into
+    generation replicas); other values are refused at load."""
     n: int = 8
     """Samples per prompt (GRPO/RLOO group size)."""
     response_length: int = 512

@@ -11,14 +11,15 @@ Vocabulary: a *sample* is one (prompt, response) pair; a step has
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping
 
 from megaflow.config.model_spec import ModelSpec, model_spec, resolve_hf_config
 from megaflow.config.layout import pack_pools
 from megaflow.config.roles import GROUP_ESTIMATORS, ROLES
-from megaflow.config.typed import ConfigError, check
+from megaflow.config.typed import ConfigError, check, thaw
 
 if TYPE_CHECKING:
     from megaflow.config.schema import Config
@@ -93,13 +94,19 @@ def generation_sizes(cfg: Config) -> GenerationSizes:
     """Generation layout of the rollout from the actor's training layout.
 
     Raises:
-        ConfigError: ``actor.tp % rollout.tp`` or ``actor.pp % rollout.pp`` is non-zero.
+        ConfigError: ``actor.tp % rollout.tp`` or ``actor.pp % rollout.pp`` is non-zero, or
+            ``rollout.pp > 1`` (not supported).
     """
     actor, rollout = role_parallel(cfg, "actor"), cfg.rollout
     check(actor.tp % rollout.tp == 0, "rollout.tp",
           f"generation TP t_g={rollout.tp} must divide {{0}}={actor.tp} (HybridEngine: t % t_g == 0)", "actor.tp")
     check(actor.pp % rollout.pp == 0, "rollout.pp",
           f"generation PP p_g={rollout.pp} must divide {{0}}={actor.pp} (p % p_g == 0)", "actor.pp")
+    # The vLLM engine is built without pipeline parallelism: at p_g > 1 each rank would push
+    # only its stage's layers and the others would keep the engine's dummy weights.
+    check(rollout.pp == 1, "rollout.pp",
+          f"pipeline-parallel generation is not supported: use 1 (the actor's {actor.pp} stages fold into "
+          f"generation replicas), got {rollout.pp}")
     micro_dp = (actor.tp * actor.pp) // (rollout.tp * rollout.pp)
     replicas = actor.dp * actor.cp * micro_dp
     return GenerationSizes(tp=rollout.tp, pp=rollout.pp, micro_dp=micro_dp, num_replicas=replicas,
@@ -254,6 +261,87 @@ def lr_schedule_steps(cfg: Config, role: str, total_steps: int) -> int:
     return run_updates
 
 
+#: role -> (update micro-batch key or None, forward micro-batch key): samples per micro-batch
+MICRO_BATCH_KEYS = {"actor": ("ppo_micro_batch_size_per_gpu", "log_prob_micro_batch_size_per_gpu"),
+                    "critic": ("ppo_micro_batch_size_per_gpu", "forward_micro_batch_size_per_gpu"),
+                    "ref": (None, "log_prob_micro_batch_size_per_gpu"),
+                    "reward_model": (None, "micro_batch_size_per_gpu")}
+
+
+@dataclass(frozen=True)
+class MicroBatchSizes:
+    """How one role's engine cuts a rank's rows into micro-batches (one forward/backward each)."""
+
+    max_seq_len: int
+    """Longest accepted sequence in real tokens (:func:`max_seq_len`)."""
+    update_micro_batch_size: int | None
+    """Samples per micro-batch of an update; None for the roles that do not train."""
+    forward_micro_batch_size: int
+    """Samples per micro-batch of a forward-only pass."""
+    update_max_tokens: int | None
+    """With ``use_dynamic_bsz``: padded tokens per micro-batch of an update (replaces the row count)."""
+    forward_max_tokens: int | None
+    """With ``use_dynamic_bsz``: padded tokens per micro-batch of a forward pass."""
+
+
+def micro_batch_sizes(cfg: Config, role: str) -> MicroBatchSizes:
+    """Micro-batch sizes of ``role``'s engine, from the ``*_micro_batch_size_per_gpu`` keys
+    (:data:`MICRO_BATCH_KEYS`) and the token budgets (:func:`token_budgets`).
+
+    Raises:
+        ConfigError: a token budget below the longest sequence (see :func:`token_budgets`).
+        KeyError: ``role`` is not one of :data:`~megaflow.config.roles.ROLES`.
+    """
+    section = getattr(cfg, role)
+    update_key, forward_key = MICRO_BATCH_KEYS[role]
+    update_budget, forward_budget = token_budgets(cfg, role)
+    return MicroBatchSizes(max_seq_len=max_seq_len(cfg),
+                           update_micro_batch_size=None if update_key is None else getattr(section, update_key),
+                           forward_micro_batch_size=getattr(section, forward_key),
+                           update_max_tokens=update_budget, forward_max_tokens=forward_budget)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a role's architecture and initial weights come from."""
+
+    path: str | None
+    """HF checkpoint directory (``~`` expanded) holding config.json and the weights; None:
+    random initialisation from ``hf_config``."""
+    hf_config: Mapping[str, Any] | None
+    """The inline HF config, used only when ``path`` is None."""
+    key: str
+    """Dotted config key of the source (for error messages)."""
+
+
+def model_source(cfg: Config, role: str) -> ModelSource:
+    """The model of ``role``: ``reward_model.path``/``hf_config`` for the reward model,
+    ``critic.path`` (when set) for the critic, else ``model.path``/``model.hf_config``.
+    A path wins over an inline config (which the planner checks against its config.json)."""
+    path, inline, key = cfg.model.path, cfg.model.hf_config, "model"
+    if role == "reward_model":
+        path, inline, key = cfg.reward_model.path, cfg.reward_model.hf_config, "reward_model"
+    elif role == "critic" and cfg.critic.path is not None:
+        path, inline, key = cfg.critic.path, None, "critic"
+    if path is not None:
+        return ModelSource(path=os.path.expanduser(path), hf_config=None, key=f"{key}.path")
+    return ModelSource(path=None, hf_config=inline, key=f"{key}.hf_config")
+
+
+def role_hf_config(cfg: Config, role: str) -> dict[str, Any]:
+    """The HF config (plain, mutable dict) of ``role``'s model (:func:`model_source`):
+    ``<path>/config.json``, or the inline config.
+
+    Raises:
+        ConfigError: the path has no readable config.json (naming the key).
+    """
+    source = model_source(cfg, role)
+    if source.path is not None:
+        on_disk, _ = resolve_hf_config(source.path, None, source.key.rpartition(".")[0])
+        return dict(on_disk)
+    return thaw(source.hf_config)
+
+
 @dataclass(frozen=True)
 class ClusterRequirements:
     """What the cluster must offer (Ray / Slurm): nodes x ranks, each rank its CPUs/GPU."""
@@ -367,5 +455,7 @@ def validate_config(cfg: Config) -> None:
 __all__ = [
     "RoleParallel", "GenerationSizes", "TrainBatchSizes", "ClusterRequirements", "enabled_roles",
     "role_model_spec", "role_parallel", "generation_sizes", "train_batch_sizes", "num_samples_per_step",
-    "max_seq_len", "run_dir_of", "num_training_steps", "lr_schedule_steps", "token_budgets", "TOKEN_BUDGET_KEYS", "cluster_requirements", "validate_config", "TRAINED_ROLES",
+    "max_seq_len", "run_dir_of", "num_training_steps", "lr_schedule_steps", "token_budgets", "TOKEN_BUDGET_KEYS",
+    "cluster_requirements", "validate_config", "TRAINED_ROLES",
+    "MICRO_BATCH_KEYS", "MicroBatchSizes", "micro_batch_sizes", "ModelSource", "model_source", "role_hf_config",
 ]

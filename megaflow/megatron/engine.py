@@ -20,8 +20,9 @@ from typing import Callable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from megaflow.config.role_spec import RoleSpec
 from megaflow.megatron.batch import PackedBatch, pack_batch, token_budget_groups
-from megaflow.megatron.engine_config import EngineConfig, GlobalDenominators
+from megaflow.megatron.engine_config import GlobalDenominators
 from megaflow.megatron.logprobs import chunked_vocab_parallel_log_probs, vocab_parallel_log_probs
 from megaflow.megatron.parallel import ParallelInfo
 
@@ -29,6 +30,11 @@ from megaflow.megatron.parallel import ParallelInfo
 #: ``outputs``: ``log_probs`` (and ``entropy`` when requested) ``[mb, R]`` for an actor, or
 #: ``values`` ``[mb, R]`` for a critic; ``micro_batch``: the batch's other fields for these rows.
 LossFn = Callable[[dict, dict, GlobalDenominators], tuple[torch.Tensor, dict]]
+
+#: The loss mask: zeroed on the padding rows of a micro-batch, counted by the global denominators.
+LOSS_MASK_KEY = "response_mask"
+#: The LR at the start of the warm-up (``<role>.optim.lr_warmup_steps`` ramps linearly from it to ``lr``).
+LR_WARMUP_INIT = 0.0
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -81,35 +87,37 @@ def causal_attention_mask(seq_len: int, device: torch.device | str) -> torch.Ten
 class MegatronEngine:
     """Runs one role's GPTModel shard: forward-only heads and optimizer steps.
 
+    What it reads from the role's config: the micro-batch sizes and token budgets
+    (:attr:`RoleSpec.micro_batches`), ``<role>.logits_chunk_tokens`` (actor and ref), and for
+    the trained roles (actor, critic) ``<role>.optim``, ``<role>.use_distributed_optimizer``
+    and the LR decay horizon (:attr:`RoleSpec.lr_decay_steps`).
+
     Args:
         model: this rank's ``GPTModel`` from :func:`megaflow.megatron.model.build_gpt_model`.
         info: this rank's :class:`~megaflow.megatron.parallel.ParallelInfo`.
-        config: :class:`EngineConfig`.
+        spec: the role (:class:`~megaflow.config.role_spec.RoleSpec`); its head gives the
+            outputs (actor, ref: log-probs/entropy; critic: values; reward model: scores),
+            and the trained roles get Megatron DDP, the optimizer and the LR schedule.
         vocab_size: the real (unpadded) vocabulary size; padded ids get no probability.
-        role: ``"actor"`` (log-probs/entropy) or ``"critic"``/``"reward"`` (values).
-        train: build Megatron DDP, the optimizer (distributed when dp > 1) and the LR
-            schedule; False for reference and reward models.
 
     Raises:
-        ValueError: unknown role.
         NotImplementedError: context parallelism (cp > 1) or virtual pipeline stages.
     """
 
-    def __init__(self, model: torch.nn.Module, info: ParallelInfo, config: EngineConfig, *,
-                 vocab_size: int, role: str = "actor", train: bool = True) -> None:
-        if role not in ("actor", "critic", "reward"):
-            raise ValueError(f"role must be actor, critic or reward, got {role!r}")
+    def __init__(self, model: torch.nn.Module, info: ParallelInfo, spec: RoleSpec, *, vocab_size: int) -> None:
         if info.cp_size > 1 or info.vpp_size is not None:
             raise NotImplementedError("MegatronEngine supports cp=1 and no virtual pipeline")
-        self.info, self.config, self.role = info, config, role
+        self.info, self.spec, self.role = info, spec, spec.head
+        self.sizes = spec.micro_batches
+        self.logits_chunk_tokens = spec.section.logits_chunk_tokens if spec.head == "actor" else None
         self.vocab_size = vocab_size
         self.model = model
         self.optimizer = self.scheduler = None
         self.device = next(model.parameters()).device
         self._offloaded: set[str] = set()
-        if config.logits_chunk_tokens is not None and role == "actor" and info.is_last_pp_stage:
+        if self.logits_chunk_tokens is not None and info.is_last_pp_stage:
             _output_layer_returns_hidden(self.module)
-        if train:
+        if spec.trains:
             self._setup_training()
 
     # ------------------------------------------------------------------ set-up
@@ -119,23 +127,23 @@ class MegatronEngine:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        cfg, tc = self.config, self.model.config
-        distributed = cfg.resolve_distributed_optimizer(self.info.dp_size)
+        optim, tc = self.spec.section.optim, self.model.config
+        distributed = self.spec.section.use_distributed_optimizer
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.overlap_grad_reduce,
-            use_distributed_optimizer=distributed, check_for_nan_in_grad=cfg.check_for_nan_in_grad)
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=distributed, check_for_nan_in_grad=False)
         self.model = DistributedDataParallel(config=tc, ddp_config=ddp_config, module=self.model)
         self.optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
-            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
-            clip_grad=cfg.clip_grad, bf16=tc.bf16, fp16=tc.fp16, params_dtype=tc.params_dtype,
+            optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+            adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps,
+            clip_grad=optim.clip_grad, bf16=tc.bf16, fp16=tc.fp16, params_dtype=tc.params_dtype,
             use_distributed_optimizer=distributed), [self.model])
-        decay_steps = cfg.lr_decay_steps or cfg.lr_warmup_steps + 1
+        decay_steps = self.spec.lr_decay_steps
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=cfg.lr_warmup_init, max_lr=cfg.lr, min_lr=cfg.min_lr,
-            lr_warmup_steps=cfg.lr_warmup_steps, lr_decay_steps=decay_steps,
-            lr_decay_style=cfg.lr_decay_style, start_wd=cfg.weight_decay,
-            end_wd=cfg.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant")
+            self.optimizer, init_lr=LR_WARMUP_INIT, max_lr=optim.lr, min_lr=optim.min_lr,
+            lr_warmup_steps=optim.lr_warmup_steps, lr_decay_steps=decay_steps,
+            lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay,
+            end_wd=optim.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant")
         tc.grad_scale_func = self.optimizer.scale_loss
         tc.no_sync_func = self.model.no_sync
         tc.finalize_model_grads_func = finalize_model_grads
@@ -161,7 +169,7 @@ class MegatronEngine:
             chunks (None for the fixed split, whose chunks keep the row order).
         """
         if max_tokens is None:
-            padded, _ = packed.pad_rows(micro_batch_size, zero_keys=self.config.loss_mask_keys)
+            padded, _ = packed.pad_rows(micro_batch_size, zero_keys=(LOSS_MASK_KEY,))
             return [padded.rows(i, i + micro_batch_size) for i in range(0, padded.num_rows, micro_batch_size)], None
         multiple = self.info.tp_size if self.module.config.sequence_parallel else 1
         groups = token_budget_groups(packed.lengths, max_tokens, width_multiple=multiple)
@@ -191,12 +199,12 @@ class MegatronEngine:
         labels = torch.where(valid, labels, torch.zeros_like(labels))
         common = dict(tp_group=self.info.tp_group, vocab_size=self.vocab_size, temperature=temperature,
                       with_entropy=with_entropy)
-        if self.config.logits_chunk_tokens is None:  # the model returned logits
+        if self.logits_chunk_tokens is None:  # the model returned logits
             log_probs, entropy = vocab_parallel_log_probs(at_response, labels, **common)
         else:  # the model returned hidden states: project and normalise chunk by chunk
             log_probs, entropy = chunked_vocab_parallel_log_probs(
                 at_response, self._output_weight(), labels,
-                chunk_tokens=self.config.logits_chunk_tokens, **common)
+                chunk_tokens=self.logits_chunk_tokens, **common)
         out = {"log_probs": log_probs * valid}
         if entropy is not None:
             out["entropy"] = entropy * valid
@@ -226,7 +234,7 @@ class MegatronEngine:
         """
         error: Optional[ValueError] = None
         try:
-            packed = pack_batch(batch, max_seq_len=self.config.max_seq_len, vocab_size=self.vocab_size,
+            packed = pack_batch(batch, max_seq_len=self.sizes.max_seq_len, vocab_size=self.vocab_size,
                                 width_multiple=self.info.tp_size if self.module.config.sequence_parallel else 1)
         except ValueError as exc:
             error = exc
@@ -252,7 +260,8 @@ class MegatronEngine:
             temperature: the rollout's sampling temperature (log-probs of
                 ``softmax(logits / temperature)``); actor only.
             with_entropy: also return ``entropy``; actor only.
-            micro_batch_size: rows per micro-batch (default ``config.forward_micro_batch_size``).
+            micro_batch_size: rows per micro-batch; None: the role's forward micro-batch size,
+                or its token budget with ``use_dynamic_bsz``.
 
         Returns:
             On the last pipeline stage, a dict of float32 CPU tensors ``[batch, R]``:
@@ -264,12 +273,12 @@ class MegatronEngine:
 
         Raises:
             ValueError: invalid batch (see :func:`megaflow.megatron.batch.pack_batch`),
-                e.g. a sequence longer than ``config.max_seq_len``.
+                e.g. a sequence longer than ``data.max_prompt_length + rollout.response_length``.
         """
         self._require_loaded("params")
-        mbs = micro_batch_size or self.config.forward_micro_batch_size
+        mbs = micro_batch_size or self.sizes.forward_micro_batch_size
         packed = self._pack(batch)
-        budget = None if micro_batch_size else self.config.forward_max_tokens_per_micro_batch
+        budget = None if micro_batch_size else self.sizes.forward_max_tokens
         chunks, order = self._micro_batches(packed, mbs, budget)
         head = partial(self._forward_head, temperature, with_entropy)
         self.model.eval()
@@ -292,9 +301,9 @@ class MegatronEngine:
     def global_denominators(self, batch: Mapping[str, torch.Tensor]) -> GlobalDenominators:
         """Valid tokens and sequences (>= 1 valid token) of the mini-batch over all DP ranks.
 
-        Counted on ``batch[config.loss_mask_keys[0]]`` ``[batch, R]``, all-reduced over DP.
+        Counted on ``batch[LOSS_MASK_KEY]`` ``[batch, R]``, all-reduced over DP.
         """
-        key = self.config.loss_mask_keys[0]
+        key = LOSS_MASK_KEY
         if key not in batch:
             raise ValueError(f"batch has no loss mask {key!r}; it has {sorted(batch)}")
         valid = batch[key] != 0
@@ -316,23 +325,24 @@ class MegatronEngine:
                 (global denominators) and additive metric shares (summed over micro-batches
                 and DP ranks to give the mini-batch value).
             temperature, with_entropy: as in :meth:`forward` (actor).
-            micro_batch_size: rows per micro-batch (default ``config.micro_batch_size``).
+            micro_batch_size: rows per micro-batch; None: the role's update micro-batch size,
+                or its token budget with ``use_dynamic_bsz``.
 
         Returns:
             Metrics: the summed loss (``loss``) and the callback's metrics on the last
             pipeline stage, and on every rank ``grad_norm``, ``lr`` and ``update_successful``.
 
         Raises:
-            RuntimeError: the engine was built with ``train=False`` or is offloaded.
+            RuntimeError: the role does not train (ref, reward model) or the engine is offloaded.
             ValueError: invalid batch.
         """
         if self.optimizer is None:
-            raise RuntimeError("train_step needs an engine built with train=True")
+            raise RuntimeError(f"train_step: role {self.spec.role!r} has no optimizer (only actor and critic train)")
         self._require_loaded("params", "grads", "optimizer")
-        mbs = micro_batch_size or self.config.micro_batch_size
+        mbs = micro_batch_size or self.sizes.update_micro_batch_size
         packed = self._pack(batch)
         denominators = self.global_denominators(batch)
-        budget = None if micro_batch_size else self.config.max_tokens_per_micro_batch
+        budget = None if micro_batch_size else self.sizes.update_max_tokens
         chunks, _ = self._micro_batches(packed, mbs, budget)
         scale = len(chunks) * self.info.dp_size
         head = partial(self._loss_head, loss_fn, denominators, scale, temperature, with_entropy)
@@ -414,5 +424,4 @@ class MegatronEngine:
             raise RuntimeError(f"engine state {missing} is offloaded; call reload() first")
 
 
-__all__ = ["MegatronEngine", "EngineConfig", "GlobalDenominators", "LossFn",
-           "causal_attention_mask"]
+__all__ = ["MegatronEngine", "GlobalDenominators", "LossFn", "LOSS_MASK_KEY", "causal_attention_mask"]

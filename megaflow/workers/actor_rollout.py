@@ -19,19 +19,21 @@ other methods on the ``actor`` mesh (Megatron DP rank, collected from tp 0 / las
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import tempfile
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 
 from megaflow.protocol import DataProto
 from megaflow.single_controller import Dispatch, nd_compute, register
-from megaflow.workers.config import MegatronWorkerConfig
+from megaflow.config.role_spec import RoleSpec
 from megaflow.workers.megatron_workers import ActorWorker
+
+if TYPE_CHECKING:
+    from megaflow.config.schema import Config
 
 #: Offset between the sampling seeds of two generation replicas (distinct request seeds).
 _REPLICA_SEED_STRIDE = 1_000_003
@@ -41,52 +43,29 @@ VERIFY_SYNC_ATOL = 1e-5
 _PROBE_LENGTHS, _PROBE_RESPONSE = (8, 5), 8
 
 
-@dataclasses.dataclass(frozen=True)
-class RolloutSettings:
-    """The rollout side of the actor worker.
-
-    Attributes:
-        gen_tp, gen_pp: generation layout t_g, p_g (t % t_g == 0; p_g must be 1: the
-            engine runs without pipeline parallelism, training stages fold into replicas).
-        response_length: maximum new tokens (the response dimension of outputs).
-        max_prompt_length: longest prompt in tokens (with response_length: the engine's
-            ``max_model_len``).
-        eos_token_ids, pad_token_id: stop ids and the right-padding id of responses.
-        kv_cache_bytes: vLLM KV-cache size (CPU); None: vLLM's default for the platform.
-        gpu_memory_utilization: GPU share for the engine (GPU only).
-        seed: engine seed.
-
-    Raises:
-        ValueError: ``gen_tp < 1`` or ``gen_pp != 1``.
-    """
-
-    gen_tp: int = 1
-    gen_pp: int = 1
-    response_length: int = 64
-    max_prompt_length: int = 512
-    eos_token_ids: tuple[int, ...] = ()
-    pad_token_id: int = 0
-    kv_cache_bytes: Optional[int] = None
-    gpu_memory_utilization: float = 0.5
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.gen_tp < 1:
-            raise ValueError(f"RolloutSettings.gen_tp must be >= 1, got {self.gen_tp}")
-        if self.gen_pp != 1:
-            # The engine is built without pipeline parallelism: at p_g > 1 each rank would
-            # push only its generation stage's layers and the others would keep vLLM's
-            # dummy weights, silently.
-            raise ValueError(f"RolloutSettings.gen_pp={self.gen_pp} (rollout.pp): pipeline-parallel generation "
-                             f"is not supported; use gen_pp=1 (training stages fold into generation replicas)")
+def stop_token_ids(cfg: Config, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """The ids that end a response: the tokenizer's EOS ids, or none with ``rollout.ignore_eos``
+    (every response is then ``rollout.response_length`` tokens)."""
+    return () if cfg.rollout.ignore_eos else tuple(int(i) for i in eos_token_ids)
 
 
 class ActorRolloutWorker(ActorWorker):
-    """:class:`ActorWorker` plus a vLLM engine fed by the micro-DP resharder."""
+    """:class:`ActorWorker` plus a vLLM engine fed by the micro-DP resharder.
 
-    def __init__(self, config: MegatronWorkerConfig, rollout: RolloutSettings) -> None:
-        super().__init__(config)
-        self.rollout_settings = rollout
+    The engine reads ``rollout`` (``tp`` = t_g, ``response_length``, ``gpu_memory_utilization``,
+    the CPU KV cache keys, ``ignore_eos``), ``data.max_prompt_length``, ``model.dtype`` and
+    ``trainer.seed`` from the config; ``rollout.pp > 1`` is refused at load.
+
+    Args:
+        spec: the actor's :class:`~megaflow.config.role_spec.RoleSpec`.
+        eos_token_ids: the tokenizer's end-of-sequence ids (stop ids unless ``rollout.ignore_eos``).
+        pad_token_id: the tokenizer's padding id (right-padding of responses, left-padding of prompts).
+    """
+
+    def __init__(self, spec: RoleSpec, eos_token_ids: tuple[int, ...], pad_token_id: int) -> None:
+        super().__init__(spec)
+        self.eos_token_ids = stop_token_ids(spec.config, eos_token_ids)
+        self.pad_token_id = int(pad_token_id)
         self.rollout = None
         self.resharder = None
         self._actor_version = 0
@@ -100,10 +79,10 @@ class ActorRolloutWorker(ActorWorker):
         from megaflow.models.hf_mapping import ModelSpec
 
         super().init_model()
-        rs, info = self.rollout_settings, self.info
-        hf_config = self.config.resolve_hf_config()
+        rollout, info = self.config.rollout, self.info
+        hf_config = self.role_spec.hf_config()
         self.spec = ModelSpec.from_hf_config(hf_config)
-        self.layout = plan_hybrid_layout(info.tp_size, info.pp_size, info.dp_size, rs.gen_tp, rs.gen_pp,
+        self.layout = plan_hybrid_layout(info.tp_size, info.pp_size, info.dp_size, rollout.tp, rollout.pp,
                                          num_attention_heads=self.spec.num_heads,
                                          num_query_groups=self.spec.num_kv_heads)
         self.reshard_groups = build_reshard_groups(self.layout)
@@ -116,18 +95,20 @@ class ActorRolloutWorker(ActorWorker):
         self.rollout = self._build_engine(hf_config)
 
     def _build_engine(self, hf_config):
+        from megaflow.config.memory import cpu_kv_cache_bytes
+        from megaflow.config.topology import max_seq_len
         from megaflow.rollout.sampling import SamplingConfig
         from megaflow.rollout.vllm_rollout import VLLMRollout, VLLMRolloutConfig
 
-        rs = self.rollout_settings
+        cfg = self.config
         model_dir = self._engine_model_dir(hf_config)
         engine_cfg = VLLMRolloutConfig(
-            model_path=model_dir, tp_size=rs.gen_tp, tp_group_ranks=self.layout.gen_tp_groups,
-            dtype=self.config.dtype, load_format="dummy",
-            max_model_len=rs.max_prompt_length + rs.response_length, kv_cache_bytes=rs.kv_cache_bytes,
-            gpu_memory_utilization=rs.gpu_memory_utilization, seed=rs.seed)
-        sampling = SamplingConfig(response_length=rs.response_length, eos_token_ids=rs.eos_token_ids,
-                                  pad_token_id=rs.pad_token_id)
+            model_path=model_dir, tp_size=cfg.rollout.tp, tp_group_ranks=self.layout.gen_tp_groups,
+            dtype=cfg.model.dtype, load_format="dummy", max_model_len=max_seq_len(cfg),
+            kv_cache_bytes=None if cfg.resources.use_gpu else cpu_kv_cache_bytes(cfg),
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.trainer.seed)
+        sampling = SamplingConfig(response_length=cfg.rollout.response_length, eos_token_ids=self.eos_token_ids,
+                                  pad_token_id=self.pad_token_id)
         return VLLMRollout(engine_cfg, sampling)
 
     def _engine_model_dir(self, hf_config) -> str:
@@ -149,11 +130,11 @@ class ActorRolloutWorker(ActorWorker):
         try:
             with self.resharder.generation() as stats:
                 named = self.resharder.named_generation_tensors()
-                if self.rollout_settings.gen_tp == 1:
+                if self.config.rollout.tp == 1:
                     self.rollout.update_weights(hf_full_tensors(named, self.spec), format="hf_full")
                 else:
                     tensors = vllm_sharded_tensors(
-                        named, self.spec, gen_tp=self.rollout_settings.gen_tp, gen_tp_rank=self._gen_tp_rank,
+                        named, self.spec, gen_tp=self.config.rollout.tp, gen_tp_rank=self._gen_tp_rank,
                         vllm_shapes=self.rollout.sharded_param_shapes(), gather_vocab=self._gather_gen_tp)
                     self.rollout.update_weights(list(tensors), format="sharded")
         finally:
@@ -197,17 +178,17 @@ class ActorRolloutWorker(ActorWorker):
 
     def _probe(self) -> DataProto:
         """Fixed left-padded prompts (seeded ids from 3 up to the vocabulary), greedy."""
-        rs = self.rollout_settings
-        lengths = [min(n, rs.max_prompt_length) for n in _PROBE_LENGTHS]
+        lengths = [min(n, self.config.data.max_prompt_length) for n in _PROBE_LENGTHS]
         width = max(lengths)
         gen = torch.Generator().manual_seed(0)
-        ids = torch.full((len(lengths), width), rs.pad_token_id, dtype=torch.long)
+        ids = torch.full((len(lengths), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, n in enumerate(lengths):
             ids[i, width - n:] = torch.randint(3, self.spec.vocab_size, (n,), generator=gen)
             mask[i, width - n:] = 1
         return DataProto.from_dict({"input_ids": ids, "attention_mask": mask}, meta_info={
-            "do_sample": False, "response_length": min(_PROBE_RESPONSE, rs.response_length), "seed": 0})
+            "do_sample": False, "response_length": min(_PROBE_RESPONSE, self.config.rollout.response_length),
+            "seed": 0})
 
     def _verify_sync(self) -> float:
         """Engine vs trainer log-probs of the probe's greedy tokens; the world's largest
@@ -306,4 +287,4 @@ def check_synced(per_rank: list[dict[str, float]]) -> dict[str, float]:
             if k not in ("rollout/synced_actor_version", "rollout/actor_version")}
 
 
-__all__ = ["ActorRolloutWorker", "RolloutSettings", "check_synced", "VERIFY_SYNC_ATOL"]
+__all__ = ["ActorRolloutWorker", "stop_token_ids", "check_synced", "VERIFY_SYNC_ATOL"]

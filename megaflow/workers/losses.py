@@ -8,13 +8,15 @@ valid tokens, so the sum is the mini-batch token mean.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from megaflow.algorithms import clipped_value_loss, compute_policy_loss, entropy_bonus, kl_loss
 from megaflow.megatron.engine_config import GlobalDenominators
-from megaflow.workers.config import ActorLossConfig, CriticLossConfig
+
+if TYPE_CHECKING:
+    from megaflow.config.schema import Config
 
 
 def _aggregation(mode: str, norm_length, den: GlobalDenominators) -> dict:
@@ -27,44 +29,57 @@ def _shares(prefix: str, metrics: dict, mask: torch.Tensor, den: GlobalDenominat
     return {f"{prefix}/{k}": torch.as_tensor(v).detach().double() * weight for k, v in metrics.items()}
 
 
-def actor_loss_fn(cfg: ActorLossConfig) -> Callable:
+def needs_entropy(cfg: Config) -> bool:
+    """Whether the actor's update needs the entropy output (``actor.entropy_coeff != 0``)."""
+    return cfg.actor.entropy_coeff != 0.0
+
+
+def actor_loss_fn(cfg: Config) -> Callable:
     """``pg_loss - entropy_coeff * entropy + kl_loss_coef * kl`` (PPO/GSPO/CISPO; GRPO KL loss).
 
-    A micro-batch field ``rollout_is_weights`` (rollout correction) multiplies the per-token
-    policy loss; rejected tokens arrive already removed from ``response_mask``.
+    Reads ``actor.policy_loss``, ``clip_ratio_low``/``high``/``c``, ``loss_agg_mode``,
+    ``entropy_coeff``, ``algorithm.use_kl_loss``/``kl_loss_coef``/``kl_loss_type``, and
+    ``rollout.response_length`` as the ``seq-mean-token-sum-norm`` constant. A micro-batch
+    field ``rollout_is_weights`` (rollout correction) multiplies the per-token policy loss;
+    rejected tokens arrive already removed from ``response_mask``.
     """
+    actor, algo, norm_length = cfg.actor, cfg.algorithm, cfg.rollout.response_length
+    with_entropy = needs_entropy(cfg)
 
     def loss_fn(outputs: dict, mb: dict, den: GlobalDenominators):
         mask = mb["response_mask"]
-        agg = _aggregation(cfg.loss_agg_mode, cfg.norm_length, den)
+        agg = _aggregation(actor.loss_agg_mode, norm_length, den)
         pg, pg_metrics = compute_policy_loss(
-            cfg.policy_loss, outputs["log_probs"], mb["old_log_probs"], mb["advantages"], mask,
-            clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
-            clip_ratio_c=cfg.clip_ratio_c, is_weights=mb.get("rollout_is_weights"), **agg)
+            actor.policy_loss, outputs["log_probs"], mb["old_log_probs"], mb["advantages"], mask,
+            clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
+            clip_ratio_c=actor.clip_ratio_c, is_weights=mb.get("rollout_is_weights"), **agg)
         loss, metrics = pg, {"actor/pg_loss": pg.detach()}
         metrics.update(_shares("actor", pg_metrics, mask, den))
-        if cfg.needs_entropy:
+        if with_entropy:
             bonus, ent_metrics = entropy_bonus(outputs["entropy"], mask, **agg)
-            loss = loss - cfg.entropy_coeff * bonus
+            loss = loss - actor.entropy_coeff * bonus
             metrics.update(_shares("actor", ent_metrics, mask, den))
-        if cfg.use_kl_loss:
+        if algo.use_kl_loss:
             kl, kl_metrics = kl_loss(outputs["log_probs"], mb["ref_log_probs"], mask,
-                                     kind=cfg.kl_loss_type, **agg)
-            loss = loss + cfg.kl_loss_coef * kl
+                                     kind=algo.kl_loss_type, **agg)
+            loss = loss + algo.kl_loss_coef * kl
             metrics.update(_shares("actor", kl_metrics, mask, den))
         return loss, metrics
 
     return loss_fn
 
 
-def critic_loss_fn(cfg: CriticLossConfig) -> Callable:
-    """Clipped value loss against ``returns`` (old values = the batch's ``values``)."""
+def critic_loss_fn(cfg: Config) -> Callable:
+    """Clipped value loss against ``returns`` (old values = the batch's ``values``), reading
+    ``critic.cliprange_value``, ``critic.loss_agg_mode`` and ``rollout.response_length``
+    (the ``seq-mean-token-sum-norm`` constant)."""
+    critic, norm_length = cfg.critic, cfg.rollout.response_length
 
     def loss_fn(outputs: dict, mb: dict, den: GlobalDenominators):
         mask = mb["response_mask"]
         loss, metrics = clipped_value_loss(
             outputs["values"], mb["values"], mb["returns"], mask,
-            cliprange_value=cfg.cliprange_value, **_aggregation(cfg.loss_agg_mode, cfg.norm_length, den))
+            cliprange_value=critic.cliprange_value, **_aggregation(critic.loss_agg_mode, norm_length, den))
         shares = {"critic/vf_loss": loss.detach()}
         shares.update(_shares("critic", metrics, mask, den))
         return loss, shares
@@ -87,4 +102,4 @@ def mean_metrics(steps: list[dict], role: str) -> dict[str, float]:
     return {k: v / max(len(steps), 1) for k, v in totals.items()}
 
 
-__all__ = ["actor_loss_fn", "critic_loss_fn", "mean_metrics"]
+__all__ = ["actor_loss_fn", "critic_loss_fn", "mean_metrics", "needs_entropy"]

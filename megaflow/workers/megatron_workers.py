@@ -19,12 +19,15 @@ from typing import Optional
 
 import torch
 
+from megaflow.config.role_spec import RoleSpec
 from megaflow.megatron.engine import MegatronEngine
 from megaflow.megatron.parallel import ParallelInfo, initialize_parallel, nd_dispatch_info
 from megaflow.protocol import DataProto
 from megaflow.single_controller import Dispatch, Worker, nd_compute, register
 from megaflow.workers import losses
-from megaflow.workers.config import MegatronWorkerConfig
+
+#: ``model.dtype`` -> parameter and compute dtype of the Megatron model
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _tensors(data: DataProto) -> dict[str, torch.Tensor]:
@@ -32,22 +35,31 @@ def _tensors(data: DataProto) -> dict[str, torch.Tensor]:
 
 
 class MegatronWorker(Worker):
-    """Common set-up of the Megatron roles (subclasses set ``role``/``mesh``/``trains``).
+    """Common set-up of the Megatron roles (subclasses set ``config_role`` and ``default_mesh``).
+
+    Reads the run's config through ``spec`` (``self.config`` is the whole
+    :class:`~megaflow.config.schema.Config`, ``self.role_spec.section`` the role's section).
 
     Args:
-        config: :class:`~megaflow.workers.config.MegatronWorkerConfig`.
-        mesh: the ND-dispatch mesh name (default: the role name).
+        spec: :class:`~megaflow.config.role_spec.RoleSpec` of the subclass's ``config_role``.
+        mesh: the ND-dispatch mesh name (default: ``default_mesh``).
+
+    Raises:
+        TypeError: ``spec`` is not a RoleSpec.
+        ValueError: ``spec`` is for another role than the class serves.
     """
 
-    role = "actor"  # model head: actor (LM head), critic / reward (scalar head)
+    config_role = "actor"  # the config section this class serves
     default_mesh = "actor"
-    trains = True
 
-    def __init__(self, config: MegatronWorkerConfig, mesh: Optional[str] = None) -> None:
+    def __init__(self, spec: RoleSpec, mesh: Optional[str] = None) -> None:
         super().__init__()
-        if not isinstance(config, MegatronWorkerConfig):
-            raise TypeError(f"config must be a MegatronWorkerConfig, got {type(config).__name__}")
-        self.config = config
+        if not isinstance(spec, RoleSpec):
+            raise TypeError(f"spec must be a megaflow.config.role_spec.RoleSpec, got {type(spec).__name__}")
+        if spec.role != self.config_role:
+            raise ValueError(f"{type(self).__name__} serves the {self.config_role!r} role, got a RoleSpec of "
+                             f"{spec.role!r}")
+        self.role_spec, self.config = spec, spec.config
         self.mesh = mesh or self.default_mesh
         self.engine: Optional[MegatronEngine] = None
         self.info: Optional[ParallelInfo] = None
@@ -56,37 +68,42 @@ class MegatronWorker(Worker):
     def init_model(self) -> None:
         """Join the process group, set up Megatron parallel state, build and load the model.
 
-        The RNG is re-seeded with ``config.seed`` right before the model is built, so every
+        The RNG is re-seeded with ``trainer.seed`` right before the model is built, so every
         role built from the same config draws the same random initialisation even when it
         shares its process with roles initialised before it (colocation): a randomly
         initialised reference equals the initial actor, and a critic's backbone starts as
         the actor's.
+
+        Raises:
+            RuntimeError: the process group's DP size differs from the config's (the group
+                was spawned on another world size than the role's pool).
         """
         from megaflow.megatron.cpu_compat import model_parallel_manual_seed
         from megaflow.megatron.model import build_gpt_model, read_hf_architecture
 
-        cfg = self.config
+        spec, seed = self.role_spec, self.config.trainer.seed
+        par = spec.parallel
         self.init_distributed()
-        self.info = initialize_parallel(tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, vpp=cfg.vpp, seed=cfg.seed)
-        hf_config = cfg.resolve_hf_config()
-        model_parallel_manual_seed(cfg.seed)
-        model = build_gpt_model(hf_config, role=self.role, dtype=cfg.torch_dtype, **cfg.model_overrides)
+        self.info = initialize_parallel(tp=par.tp, pp=par.pp, cp=par.cp, vpp=par.vpp, seed=seed)
+        if self.info.dp_size != par.dp:
+            raise RuntimeError(f"{spec.role}: the worker group has dp={self.info.dp_size} but the config's pool "
+                               f"{par.pool!r} gives dp={par.dp} ({par.world_size} ranks / tp*pp*cp)")
+        hf_config = spec.hf_config()
+        model_parallel_manual_seed(seed)
+        model = build_gpt_model(hf_config, role=spec.head, dtype=TORCH_DTYPES[self.config.model.dtype],
+                                **spec.model_overrides)
         self._load_weights(model, hf_config)
-        self.engine = MegatronEngine(model, self.info, cfg.engine,
-                                     vocab_size=read_hf_architecture(hf_config).vocab_size,
-                                     role=self.role, train=self.trains)
+        self.engine = MegatronEngine(model, self.info, spec, vocab_size=read_hf_architecture(hf_config).vocab_size)
         dp_rank, is_collect = nd_dispatch_info(self.info)
         self.register_dp_info(self.mesh, dp_rank=dp_rank, is_collect=is_collect)
         self._after_phase()
 
     def _load_weights(self, model, hf_config) -> None:
-        from megaflow.models.checkpoint import load_checkpoint
         from megaflow.models.weights import load_hf_weights
 
-        if self.config.checkpoint:
-            load_checkpoint(model, self.config.checkpoint)
-        elif self.config.model_path:
-            load_hf_weights(model, self.config.model_path, hf_config, self.info)
+        path = self.role_spec.model_source.path
+        if path is not None:  # otherwise the random initialisation stays
+            load_hf_weights(model, path, hf_config, self.info)
 
     # phases: reload what was offloaded before a phase, offload after it
     def _before_phase(self, parts: tuple[str, ...] = ("params", "grads", "optimizer")) -> None:
@@ -96,9 +113,9 @@ class MegatronWorker(Worker):
             self.engine.reload(parts)
 
     def _after_phase(self) -> None:
-        cfg = self.config
-        if cfg.param_offload or cfg.grad_offload or cfg.optimizer_offload:
-            self.engine.offload(params=cfg.param_offload, grads=cfg.grad_offload, optimizer=cfg.optimizer_offload)
+        parts = self.role_spec.offload
+        if any(parts.values()):
+            self.engine.offload(**parts)
 
     def _forward(self, data: DataProto, **kwargs) -> Optional[dict[str, torch.Tensor]]:
         self._before_phase(("params",))
@@ -108,18 +125,17 @@ class MegatronWorker(Worker):
             self._after_phase()
 
     def _temperature(self, data: DataProto) -> float:
-        return float(data.meta_info.get("temperature", self.config.temperature))
+        return float(data.meta_info.get("temperature", self.config.rollout.temperature))
 
     def _update(self, data: DataProto, loss_fn, **kwargs) -> DataProto:
         """PPO epochs x mini-batches over this rank's rows; one optimizer step each."""
-        cfg = self.config
         rows = len(data)
-        per_rank = cfg.mini_batch_rows_per_rank(self.info.dp_size, rows)
+        per_rank = self.role_spec.mini_batch_size_per_dp_rank
         tensors = _tensors(data)
         steps = []
         self._before_phase()
         try:
-            for epoch in range(cfg.ppo_epochs):
+            for epoch in range(self.role_spec.section.ppo_epochs):
                 order = self._mini_batch_order(rows, per_rank, epoch)
                 for start in range(0, rows, per_rank):
                     index = slice(start, start + per_rank) if order is None else order[start:start + per_rank]
@@ -127,21 +143,21 @@ class MegatronWorker(Worker):
                     steps.append(self.engine.train_step(mini, loss_fn, **kwargs))
         finally:
             self._after_phase()
-        return DataProto.from_dict(meta_info={"metrics": losses.mean_metrics(steps, self.role)})
+        return DataProto.from_dict(meta_info={"metrics": losses.mean_metrics(steps, self.role_spec.head)})
 
     def _mini_batch_order(self, rows: int, per_rank: int, epoch: int) -> Optional[torch.Tensor]:
-        """Row order of one PPO epoch ``[rows]`` (int64) with ``config.shuffle``; None: in order.
+        """Row order of one PPO epoch ``[rows]`` (int64) with ``actor.shuffle``; None: in order.
 
-        The permutation is drawn from a generator seeded by (``config.seed``, the number of
+        The permutation is drawn from a generator seeded by (``trainer.seed``, the number of
         optimizer steps taken so far, ``epoch``, DP rank), so it is reproducible across a
         checkpoint resume (the step count is part of the saved LR schedule) and independent
         of the global RNG streams. With one mini-batch the order cannot change the update
         (the mini-batch holds the same rows), so it stays the identity.
         """
-        if not self.config.shuffle or rows <= per_rank:
+        if not self.role_spec.shuffle or rows <= per_rank:
             return None
         steps = int(self.engine.scheduler.num_steps)
-        seed = ((self.config.seed * 1_000_003 + steps) * 1_009 + epoch) * 1_013 + self.info.dp_rank
+        seed = ((self.config.trainer.seed * 1_000_003 + steps) * 1_009 + epoch) * 1_013 + self.info.dp_rank
         generator = torch.Generator().manual_seed(seed % 2**63)
         return torch.randperm(rows, generator=generator)
 
@@ -152,8 +168,8 @@ class MegatronWorker(Worker):
         from megaflow.workers.checkpointing import save_engine_checkpoint
 
         self._before_phase()
-        save_engine_checkpoint(self.engine, path, self.config.resolve_hf_config(),
-                               hf_files_from=self.config.model_path)
+        save_engine_checkpoint(self.engine, path, self.role_spec.hf_config(),
+                               hf_files_from=self.role_spec.model_source.path)
 
     @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, path: str, overwrite: bool = False) -> None:
@@ -163,8 +179,8 @@ class MegatronWorker(Worker):
 
         self._before_phase()
         try:
-            export_hf_dir(self.engine.module, self.config.resolve_hf_config(), self.info, path,
-                          hf_files_from=self.config.model_path, overwrite=overwrite)
+            export_hf_dir(self.engine.module, self.role_spec.hf_config(), self.info, path,
+                          hf_files_from=self.role_spec.model_source.path, overwrite=overwrite)
         finally:
             self._after_phase()
 
@@ -181,7 +197,7 @@ class MegatronWorker(Worker):
 class ActorWorker(MegatronWorker):
     """The policy: old log-probs (+ entropy) and PPO/GSPO updates on the ``actor`` mesh."""
 
-    role, default_mesh, trains = "actor", "actor", True
+    config_role, default_mesh = "actor", "actor"
 
     @register(nd_compute("actor"))
     def compute_log_prob(self, data: DataProto) -> Optional[DataProto]:
@@ -195,15 +211,15 @@ class ActorWorker(MegatronWorker):
     def update_actor(self, data: DataProto) -> DataProto:
         """PPO epochs over mini-batches; needs ``old_log_probs``, ``advantages``,
         ``response_mask`` (+ ``ref_log_probs`` with ``use_kl_loss``)."""
-        loss_fn = losses.actor_loss_fn(self.config.actor)
+        loss_fn = losses.actor_loss_fn(self.config)
         return self._update(data, loss_fn, temperature=self._temperature(data),
-                            with_entropy=self.config.actor.needs_entropy)
+                            with_entropy=losses.needs_entropy(self.config))
 
 
 class RefWorker(MegatronWorker):
     """The frozen reference policy on the ``ref`` mesh (no optimizer)."""
 
-    role, default_mesh, trains = "actor", "ref", False
+    config_role, default_mesh = "ref", "ref"
 
     @register(nd_compute("ref"))
     def compute_ref_log_prob(self, data: DataProto) -> Optional[DataProto]:
@@ -215,7 +231,7 @@ class RefWorker(MegatronWorker):
 class CriticWorker(MegatronWorker):
     """The value model on the ``critic`` mesh."""
 
-    role, default_mesh, trains = "critic", "critic", True
+    config_role, default_mesh = "critic", "critic"
 
     @register(nd_compute("critic"))
     def compute_values(self, data: DataProto) -> Optional[DataProto]:
@@ -227,13 +243,13 @@ class CriticWorker(MegatronWorker):
     def update_critic(self, data: DataProto) -> DataProto:
         """Clipped value regression on ``returns``; needs ``values`` (old), ``returns``,
         ``response_mask``."""
-        return self._update(data, losses.critic_loss_fn(self.config.critic))
+        return self._update(data, losses.critic_loss_fn(self.config))
 
 
 class RewardModelWorker(MegatronWorker):
     """A scalar-head reward model on the ``reward_model`` mesh (no optimizer)."""
 
-    role, default_mesh, trains = "reward", "reward_model", False
+    config_role, default_mesh = "reward_model", "reward_model"
 
     @register(nd_compute("reward_model"))
     def compute_rm_score(self, data: DataProto) -> Optional[DataProto]:

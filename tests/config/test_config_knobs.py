@@ -54,16 +54,16 @@ def test_warmup_as_long_as_the_run_is_refused_for_a_decaying_schedule(tiny):
 
 
 def test_token_budgets_reach_the_engines_and_small_budgets_are_refused(tiny):
-    from megaflow.trainer.roles import worker_config
+    from megaflow.config.role_spec import RoleSpec
 
     tree = tiny(actor={"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 3000,
                        "log_prob_max_token_len_per_gpu": 4000, "ppo_micro_batch_size_per_gpu": 3},
                 data={"max_prompt_length": 100}, rollout={"response_length": 200})
     cfg = config_from_dict(tree)  # the row count 3 is not checked against the split any more
-    engine = worker_config(cfg, "actor").engine
-    assert (engine.max_tokens_per_micro_batch, engine.forward_max_tokens_per_micro_batch) == (3000, 4000)
-    fixed = worker_config(config_from_dict(tiny()), "actor").engine
-    assert (fixed.max_tokens_per_micro_batch, fixed.forward_max_tokens_per_micro_batch) == (None, None)
+    engine = RoleSpec(cfg, "actor", 1).micro_batches
+    assert (engine.update_max_tokens, engine.forward_max_tokens) == (3000, 4000)
+    fixed = RoleSpec(config_from_dict(tiny()), "actor", 1).micro_batches
+    assert (fixed.update_max_tokens, fixed.forward_max_tokens) == (None, None)
     with pytest.raises(ConfigError) as err:
         config_from_dict(tiny(actor={"use_dynamic_bsz": True, "log_prob_max_token_len_per_gpu": 250},
                               data={"max_prompt_length": 100}, rollout={"response_length": 200}))
@@ -71,12 +71,12 @@ def test_token_budgets_reach_the_engines_and_small_budgets_are_refused(tiny):
 
 
 def test_logits_chunk_tokens_reach_the_actor_and_ref_engines(tiny):
-    from megaflow.trainer.roles import worker_config
+    from megaflow.config.role_spec import RoleSpec
 
     cfg = config_from_dict(tiny(actor={"logits_chunk_tokens": 64}, ref={"enabled": True, "logits_chunk_tokens": 32},
                                 algorithm={"use_kl_loss": True}))
-    assert worker_config(cfg, "actor").engine.logits_chunk_tokens == 64
-    assert worker_config(cfg, "ref").engine.logits_chunk_tokens == 32
+    assert RoleSpec(cfg, "actor", 1).section.logits_chunk_tokens == 64
+    assert RoleSpec(cfg, "ref", 1).section.logits_chunk_tokens == 32
     with pytest.raises(ConfigError) as err:
         config_from_dict(tiny(actor={"logits_chunk_tokens": 0}))
     assert err.value.key == "actor.logits_chunk_tokens"

@@ -56,14 +56,17 @@ def test_reward_model_architecture_is_its_own(tiny):
 
 
 def test_rollout_tp_must_divide_the_actor_tp(tiny):
-    tree = tiny(actor={"tp": 2, "pp": 2}, rollout={"tp": 2, "pp": 2},
+    tree = tiny(actor={"tp": 2, "pp": 2}, rollout={"tp": 2, "pp": 1},
                 resources={"use_gpu": False, "procs_per_node": 4})
-    config_from_dict(tree)  # t_g = t, p_g = p is valid (no resharding)
+    config_from_dict(tree)  # t_g = t, stages folded into replicas is valid
     tree["rollout"]["tp"] = 4
     with pytest.raises(ConfigError, match=r"^rollout\.tp: generation TP t_g=4 must divide actor\.tp=2"):
         config_from_dict(tree)
     tree["rollout"].update(tp=1, pp=3)
     with pytest.raises(ConfigError, match=r"^rollout\.pp: generation PP p_g=3 must divide actor\.pp=2"):
+        config_from_dict(tree)
+    tree["rollout"].update(tp=2, pp=2)  # divides, but the engine has no pipeline stages
+    with pytest.raises(ConfigError, match=r"^rollout\.pp: pipeline-parallel generation is not supported: use 1"):
         config_from_dict(tree)
 
 

@@ -25,15 +25,18 @@ def _loss(outputs, mb, den):
 def _engine():
     from megaflow.megatron import model as M
     from megaflow.megatron import parallel
-    from megaflow.megatron.engine import EngineConfig, MegatronEngine
+    from megaflow.megatron.engine import MegatronEngine
+    from role_testlib import role_spec, seq_len_overrides
 
     cfg = tiny_llama_config()
     info = parallel.initialize_parallel(tp=1, pp=1, seed=1)
+    spec = role_spec("actor", ["actor.tp=1", f"resources.procs_per_node={info.world_size}", *seq_len_overrides(16),
+                               "actor.ppo_micro_batch_size_per_gpu=2", "actor.optim.lr=0.01",
+                               "actor.optim.lr_warmup_steps=0", "actor.use_distributed_optimizer=true"], hf_config=cfg)
     model = M.build_gpt_model(cfg)
     load_shard(model, hf_to_megatron_shard(hf_causal_lm(cfg, seed=7).state_dict(), cfg, tp_rank=0, tp=1, pp_rank=0,
                                            pp=1))
-    engine = MegatronEngine(model, info, EngineConfig(max_seq_len=16, micro_batch_size=2, lr=1e-2,
-                                                      use_distributed_optimizer=True), vocab_size=VOCAB)
+    engine = MegatronEngine(model, info, spec, vocab_size=VOCAB)
     return cfg, info, engine
 
 

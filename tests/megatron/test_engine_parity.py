@@ -68,12 +68,21 @@ def _rows(batch, dp_rank, dp_size):
     return {k: v.chunk(dp_size)[dp_rank] for k, v in batch.items()}
 
 
+def _spec(role, cfg, tp, pp, world, max_seq_len=32, *extra):
+    """The engine's settings: the default recipe on this world and layout, with the test's model."""
+    from role_testlib import role_spec, seq_len_overrides
+
+    return role_spec(role, [f"actor.tp={tp}", f"actor.pp={pp}", f"resources.procs_per_node={world}",
+                            *seq_len_overrides(max_seq_len), *extra], hf_config=cfg)
+
+
 def _layout(cfg, hf_state, tp, pp, errors_case):
     from megaflow.megatron import model as M
     from megaflow.megatron import parallel
-    from megaflow.megatron.engine import EngineConfig, MegatronEngine
+    from megaflow.megatron.engine import MegatronEngine
 
     info = parallel.initialize_parallel(tp=tp, pp=pp, seed=1)
+    world = info.world_size
     shard = dict(tp_rank=info.tp_rank, tp=tp, pp_rank=info.pp_rank, pp=pp)
     res = {"info": (info.tp_rank, info.pp_rank, info.dp_rank, info.dp_size,
                     parallel.nd_dispatch_info(info))}
@@ -81,8 +90,7 @@ def _layout(cfg, hf_state, tp, pp, errors_case):
 
     ref_model = M.build_gpt_model(cfg)  # forward-only engine (reference-policy style)
     load_shard(ref_model, hf_to_megatron_shard(hf_state, cfg, **shard))
-    ref_engine = MegatronEngine(ref_model, info, EngineConfig(max_seq_len=32), vocab_size=VOCAB,
-                                train=False)
+    ref_engine = MegatronEngine(ref_model, info, _spec("ref", cfg, tp, pp, world), vocab_size=VOCAB)
     kwargs = dict(temperature=TEMPERATURE, with_entropy=True)
     res["mbs4"] = ref_engine.forward(batch, micro_batch_size=4, **kwargs)
     res["mbs1"] = ref_engine.forward(batch, micro_batch_size=1, **kwargs)
@@ -97,14 +105,15 @@ def _layout(cfg, hf_state, tp, pp, errors_case):
 
     critic = M.build_gpt_model(cfg, role="critic")
     load_shard(critic, hf_to_megatron_shard(hf_state, cfg, role="critic", score_weight=score_weight(), **shard))
-    res["values"] = MegatronEngine(critic, info, EngineConfig(max_seq_len=32), vocab_size=VOCAB,
-                                   role="critic", train=False).forward(batch, micro_batch_size=4)
+    res["values"] = MegatronEngine(critic, info, _spec("critic", cfg, tp, pp, world),
+                                   vocab_size=VOCAB).forward(batch, micro_batch_size=4)
 
     actor = M.build_gpt_model(cfg)
     load_shard(actor, hf_to_megatron_shard(hf_state, cfg, **shard))
-    engine = MegatronEngine(actor, info, EngineConfig(
-        max_seq_len=32, micro_batch_size=2, lr=LR, lr_warmup_steps=WARMUP, weight_decay=0.0,
-        clip_grad=CLIP), vocab_size=VOCAB)
+    engine = MegatronEngine(actor, info, _spec(
+        "actor", cfg, tp, pp, world, 32, "actor.ppo_micro_batch_size_per_gpu=2", f"actor.optim.lr={LR}",
+        f"actor.optim.lr_warmup_steps={WARMUP}", "actor.optim.weight_decay=0.0", f"actor.optim.clip_grad={CLIP}"),
+        vocab_size=VOCAB)
     engine.offload()
     engine.reload()  # the offload path runs between phases; training must be unaffected
     if info.dp_size == 1:
@@ -121,17 +130,16 @@ def _layout(cfg, hf_state, tp, pp, errors_case):
     res["params"] = {k: v.detach().clone() for k, v in engine.module.state_dict().items()
                      if torch.is_tensor(v) and not k.endswith("_extra_state")}
     if errors_case:
-        res["errors"] = _bad_input(info, engine, batch)
+        res["errors"] = _bad_input(info, engine, batch, _spec("ref", cfg, tp, pp, world, 12))
     parallel.destroy_parallel()
     return res
 
 
-def _bad_input(info, engine, batch):
+def _bad_input(info, engine, batch, spec):
     """Too-long sequence on DP rank 0 only: every rank must raise, none may hang."""
-    from megaflow.megatron.engine import EngineConfig, MegatronEngine
+    from megaflow.megatron.engine import MegatronEngine
 
-    strict = MegatronEngine(engine.module, info, EngineConfig(max_seq_len=12), vocab_size=VOCAB,
-                            train=False)
+    strict = MegatronEngine(engine.module, info, spec, vocab_size=VOCAB)  # spec: max_seq_len 12
     mine = batch if info.dp_rank == 0 else make_batch(1, batch=len(batch["input_ids"]),
                                                       prompt_len=5, response_len=6)
     try:

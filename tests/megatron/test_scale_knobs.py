@@ -17,6 +17,7 @@ import torch
 
 from megaflow.utils.launch import run_distributed
 from megatron_testlib import VOCAB, hf_causal_lm, hf_to_megatron_shard, load_shard, make_batch, tiny_llama_config
+from role_testlib import role_spec, seq_len_overrides, test_config
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +64,7 @@ def _saved_bytes_in_forward(module, batch) -> int:
     return total
 
 
-def _lr_run(info, cfg, hf_state, engine_config, updates: int, resume_after: int):
+def _lr_run(info, cfg, hf_state, spec, updates: int, resume_after: int):
     """LRs of ``updates`` updates straight, and with a scheduler-state round trip."""
     from megaflow.megatron import model as M
     from megaflow.megatron.engine import MegatronEngine
@@ -71,7 +72,7 @@ def _lr_run(info, cfg, hf_state, engine_config, updates: int, resume_after: int)
     def engine():
         model = M.build_gpt_model(cfg)
         load_shard(model, hf_to_megatron_shard(hf_state, cfg, tp_rank=info.tp_rank, tp=2, pp_rank=0, pp=1))
-        return MegatronEngine(model, info, engine_config, vocab_size=VOCAB)
+        return MegatronEngine(model, info, spec, vocab_size=VOCAB)
 
     batch = _batch()
     first = engine()
@@ -85,10 +86,10 @@ def _lr_run(info, cfg, hf_state, engine_config, updates: int, resume_after: int)
     return straight, resumed
 
 
-def _rank(rank, world, engine_configs, updates, resume_after):
+def _rank(rank, world, lr_specs, updates, resume_after):
     from megaflow.megatron import model as M
     from megaflow.megatron import parallel
-    from megaflow.megatron.engine import EngineConfig, MegatronEngine
+    from megaflow.megatron.engine import MegatronEngine
 
     torch.manual_seed(0)
     cfg = tiny_llama_config()
@@ -99,15 +100,17 @@ def _rank(rank, world, engine_configs, updates, resume_after):
     for name, overrides in RECOMPUTE.items():
         model = M.build_gpt_model(cfg, **overrides)
         load_shard(model, hf_to_megatron_shard(hf_state, cfg, tp_rank=info.tp_rank, tp=2, pp_rank=0, pp=1))
-        engine = MegatronEngine(model, info, EngineConfig(max_seq_len=32, micro_batch_size=2, lr=1e-3,
-                                                          clip_grad=0.0), vocab_size=VOCAB)
+        spec = role_spec("actor", [*seq_len_overrides(32), "actor.ppo_micro_batch_size_per_gpu=2",
+                                   "actor.optim.lr=0.001", "actor.optim.clip_grad=0.0",
+                                   "actor.optim.lr_warmup_steps=0"], hf_config=cfg)
+        engine = MegatronEngine(model, info, spec, vocab_size=VOCAB)
         log_probs = engine.forward(batch, micro_batch_size=3, temperature=0.9)["log_probs"]
         metrics = engine.train_step(batch, _loss, temperature=0.9)
         grads = {k: p.main_grad.detach().clone() for k, p in engine.module.named_parameters()}
         out[name] = dict(log_probs=log_probs, metrics=metrics, grads=grads,
                          saved=_saved_bytes_in_forward(M.build_gpt_model(cfg, **overrides), batch))
-    out["lr"] = {style: _lr_run(info, cfg, hf_state, ec, updates, resume_after)
-                 for style, ec in engine_configs.items()}
+    out["lr"] = {style: _lr_run(info, cfg, hf_state, spec, updates, resume_after)
+                 for style, spec in lr_specs.items()}
     engine.offload()
     engine.reload(("params",))  # what a forward pass or a weight sync reloads
     out["partial_reload"] = sorted(engine.offloaded)
@@ -137,26 +140,19 @@ TRAINING_STEPS = 3  # x 4 optimizer steps per training step (2 mini-batches x 2 
 
 
 def _recipe(style: str):
-    from megaflow.config import load_config
-
-    return load_config("tiny_arith_grpo", [
+    return test_config([
         f"trainer.total_steps={TRAINING_STEPS}", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
         "actor.ppo_epochs=2", "actor.ppo_micro_batch_size_per_gpu=2", "actor.optim.lr=0.01",
-        "actor.optim.min_lr=0.001", "actor.optim.lr_warmup_steps=3", f"actor.optim.lr_decay_style={style}"])
+        "actor.optim.min_lr=0.001", "actor.optim.lr_warmup_steps=3", f"actor.optim.lr_decay_style={style}",
+        *seq_len_overrides(32)], hf_config=tiny_llama_config())
 
 
 @pytest.fixture(scope="module")
 def lr_configs():
-    """The actor's engine config as the trainer builds it from a recipe, per decay style."""
-    import dataclasses
+    """The actor's RoleSpec as the trainer builds it from a recipe, per decay style."""
+    from megaflow.config.role_spec import RoleSpec
 
-    from megaflow.trainer.roles import worker_config
-
-    out = {}
-    for style in ("cosine", "linear"):
-        engine = worker_config(_recipe(style), "actor").engine
-        out[style] = dataclasses.replace(engine, max_seq_len=32, micro_batch_size=2)
-    return out
+    return {style: RoleSpec(_recipe(style), "actor", TRAINING_STEPS) for style in ("cosine", "linear")}
 
 
 @pytest.fixture(scope="module")
@@ -191,9 +187,9 @@ def test_a_params_only_reload_keeps_grads_and_optimizer_offloaded(results):
 
 
 def test_lr_decay_steps_span_the_whole_run(lr_configs):
-    for engine in lr_configs.values():
-        assert engine.lr_decay_steps == TRAINING_STEPS * 2 * 2  # training steps x mini-batches x epochs
-        assert engine.lr_warmup_steps == 3
+    for spec in lr_configs.values():
+        assert spec.lr_decay_steps == TRAINING_STEPS * 2 * 2  # training steps x mini-batches x epochs
+        assert spec.section.optim.lr_warmup_steps == 3
 
 
 @pytest.mark.parametrize("style", ["cosine", "linear"])
@@ -213,11 +209,9 @@ BUDGET = 26  # padded tokens per micro-batch: 2 rows of the longest (13-token) s
 
 
 def _dynamic_rank(rank, world, layouts):
-    import dataclasses
-
     from megaflow.megatron import model as M
     from megaflow.megatron import parallel
-    from megaflow.megatron.engine import EngineConfig, MegatronEngine
+    from megaflow.megatron.engine import MegatronEngine
 
     torch.manual_seed(0)
     cfg = tiny_llama_config()
@@ -225,9 +219,13 @@ def _dynamic_rank(rank, world, layouts):
     out = []
     for tp, pp in layouts:
         info = parallel.initialize_parallel(tp=tp, pp=pp, seed=1)
-        fixed = EngineConfig(max_seq_len=16, micro_batch_size=2, forward_micro_batch_size=4, lr=1e-3, clip_grad=0.0)
-        dynamic = dataclasses.replace(fixed, max_tokens_per_micro_batch=BUDGET,
-                                      forward_max_tokens_per_micro_batch=BUDGET)
+        common = [f"actor.tp={tp}", f"actor.pp={pp}", *seq_len_overrides(16),
+                  "actor.ppo_micro_batch_size_per_gpu=2", "actor.log_prob_micro_batch_size_per_gpu=4",
+                  "actor.optim.lr=0.001", "actor.optim.clip_grad=0.0", "actor.optim.lr_warmup_steps=0"]
+        fixed = role_spec("actor", common, hf_config=cfg)
+        dynamic = role_spec("actor", [*common, "actor.use_dynamic_bsz=true",
+                                      f"actor.ppo_max_token_len_per_gpu={BUDGET}",
+                                      f"actor.log_prob_max_token_len_per_gpu={BUDGET}"], hf_config=cfg)
         res = {"last_stage": info.is_last_pp_stage}
         for name, ec in (("fixed", fixed), ("dynamic", dynamic)):
             model = M.build_gpt_model(cfg)
@@ -291,11 +289,9 @@ def _entropy_loss(outputs, mb, den):
 
 
 def _chunked_rank(rank, world):
-    import dataclasses
-
     from megaflow.megatron import model as M
     from megaflow.megatron import parallel
-    from megaflow.megatron.engine import EngineConfig, MegatronEngine
+    from megaflow.megatron.engine import MegatronEngine
 
     out = {}
     for tied in (False, True):
@@ -303,9 +299,14 @@ def _chunked_rank(rank, world):
         cfg = tiny_llama_config(tie_word_embeddings=tied)
         hf_state = hf_causal_lm(cfg, seed=7).state_dict()
         info = parallel.initialize_parallel(tp=2, pp=1, seed=1)
-        plain = EngineConfig(max_seq_len=16, micro_batch_size=3, forward_micro_batch_size=3, lr=1e-3, clip_grad=0.0)
+        # 3 prompts x 8 samples on dp=1: 24 rows per mini-batch, whole micro-batches of 3
+        common = [*seq_len_overrides(16), "data.train_batch_size=3", "actor.ppo_mini_batch_size=3",
+                  "actor.ppo_micro_batch_size_per_gpu=3", "actor.log_prob_micro_batch_size_per_gpu=3",
+                  "actor.optim.lr=0.001", "actor.optim.clip_grad=0.0", "actor.optim.lr_warmup_steps=0"]
+        plain = role_spec("actor", common, hf_config=cfg)
+        chunked = role_spec("actor", [*common, f"actor.logits_chunk_tokens={CHUNK}"], hf_config=cfg)
         res = {}
-        for name, ec in (("plain", plain), ("chunked", dataclasses.replace(plain, logits_chunk_tokens=CHUNK))):
+        for name, ec in (("plain", plain), ("chunked", chunked)):
             model = M.build_gpt_model(cfg)
             load_shard(model, hf_to_megatron_shard(hf_state, cfg, tp_rank=info.tp_rank, tp=2, pp_rank=0, pp=1))
             engine = MegatronEngine(model, info, ec, vocab_size=VOCAB)

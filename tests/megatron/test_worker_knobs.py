@@ -4,7 +4,7 @@
 * with ``shuffle`` the rows of a rank are permuted before being cut into mini-batches,
   with a permutation fixed by (seed, optimizer steps so far, epoch, DP rank), so it is
   reproducible across a resume; with one mini-batch (or shuffle off) the order is kept.
-* the recipe keys reach the worker config (``trainer.roles.worker_config``).
+* the recipe keys reach what the worker reads (``RoleSpec``).
 """
 from __future__ import annotations
 
@@ -13,11 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megaflow.workers.config import MegatronWorkerConfig
 from megaflow.workers.megatron_workers import MegatronWorker
-
-HF = {"model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
-      "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 16}
+from role_testlib import role_spec
 
 
 class _Engine:
@@ -29,10 +26,10 @@ class _Engine:
         self.calls.append(parts)
 
 
-def _worker(num_steps=0, dp_rank=0, **config):
-    worker = SimpleNamespace(config=MegatronWorkerConfig(hf_config=HF, **config), engine=_Engine(num_steps),
-                             info=SimpleNamespace(dp_rank=dp_rank))
-    return worker
+def _worker(num_steps=0, dp_rank=0, seed=1, **actor):
+    spec = role_spec("actor", [f"trainer.seed={seed}"] + [f"actor.{k}={str(v).lower()}" for k, v in actor.items()])
+    return SimpleNamespace(role_spec=spec, config=spec.config, engine=_Engine(num_steps),
+                           info=SimpleNamespace(dp_rank=dp_rank))
 
 
 @pytest.mark.parametrize("flags", [dict(param_offload=True), dict(grad_offload=True), dict(optimizer_offload=True),
@@ -71,16 +68,12 @@ def test_order_is_kept_without_shuffle_or_with_one_mini_batch():
 
 
 def test_recipe_knobs_reach_the_worker_config():
-    from megaflow.config import load_config
-    from megaflow.trainer.roles import worker_config
-
-    cfg = load_config("tiny_arith_grpo", ["actor.shuffle=false", "actor.grad_offload=true",
-                                          "actor.recompute_granularity=full", "actor.recompute_num_layers=2"])
-    wc = worker_config(cfg, "actor")
-    assert (wc.shuffle, wc.param_offload, wc.grad_offload, wc.optimizer_offload) == (False, False, True, False)
-    assert wc.model_overrides == dict(sequence_parallel=False, recompute_granularity="full",
-                                      recompute_method="uniform", recompute_num_layers=1 * 2)
-    default = worker_config(load_config("tiny_arith_grpo", []), "actor")
+    spec = role_spec("actor", ["actor.shuffle=false", "actor.grad_offload=true",
+                               "actor.recompute_granularity=full", "actor.recompute_num_layers=2"])
+    assert spec.shuffle is False and spec.offload == dict(params=False, grads=True, optimizer=False)
+    assert spec.model_overrides == dict(sequence_parallel=False, recompute_granularity="full",
+                                        recompute_method="uniform", recompute_num_layers=1 * 2)
+    default = role_spec("actor")
     assert default.shuffle is True and default.model_overrides == dict(sequence_parallel=False)
 
 

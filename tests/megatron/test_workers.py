@@ -35,25 +35,35 @@ def hf_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def groups(ray_session, hf_dirs):
-    from megaflow.megatron.engine_config import EngineConfig
+    from megaflow.config.role_spec import RoleSpec
     from megaflow.single_controller import (ClassWithInitArgs, RayWorkerGroup, ResourcePool,
                                             create_colocated_worker_cls)
-    from megaflow.workers.config import ActorLossConfig, MegatronWorkerConfig
     from megaflow.workers.megatron_workers import (ActorWorker, CriticWorker, RefWorker,
                                                    RewardModelWorker)
+    from role_testlib import seq_len_overrides, test_config
 
-    engine = EngineConfig(max_seq_len=32, micro_batch_size=2, forward_micro_batch_size=2,
-                          lr=5e-3, weight_decay=0.0)
-    common = dict(tp=2, engine=engine, temperature=0.9, param_offload=True, grad_offload=True,
-                  optimizer_offload=True)
-    causal = dict(common, model_path=hf_dirs["causal_dir"])
-    score = dict(common, model_path=hf_dirs["score_dir"])
+    # 4 ranks at tp=2: dp=2. 4 prompts x n=2 = 8 samples; the actor's mini-batches hold 2 prompts
+    # (4 samples, 2 per DP rank), the critic's all 8 samples; micro-batches of 2 samples.
+    parallel = [f"{role}.tp=2" for role in ("actor", "ref", "critic", "reward_model")]
+    micro = ["actor.ppo_micro_batch_size_per_gpu=2", "actor.log_prob_micro_batch_size_per_gpu=2",
+             "ref.log_prob_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=2",
+             "critic.forward_micro_batch_size_per_gpu=2", "reward_model.micro_batch_size_per_gpu=2"]
+    offload = [f"{role}.{flag}=true" for role in ("actor", "critic")
+               for flag in ("param_offload", "grad_offload", "optimizer_offload")]
+    cfg = test_config([
+        *parallel, *micro, *offload, *seq_len_overrides(32), "resources.procs_per_node=4", "rollout.n=2",
+        "rollout.temperature=0.9", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
+        "critic.ppo_mini_batch_size=4", "actor.entropy_coeff=0.01", "actor.optim.lr=5e-3",
+        "actor.optim.weight_decay=0.0", "actor.optim.lr_warmup_steps=0", "critic.optim.lr=5e-3",
+        "critic.optim.weight_decay=0.0", "algorithm.adv_estimator=gae", "critic.enabled=true", "ref.enabled=true",
+        "reward_model.enabled=true", "ref.param_offload=true", "reward_model.param_offload=true"],
+        sections={"model": {"path": hf_dirs["causal_dir"], "hf_config": None},
+                  "critic": {"path": hf_dirs["score_dir"]}, "reward_model": {"path": hf_dirs["score_dir"]}})
     spec = create_colocated_worker_cls({
-        "actor": ClassWithInitArgs(ActorWorker, MegatronWorkerConfig(
-            **causal, ppo_mini_batch_size=4, actor=ActorLossConfig(entropy_coeff=0.01))),
-        "ref": ClassWithInitArgs(RefWorker, MegatronWorkerConfig(**causal)),
-        "critic": ClassWithInitArgs(CriticWorker, MegatronWorkerConfig(**score)),
-        "rm": ClassWithInitArgs(RewardModelWorker, MegatronWorkerConfig(**score)),
+        "actor": ClassWithInitArgs(ActorWorker, RoleSpec(cfg, "actor", 1)),
+        "ref": ClassWithInitArgs(RefWorker, RoleSpec(cfg, "ref", 1)),
+        "critic": ClassWithInitArgs(CriticWorker, RoleSpec(cfg, "critic", 1)),
+        "rm": ClassWithInitArgs(RewardModelWorker, RoleSpec(cfg, "reward_model", 1)),
     })
     views = RayWorkerGroup(ResourcePool([4], num_cpus_per_process=0.5, name_prefix="mf_megatron"),
                            spec).spawn()

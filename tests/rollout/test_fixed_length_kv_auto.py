@@ -6,23 +6,23 @@ from types import SimpleNamespace
 import pytest
 
 from megaflow.config import load_config
-from megaflow.config.memory import kv_cache_bytes_for_batch
-from megaflow.trainer.roles import rollout_settings
+from megaflow.config.memory import cpu_kv_cache_bytes, kv_cache_bytes_for_batch
+from megaflow.trainer.roles import eos_token_ids
+from megaflow.workers.actor_rollout import stop_token_ids
 
 TOK = SimpleNamespace(eos_token_id=[0, 5], pad_token_id=0)
 
 
 def test_ignore_eos_drops_every_stop_id():
-    default = rollout_settings(load_config("tiny_arith_grpo"), TOK)
-    fixed = rollout_settings(load_config("tiny_arith_grpo", ["rollout.ignore_eos=true"]), TOK)
-    assert default.eos_token_ids == (0, 5)
-    assert fixed.eos_token_ids == ()
-    assert fixed.pad_token_id == default.pad_token_id == 0
+    eos = eos_token_ids(TOK)
+    assert eos == (0, 5) and eos_token_ids(SimpleNamespace(eos_token_id=7)) == (7,)
+    assert stop_token_ids(load_config("tiny_arith_grpo"), eos) == (0, 5)
+    assert stop_token_ids(load_config("tiny_arith_grpo", ["rollout.ignore_eos=true"]), eos) == ()
 
 
 def test_kv_auto_off_keeps_the_fixed_gib():
     cfg = load_config("tiny_arith_grpo", ["rollout.cpu_kv_cache_gib=3"])
-    assert rollout_settings(cfg, TOK).kv_cache_bytes == 3 * 2**30
+    assert cpu_kv_cache_bytes(cfg) == 3 * 2**30
 
 
 def test_kv_auto_matches_a_hand_computation():
@@ -30,7 +30,7 @@ def test_kv_auto_matches_a_hand_computation():
     # sequences 16 + 4 = 20 tokens -> 1 block of 128 each -> 64 blocks, + ceil(6.4) = 7 margin -> 71 blocks;
     # one block: 128 tokens x 2 (K, V) x 2 layers x 2 KV heads x head_dim 128/4=32 x 4 bytes = 131072 bytes.
     cfg = load_config("tiny_arith_grpo", ["rollout.cpu_kv_cache_auto=true"])
-    assert rollout_settings(cfg, TOK).kv_cache_bytes == 71 * 131072 == 9306112
+    assert cpu_kv_cache_bytes(cfg) == 71 * 131072 == 9306112
 
 
 def test_kv_formula_tp_and_multi_block_sequences():

@@ -148,26 +148,28 @@ class Hybrid:
 @pytest.fixture(scope="module", params=[2, 1], ids=lambda g: f"gen_tp{g}")
 def hybrid(request, ray_session, model_dir):
     """The actor + rollout group (4 ranks, t=2, p=2 -> t_g = param) and its first rollout."""
-    from megaflow.megatron.engine_config import EngineConfig
     from megaflow.single_controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool
-    from megaflow.workers.actor_rollout import ActorRolloutWorker, RolloutSettings
-    from megaflow.workers.config import MegatronWorkerConfig
+    from megaflow.workers.actor_rollout import ActorRolloutWorker
+    from role_testlib import role_spec
 
     gen_tp = request.param
     with open(f"{model_dir}/config.json") as f:
         tied = bool(json.load(f)["tie_word_embeddings"])
-    engine = EngineConfig(max_seq_len=PROMPT_LEN + RESPONSE_LEN, micro_batch_size=3, forward_micro_batch_size=3,
-                          lr=2e-5, weight_decay=0.0)  # Adam's first step moves every weight by ~lr
-    config = MegatronWorkerConfig(model_path=model_dir, tp=T, pp=P, dtype="float32", seed=3, engine=engine,
-                                  temperature=SAMPLE_TEMPERATURE, param_offload=True, grad_offload=True,
-                                  optimizer_offload=True)
-    settings = RolloutSettings(gen_tp=gen_tp, response_length=RESPONSE_LEN, max_prompt_length=PROMPT_LEN,
-                               eos_token_ids=(EOS,), pad_token_id=EOS, kv_cache_bytes=16 << 20, seed=0)
+    # 3 prompts x n=2 = 6 samples: one mini-batch of the 6 rows, micro-batches of 3; the KV cache
+    # sized from the step; Adam's first step moves every weight by ~lr.
+    spec = role_spec("actor", [
+        f"actor.tp={T}", f"actor.pp={P}", f"resources.procs_per_node={WORLD}", f"rollout.tp={gen_tp}",
+        f"data.max_prompt_length={PROMPT_LEN}", f"rollout.response_length={RESPONSE_LEN}", "rollout.n=2",
+        "data.train_batch_size=3", "actor.ppo_mini_batch_size=3", "actor.ppo_micro_batch_size_per_gpu=3",
+        "actor.log_prob_micro_batch_size_per_gpu=3", "actor.optim.lr=2e-5", "actor.optim.weight_decay=0.0",
+        "actor.optim.lr_warmup_steps=0", f"rollout.temperature={SAMPLE_TEMPERATURE}", "trainer.seed=3",
+        "actor.param_offload=true", "actor.grad_offload=true", "actor.optimizer_offload=true",
+        "rollout.cpu_kv_cache_auto=true"], sections={"model": {"path": model_dir, "hf_config": None}})
     pool = ResourcePool([WORLD], num_cpus_per_process=0.5, name_prefix=f"mf_hybrid_tg{gen_tp}_{int(tied)}")
     group = None
     try:
         start = time.perf_counter()
-        group = RayWorkerGroup(pool, ClassWithInitArgs(ActorRolloutWorker, config, settings), name_prefix="actor")
+        group = RayWorkerGroup(pool, ClassWithInitArgs(ActorRolloutWorker, spec, (EOS,), EOS), name_prefix="actor")
         group.init_model()
         ready = time.perf_counter()
         state = Hybrid(gen_tp, group, model_dir, tied)

@@ -1,22 +1,26 @@
-"""RolloutSettings validation (no processes): layouts the colocated engine cannot serve are
-refused at construction instead of generating with partly dummy weights."""
+"""Rollout layouts the colocated engine cannot serve are refused at load (before any
+process starts, instead of generating with partly dummy weights), and the controller's
+check of a weight sync."""
 import pytest
 
-from megaflow.workers.actor_rollout import RolloutSettings
+from megaflow.config import ConfigError, load_config
 
 
-def test_pipeline_parallel_generation_is_refused_with_the_key_named():
-    with pytest.raises(ValueError, match=r"gen_pp=2 \(rollout.pp\)"):
-        RolloutSettings(gen_tp=1, gen_pp=2)
+def test_pipeline_parallel_generation_is_refused_at_load_with_the_key_named():
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny_arith_grpo", ["actor.tp=1", "actor.pp=2", "rollout.pp=2"])
+    assert err.value.key == "rollout.pp" and "pipeline-parallel generation is not supported" in str(err.value)
 
 
 def test_non_positive_generation_tp_is_refused():
-    with pytest.raises(ValueError, match="gen_tp must be >= 1, got 0"):
-        RolloutSettings(gen_tp=0)
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny_arith_grpo", ["rollout.tp=0"])
+    assert err.value.key == "rollout.tp"
 
 
-def test_supported_layouts_construct():
-    assert RolloutSettings(gen_tp=2).gen_pp == 1
+def test_supported_layouts_load():
+    cfg = load_config("tiny_arith_grpo", ["actor.tp=1", "actor.pp=2", "rollout.pp=1"])
+    assert (cfg.rollout.tp, cfg.rollout.pp) == (1, 1)
 
 
 def _rank(engine_version, synced, actor, **extra):

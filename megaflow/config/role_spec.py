@@ -1,0 +1,155 @@
+"""What one worker role reads: the run's frozen :class:`~megaflow.config.schema.Config` and
+the role's name, with the role's derived sizes computed from them on demand.
+
+Workers, the Megatron engine, the losses and the rollout receive a :class:`RoleSpec` and read
+the config sections directly (``spec.section``, ``spec.config.algorithm``, ...); sizes that
+are not stored in the config (micro-batches, mini-batch rows per DP rank, the LR decay
+horizon, the model source) come from the pure functions of :mod:`megaflow.config.topology`.
+No setting has a default here: every default lives in the config schema. The object pickles
+through Ray (``ray.cloudpickle``; the config's frozen mappings need it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from megaflow.config.roles import ROLES
+from megaflow.config.topology import (TRAINED_ROLES, MicroBatchSizes, ModelSource, RoleParallel, lr_schedule_steps,
+                                      micro_batch_sizes, model_source, role_hf_config, role_parallel,
+                                      train_batch_sizes)
+
+if TYPE_CHECKING:
+    from megaflow.config.schema import Config
+
+#: config section -> model head of megaflow.megatron.model.build_gpt_model and the engine
+ROLE_HEADS = {"actor": "actor", "ref": "actor", "critic": "critic", "reward_model": "reward"}
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """One role of a run: ``config`` (the loaded config) and ``role`` (its section name).
+
+    Args:
+        config: the validated run config.
+        role: ``"actor"``, ``"ref"``, ``"critic"`` or ``"reward_model"``.
+        training_steps: training steps of the run (:func:`~megaflow.config.topology.num_training_steps`),
+            the horizon of the trained roles' LR decay.
+
+    Raises:
+        ValueError: an unknown role or ``training_steps < 1``.
+    """
+
+    config: Config
+    role: str
+    training_steps: int
+
+    def __reduce__(self):
+        """Pickle as the plain config tree (the frozen mappings of a Config do not pickle with
+        the standard pickler, e.g. ``multiprocessing``'s); unpickling re-validates it."""
+        return (_rebuild, (self.config.to_dict(), self.role, self.training_steps))
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"RoleSpec.role must be one of {ROLES}, got {self.role!r}")
+        if self.training_steps < 1:
+            raise ValueError(f"RoleSpec.training_steps must be >= 1, got {self.training_steps}")
+
+    @property
+    def section(self) -> Any:
+        """The role's config section (``config.actor``, ``config.critic``, ...)."""
+        return getattr(self.config, self.role)
+
+    @property
+    def head(self) -> str:
+        """Model head: ``"actor"`` (LM head: actor, ref), ``"critic"`` or ``"reward"`` (scalar head)."""
+        return ROLE_HEADS[self.role]
+
+    @property
+    def trains(self) -> bool:
+        """Whether the role has an optimizer (actor, critic)."""
+        return self.role in TRAINED_ROLES
+
+    @property
+    def parallel(self) -> RoleParallel:
+        """The role's Megatron mesh (tp, pp, cp, vpp; dp derived from its pool)."""
+        return role_parallel(self.config, self.role)
+
+    @property
+    def micro_batches(self) -> MicroBatchSizes:
+        """Micro-batch sizes and token budgets of the role's engine."""
+        return micro_batch_sizes(self.config, self.role)
+
+    @property
+    def mini_batch_size_per_dp_rank(self) -> int:
+        """Samples of one mini-batch (one optimizer step) on one DP rank (trained roles only).
+
+        Raises:
+            ValueError: the role does not train.
+        """
+        self._require_training("mini_batch_size_per_dp_rank")
+        return train_batch_sizes(self.config, self.role).mini_batch_size_per_dp_rank
+
+    @property
+    def lr_decay_steps(self) -> int:
+        """Optimizer step at which the LR decay reaches ``min_lr`` (trained roles only;
+        :func:`~megaflow.config.topology.lr_schedule_steps` over ``training_steps``)."""
+        self._require_training("lr_decay_steps")
+        return lr_schedule_steps(self.config, self.role, self.training_steps)
+
+    @property
+    def shuffle(self) -> bool:
+        """Whether a rank's rows are permuted before each PPO epoch is cut into mini-batches:
+        ``actor.shuffle`` for the actor; the critic has no such key and keeps the row order."""
+        return self.role == "actor" and self.section.shuffle
+
+    @property
+    def model_source(self) -> ModelSource:
+        """The model path or inline HF config of the role (:func:`~megaflow.config.topology.model_source`)."""
+        return model_source(self.config, self.role)
+
+    def hf_config(self) -> dict[str, Any]:
+        """A fresh plain dict of the role's HF config (config.json of the path, or the inline one).
+
+        Raises:
+            ConfigError: the path has no readable config.json.
+        """
+        return role_hf_config(self.config, self.role)
+
+    @property
+    def offload(self) -> dict[str, bool]:
+        """What stays on the host between phases: ``params``, ``grads``, ``optimizer``
+        (``<role>.param_offload`` / ``grad_offload`` / ``optimizer_offload``; a role without
+        an optimizer has no gradients or optimizer state to offload)."""
+        section = self.section
+        return {"params": section.param_offload,
+                "grads": self.trains and section.grad_offload,
+                "optimizer": self.trains and section.optimizer_offload}
+
+    @property
+    def model_overrides(self) -> dict[str, Any]:
+        """megatron-core ``TransformerConfig`` fields of the role's scale features for
+        :func:`megaflow.megatron.model.build_gpt_model`: sequence parallelism (only where
+        tp > 1) and, for the trained roles, activation recomputation (``recompute_method``
+        None: uniform; ``recompute_num_layers`` None: 1, as the config documents)."""
+        section = self.section
+        out: dict[str, Any] = {"sequence_parallel": section.sequence_parallel and section.tp > 1}
+        granularity = section.recompute_granularity if self.trains else "none"
+        if granularity == "full":
+            out.update(recompute_granularity="full", recompute_method=section.recompute_method or "uniform",
+                       recompute_num_layers=section.recompute_num_layers or 1)
+        elif granularity == "selective":
+            out.update(recompute_granularity="selective")
+        return out
+
+    def _require_training(self, name: str) -> None:
+        if not self.trains:
+            raise ValueError(f"RoleSpec.{name}: role {self.role!r} does not train")
+
+
+def _rebuild(tree: dict[str, Any], role: str, training_steps: int) -> RoleSpec:
+    from megaflow.config.loader import config_from_dict
+
+    return RoleSpec(config_from_dict(tree), role, training_steps)
+
+
+__all__ = ["RoleSpec", "ROLE_HEADS"]

@@ -1,0 +1,51 @@
+"""Real configs for worker, engine and rollout tests.
+
+Tests build what a worker reads, a :class:`~megaflow.config.role_spec.RoleSpec`, from a
+shipped recipe with ``key.sub=value`` overrides (as ``make train`` does), optionally with
+the test's own HF architecture in place of the recipe's model, so every setting a test
+relies on is visible in the test and goes through the config's validation.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+from megaflow.config import Config, config_from_dict, config_to_dict, load_config
+from megaflow.config.role_spec import RoleSpec
+
+RECIPE = "tiny_arith_grpo"
+
+
+def seq_len_overrides(max_seq_len: int, response_length: int = 4) -> list[str]:
+    """Overrides giving ``data.max_prompt_length + rollout.response_length == max_seq_len``."""
+    return [f"data.max_prompt_length={max_seq_len - response_length}", f"rollout.response_length={response_length}"]
+
+
+def test_config(overrides: Iterable[str] = (), *, hf_config: Any = None, recipe: str = RECIPE,
+                sections: Mapping[str, Mapping[str, Any]] | None = None) -> Config:
+    """``recipe`` with ``overrides``; ``hf_config`` (an HF config object or dict) replaces
+    ``model.hf_config`` as a whole; ``sections`` (``{"critic": {"path": ...}}``) are set last.
+
+    Raises:
+        ConfigError: the result is not a valid config (naming the key).
+    """
+    cfg = load_config(recipe, list(overrides))
+    if hf_config is None and not sections:
+        return cfg
+    tree = config_to_dict(cfg)
+    if hf_config is not None:
+        values = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
+        tree["model"]["hf_config"] = {k: v for k, v in values.items() if v is not None}
+    for name, values in (sections or {}).items():
+        tree[name].update(values)
+    return config_from_dict(tree)
+
+
+test_config.__test__ = False  # a helper, not a test
+
+
+def role_spec(role: str, overrides: Iterable[str] = (), *, training_steps: int | None = None,
+              **kwargs: Any) -> RoleSpec:
+    """The :class:`RoleSpec` of ``role`` over :func:`test_config` (``kwargs`` go there);
+    ``training_steps`` defaults to the recipe's ``trainer.total_steps``."""
+    cfg = test_config(overrides, **kwargs)
+    return RoleSpec(cfg, role, training_steps or cfg.trainer.total_steps)
