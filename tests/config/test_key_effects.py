@@ -124,3 +124,31 @@ def test_ray_keys_reach_ray_init(tiny, monkeypatch):
     assert kwargs["address"] == "local"
     assert (kwargs["namespace"], kwargs["include_dashboard"]) == ("runs-a", True)
     assert (kwargs["dashboard_host"], kwargs["num_cpus"]) == ("127.0.0.2", 3)
+
+
+def test_reward_keys_shape_the_runs_reward_table(tiny):
+    from megaflow.rewards import arith
+
+    def score(cfg, source, text, truth):
+        return trainer_main.build_reward_fn(cfg, tokenizer=None).table.spec(source).fn(text, truth, None)["score"]
+
+    # reward.functions: a scorer registered for a new data source
+    custom = config_from_dict(tiny(reward={"functions": {"toy": "megaflow.rewards.arith:compute_score"}}))
+    answer = "7" + arith.EOS_TOKEN  # a correct, well-formed arith response
+    assert score(custom, "toy", answer, 7) == arith.compute_score(answer, 7)["score"] == 1.0
+    with pytest.raises(ValueError, match="toy"):
+        trainer_main.build_reward_fn(config_from_dict(tiny()), tokenizer=None).table.spec("toy")
+    # reward.format_weight and reward.format_pattern: (1 - w) * task + w * [pattern fullmatches]
+    w = 0.25
+    for pattern, fmt in ((r"7<eos>", 1.0), (r"#\d+", 0.0)):
+        cfg = config_from_dict(tiny(reward={"format_weight": w, "format_pattern": pattern}))
+        assert score(cfg, "arith", answer, 7) == pytest.approx((1 - w) * 1.0 + w * fmt)
+    assert score(config_from_dict(tiny()), "arith", answer, 7) == 1.0  # weight 0: the task score alone
+
+
+def test_run_directory_is_output_dir_project_experiment(tiny, tmp_path):
+    from megaflow.config.topology import run_dir_of
+
+    cfg = config_from_dict(tiny(trainer={"output_dir": str(tmp_path / "out"), "project_name": "proj",
+                                         "experiment_name": "exp-1"}))
+    assert run_dir_of(cfg) == tmp_path / "out" / "proj" / "exp-1"
