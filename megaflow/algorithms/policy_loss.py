@@ -95,7 +95,7 @@ def _finish(
     with torch.no_grad():
         metrics = {
             "clip_fraction": masked_mean(clipped.to(loss_mat.dtype), response_mask),
-            "lower_clip_fraction": masked_mean(dual_clipped.to(loss_mat.dtype), response_mask),
+            "dual_clip_fraction": masked_mean(dual_clipped.to(loss_mat.dtype), response_mask),
             "approx_kl": masked_mean(-log_ratio.detach(), response_mask),
         }
     return loss, metrics
@@ -136,7 +136,7 @@ def ppo_policy_loss(
 
     Returns:
         ``(loss, metrics)`` with ``clip_fraction`` (tokens where the clip is active),
-        ``lower_clip_fraction`` (tokens where the dual clip is active), ``approx_kl``
+        ``dual_clip_fraction`` (tokens where the dual clip is active), ``approx_kl``
         (token mean of ``old_log_probs - log_probs``, the k1 estimate of
         ``KL(pi_old || pi_theta)``).
 
@@ -231,7 +231,7 @@ def cispo_policy_loss(
     bounded) nor with sequence-level ratios (CISPO's weight is per token).
 
     Args and returns: as :func:`ppo_policy_loss`; ``clip_fraction`` is the fraction of
-    tokens whose weight was truncated, ``lower_clip_fraction`` is always 0.
+    tokens whose weight was truncated, ``dual_clip_fraction`` is always 0.
 
     Raises:
         ValueError: as :func:`ppo_policy_loss`, and ``clip_ratio_c`` not None.

@@ -1,7 +1,7 @@
 """Launching megaflow on clusters: resource requirements, Ray cluster waits, Slurm scripts.
 
 * :mod:`megaflow.launch.resources`: what a recipe's resource pools need from the cluster
-  (:func:`cluster_requirement`) and what a cluster lacks (:func:`unmet`);
+  (:func:`launch_requirements`) and what a cluster lacks (:func:`unmet`);
 * :mod:`megaflow.launch.cluster`: bounded waits for the Ray head and for the resources
   (:func:`wait_for_cluster`, raising :class:`ClusterNotReadyError`);
 * :mod:`megaflow.launch.failures`: a dead worker process or node turned into a message
@@ -12,7 +12,7 @@
   the wait command the generated script runs.
 """
 from megaflow.launch.cluster import ClusterNotReadyError, wait_for_cluster, wait_for_port
-from megaflow.launch.resources import ClusterRequirement, NodeResources, PoolRequirement, cluster_requirement, unmet
+from megaflow.launch.resources import LaunchRequirements, NodeResources, PoolRequirement, launch_requirements, unmet
 
-__all__ = ["ClusterRequirement", "PoolRequirement", "NodeResources", "cluster_requirement", "unmet",
+__all__ = ["LaunchRequirements", "PoolRequirement", "NodeResources", "launch_requirements", "unmet",
            "ClusterNotReadyError", "wait_for_cluster", "wait_for_port"]

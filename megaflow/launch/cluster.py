@@ -7,7 +7,7 @@ groups before the pools fit, and it must not hang when a node never joins. Two w
 * :func:`wait_for_port`: the Ray head's GCS port accepts TCP connections (the launch
   script waits for it before starting the workers, which need the head up);
 * :func:`wait_for_cluster`: polls ``ray.nodes()`` until the alive nodes can host the
-  run's :class:`~megaflow.launch.resources.ClusterRequirement`; on timeout raises
+  run's :class:`~megaflow.launch.resources.LaunchRequirements`; on timeout raises
   :class:`ClusterNotReadyError` stating what is needed and what joined.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import socket
 import time
 from typing import Callable, Sequence
 
-from megaflow.launch.resources import ClusterRequirement, NodeResources, unmet
+from megaflow.launch.resources import LaunchRequirements, NodeResources, unmet
 
 #: Seconds between two progress lines while waiting.
 PROGRESS_EVERY_S = 30.0
@@ -82,7 +82,7 @@ def describe_joined(nodes: Sequence[NodeResources]) -> list[str]:
     return lines
 
 
-def not_ready_message(required: ClusterRequirement, nodes: Sequence[NodeResources], waited_s: float,
+def not_ready_message(required: LaunchRequirements, nodes: Sequence[NodeResources], waited_s: float,
                       address: str | None = None, hint: str | None = None) -> str:
     """The message of :class:`ClusterNotReadyError`: needed, joined, missing, hint."""
     where = f" at {address}" if address else ""
@@ -97,14 +97,14 @@ def not_ready_message(required: ClusterRequirement, nodes: Sequence[NodeResource
     return "\n".join(lines)
 
 
-def wait_for_cluster(required: ClusterRequirement, timeout_s: float, *, poll_s: float = 1.0,
+def wait_for_cluster(required: LaunchRequirements, timeout_s: float, *, poll_s: float = 1.0,
                      address: str | None = None, hint: str | None = None,
                      progress: Callable[[str], None] | None = print,
                      nodes_fn: Callable[[], list[NodeResources]] = cluster_nodes) -> list[NodeResources]:
     """Poll the connected Ray cluster until its alive nodes can host ``required``.
 
     Args:
-        required: from :func:`megaflow.launch.resources.cluster_requirement`.
+        required: from :func:`megaflow.launch.resources.launch_requirements`.
         timeout_s: longest wait in seconds (``ray.resource_wait_timeout_s``); the wait is
             always bounded.
         poll_s: seconds between two polls.

@@ -5,7 +5,7 @@ process is killed (host OOM, ``kill -9``), Ray raises ``ActorDiedError`` /
 ``NodeDiedError`` on the controller, and megaflow's worker groups wrap it in a
 :class:`~megaflow.single_controller.errors.WorkerError`. Neither says which of the run's
 roles and ranks are gone. :func:`worker_lost_error` combines the error with where every
-rank runs (:class:`RankPlacement`, from the groups' ``worker_metadata``) and with Ray's
+rank runs (:class:`RankProcess`, from the groups' ``worker_metadata``) and with Ray's
 node table, and returns a :class:`WorkerLostError` whose message names the dead node(s),
 every role and rank they hosted, the rank that failed first, and how to resume::
 
@@ -41,8 +41,9 @@ _WHERE = re.compile(r"role '([^']+)'.*?\brank (\d+)")  # WorkerGroup.where_of(ro
 
 
 @dataclass(frozen=True)
-class RankPlacement:
-    """Where one rank of one role runs (from :class:`~megaflow.single_controller.worker.WorkerMetadata`)."""
+class RankProcess:
+    """The process of one rank of one role: its node and pid (from
+    :class:`~megaflow.single_controller.worker.WorkerMetadata`)."""
 
     role: str
     rank: int
@@ -70,10 +71,10 @@ class WorkerLostError(RuntimeError):
         return self.message
 
 
-def placements_of(groups: Mapping[str, Any]) -> list[RankPlacement]:
+def placements_of(groups: Mapping[str, Any]) -> list[RankProcess]:
     """Placements of every rank of ``{role: worker group}`` (any object with
     ``worker_metadata``: a list of ``WorkerMetadata`` in rank order)."""
-    return [RankPlacement(role=role, rank=meta.rank, node_id=meta.node_id, node_ip=meta.node_ip,
+    return [RankProcess(role=role, rank=meta.rank, node_id=meta.node_id, node_ip=meta.node_ip,
                           hostname=meta.hostname, pid=meta.pid)
             for role, group in groups.items() for meta in group.worker_metadata]
 
@@ -118,7 +119,7 @@ def _ranges(ranks: Iterable[int]) -> str:
     return ", ".join(out)
 
 
-def _by_role(placements: Iterable[RankPlacement]) -> dict[str, list[int]]:
+def _by_role(placements: Iterable[RankProcess]) -> dict[str, list[int]]:
     lost: dict[str, list[int]] = {}
     for p in placements:
         lost.setdefault(p.role, []).append(p.rank)
@@ -156,7 +157,7 @@ def _dead_actor_processes() -> set[tuple[str, int]] | None:
             if info.get("State") == "DEAD" and info.get("Pid")}
 
 
-def dead_placements(placements: Sequence[RankPlacement]) -> list[RankPlacement]:
+def dead_placements(placements: Sequence[RankProcess]) -> list[RankProcess]:
     """The ranks whose process is dead: Ray's actor table says so, or the process ran on
     this machine and is gone. Ordered by role (as given) then rank.
 
@@ -177,8 +178,8 @@ def _looks_like_lost_peer(error: BaseException) -> bool:
     return any(marker in text for marker in _PEER_LOST_MARKERS)
 
 
-def find_dead_ranks(error: BaseException, placements: Sequence[RankPlacement], *, wait_s: float = 15.0,
-                    poll_s: float = 0.5) -> list[RankPlacement]:
+def find_dead_ranks(error: BaseException, placements: Sequence[RankProcess], *, wait_s: float = 15.0,
+                    poll_s: float = 0.5) -> list[RankProcess]:
     """The dead ranks behind ``error``, if any (see :func:`dead_placements`).
 
     When none is dead yet but ``error`` reports a worker death or a lost collective peer
@@ -195,22 +196,22 @@ def find_dead_ranks(error: BaseException, placements: Sequence[RankPlacement], *
         time.sleep(poll_s)
 
 
-def _failed_rank(error: BaseException, placements: Sequence[RankPlacement]) -> RankPlacement | None:
+def _failed_rank(error: BaseException, placements: Sequence[RankProcess]) -> RankProcess | None:
     role, rank = getattr(error, "role", None), getattr(error, "rank", None)
     where = _WHERE.search(str(getattr(error, "where", "") or ""))
     if (role is None or rank is None) and where:
         role, rank = where.group(1), int(where.group(2))
     if role is not None and rank is not None:
         return next((p for p in placements if p.role == role and p.rank == rank), None) or \
-            RankPlacement(role=role, rank=rank, node_id="", node_ip="?", hostname="", pid=0)
+            RankProcess(role=role, rank=rank, node_id="", node_ip="?", hostname="", pid=0)
     text = _error_text(error)
     pids, ips = {int(m) for m in _PID.findall(text)}, set(_IP.findall(text))
     return next((p for p in placements if p.pid in pids and (not ips or p.node_ip in ips)), None)
 
 
-def worker_lost_error(error: BaseException, placements: Sequence[RankPlacement],
+def worker_lost_error(error: BaseException, placements: Sequence[RankProcess],
                       nodes: Sequence[NodeResources] | None = None, resume_hint: str = RESUME_HINT,
-                      method: str | None = None, dead: Sequence[RankPlacement] | None = None) -> WorkerLostError:
+                      method: str | None = None, dead: Sequence[RankProcess] | None = None) -> WorkerLostError:
     """Explain a dead worker process or node in terms of the run.
 
     Args:
@@ -289,5 +290,5 @@ class RunInterrupted(Exception):
                 "with the same trainer.output_dir and trainer.resume=auto to continue from it")
 
 
-__all__ = ["RankPlacement", "WorkerLostError", "placements_of", "is_worker_death", "worker_lost_error",
+__all__ = ["RankProcess", "WorkerLostError", "placements_of", "is_worker_death", "worker_lost_error",
            "dead_placements", "find_dead_ranks", "RunInterrupted", "RESUME_HINT"]

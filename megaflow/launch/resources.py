@@ -1,6 +1,6 @@
 """What a run needs from its Ray cluster, and whether a cluster offers it.
 
-:func:`cluster_requirement` turns a loaded config into the per-node resources the run's
+:func:`launch_requirements` turns a loaded config into the per-node resources the run's
 resource pools need: every enabled role runs on a pool (``resources.placement``), pools
 are laid on the cluster's nodes by :func:`megaflow.config.layout.pack_pools` (the same
 placement the trainer and the dry run use), and every rank of a pool is one Ray bundle of
@@ -70,8 +70,10 @@ class NodeRequirement:
 
 
 @dataclass(frozen=True)
-class ClusterRequirement:
-    """The whole cluster a run needs: one :class:`NodeRequirement` per used node."""
+class LaunchRequirements:
+    """The whole cluster a launch needs: one :class:`NodeRequirement` per used node and one
+    :class:`PoolRequirement` per used pool (the dry-run plan's one-line summary is
+    :class:`megaflow.config.topology.ClusterRequirements`)."""
 
     experiment: str
     use_gpu: bool
@@ -143,7 +145,7 @@ class NodeResources:
         return f"{self.ip}{host}: {_offer(self.cpus, self.gpus, sep=', ')}"
 
 
-def cluster_requirement(cfg: "Config") -> ClusterRequirement:
+def launch_requirements(cfg: "Config") -> LaunchRequirements:
     """The cluster that ``cfg``'s resource pools need.
 
     Only pools that host an enabled role count; their node indices come from
@@ -154,7 +156,7 @@ def cluster_requirement(cfg: "Config") -> ClusterRequirement:
         cfg: a validated :class:`megaflow.config.Config` (``load_config(...)``).
 
     Returns:
-        The :class:`ClusterRequirement`; ``nodes`` are ordered by cluster node index.
+        The :class:`LaunchRequirements`; ``nodes`` are ordered by cluster node index.
     """
     from megaflow.config import enabled_roles
     from megaflow.config.layout import pack_pools
@@ -178,11 +180,11 @@ def cluster_requirement(cfg: "Config") -> ClusterRequirement:
                         gpus=sum(p.procs_per_node * p.gpus_per_proc for p in on_node),
                         pools=tuple(p.name for p in on_node))
         for node, on_node in sorted(load.items()))
-    return ClusterRequirement(experiment=cfg.trainer.experiment_name, use_gpu=bool(res.use_gpu), nodes=nodes,
+    return LaunchRequirements(experiment=cfg.trainer.experiment_name, use_gpu=bool(res.use_gpu), nodes=nodes,
                               pools=pools)
 
 
-def unmet(required: ClusterRequirement, nodes: Sequence[NodeResources]) -> list[str]:
+def unmet(required: LaunchRequirements, nodes: Sequence[NodeResources]) -> list[str]:
     """What the alive ``nodes`` lack to host ``required``; empty when they suffice.
 
     Each required node must be matched to a distinct alive node offering at least its CPUs
@@ -225,5 +227,5 @@ def _offer(cpus: float, gpus: float, sep: str = " and ") -> str:
     return sep.join(parts + [_count(cpus, "CPU")])
 
 
-__all__ = ["PoolRequirement", "NodeRequirement", "ClusterRequirement", "NodeResources", "cluster_requirement",
+__all__ = ["PoolRequirement", "NodeRequirement", "LaunchRequirements", "NodeResources", "launch_requirements",
            "unmet"]

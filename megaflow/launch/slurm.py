@@ -14,7 +14,7 @@ head node, logs to ``<job-dir>/slurm-<jobid>.out`` and ``<job-dir>/logs/<jobid>/
 stops Ray on every node on success, failure, time limit or ``scancel``.
 
 Nodes and GPUs per node default to what the recipe needs
-(:func:`megaflow.launch.resources.cluster_requirement`); asking for fewer is refused
+(:func:`megaflow.launch.resources.launch_requirements`); asking for fewer is refused
 here, before anything is queued. The trainer writes under ``<job-dir>/outputs`` unless an
 override sets ``trainer.output_dir``; reuse the job directory to resume
 (``trainer.resume=auto``).
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megaflow.launch.resources import ClusterRequirement, cluster_requirement
+from megaflow.launch.resources import LaunchRequirements, launch_requirements
 
 if TYPE_CHECKING:
     from megaflow.config import Config
@@ -82,7 +82,7 @@ class SlurmJob:
     command: tuple[str, ...] | None = None
 
 
-def check_job(job: SlurmJob, required: ClusterRequirement) -> list[str]:
+def check_job(job: SlurmJob, required: LaunchRequirements) -> list[str]:
     """Validate ``job`` against the recipe's requirement before anything is queued.
 
     Returns:
@@ -127,7 +127,7 @@ def check_job(job: SlurmJob, required: ClusterRequirement) -> list[str]:
     return warnings
 
 
-def _sbatch_directives(job: SlurmJob, required: ClusterRequirement, nodes: int, gpus: int) -> list[str]:
+def _sbatch_directives(job: SlurmJob, required: LaunchRequirements, nodes: int, gpus: int) -> list[str]:
     job_dir = job.job_dir
     lines = [f"--job-name={job.job_name or 'megaflow-' + required.experiment}", f"--nodes={nodes}",
              "--ntasks-per-node=1", f"--output={job_dir}/slurm-%j.out", f"--error={job_dir}/slurm-%j.out"]
@@ -205,7 +205,7 @@ def render_sbatch(job: SlurmJob, cfg: "Config | None" = None, template: Path = T
         ConfigError / FileNotFoundError: the recipe or its overrides are invalid.
     """
     cfg = load_job_config(job) if cfg is None else cfg
-    required = cluster_requirement(cfg)
+    required = launch_requirements(cfg)
     check_job(job, required)
     nodes = job.nodes or required.num_nodes
     gpus = required.gpus_per_node if job.gpus_per_node is None else job.gpus_per_node
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     job = job_from_args(args)
     try:
         cfg = load_job_config(job)
-        required = cluster_requirement(cfg)
+        required = launch_requirements(cfg)
         for warning in check_job(job, required):
             print(f"warning: {warning}", file=sys.stderr)
         script = write_sbatch(job, args.output, cfg)

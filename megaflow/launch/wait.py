@@ -6,7 +6,7 @@ multi-node cluster::
     python -m megaflow.launch.wait --recipe llama70b_ppo --address 10.0.0.1:6379 --timeout 600
 
 It loads the recipe with the same ``key.sub=value`` overrides the trainer gets, computes
-the requirement (:func:`megaflow.launch.resources.cluster_requirement`), connects to the
+the requirement (:func:`megaflow.launch.resources.launch_requirements`), connects to the
 cluster and polls it (:func:`megaflow.launch.cluster.wait_for_cluster`). Exit status 0
 when ready; 2 when the cluster is still short after the timeout (the message says what is
 needed and what joined) or the recipe is invalid; 3 when the cluster cannot be reached.
@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from megaflow.config import ConfigError, load_config
-    from megaflow.launch.resources import cluster_requirement
+    from megaflow.launch.resources import launch_requirements
 
     try:
         cfg = load_config(args.recipe, args.overrides)
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no Ray cluster address: pass --address HOST:PORT or set RAY_ADDRESS", file=sys.stderr)
         return 2
     timeout = args.timeout if args.timeout is not None else cfg.ray.resource_wait_timeout_s
-    required = cluster_requirement(cfg)
+    required = launch_requirements(cfg)
 
     import ray
 

@@ -100,13 +100,13 @@ def init_ray(cfg) -> None:
     if r.address:
         from megaflow.launch.auth import enable_token_auth
         from megaflow.launch.cluster import wait_for_cluster
-        from megaflow.launch.resources import cluster_requirement
+        from megaflow.launch.resources import launch_requirements
 
         enable_token_auth()
         ray.init(address=r.address, **kwargs)
         # A bounded wait: fewer resources than the recipe needs -> an error saying what is
         # needed and what joined, instead of placement groups pending forever.
-        wait_for_cluster(cluster_requirement(cfg), r.resource_wait_timeout_s, address=r.address)
+        wait_for_cluster(launch_requirements(cfg), r.resource_wait_timeout_s, address=r.address)
     else:
         # address="local": never join a cluster that happens to run on this machine; every
         # listener of the local Ray on 127.0.0.1 only (megaflow.launch.local)

@@ -202,9 +202,9 @@ def check_local_resources(cfg: Config, *, cpu_count: int | None = None, gpu_coun
     """
     if cfg.ray.address is not None:
         return  # a cluster: megaflow.launch.cluster waits a bounded time and says what is missing
-    from megaflow.launch.resources import cluster_requirement
+    from megaflow.launch.resources import launch_requirements
 
-    req = cluster_requirement(cfg)
+    req = launch_requirements(cfg)
     if req.num_nodes > 1:
         raise ConfigError("resources.nodes",
                           f"the pools need {req.num_nodes} nodes ({'; '.join(req.describe_pools())}) but {{0}} is "

@@ -44,7 +44,7 @@ def test_ppo_by_hand_symmetric_and_dual_clip():
     expected = [-1.2, 1.5, 3.0, 0.8, -0.5, -1.2]
     assert loss.item() == pytest.approx(sum(expected) / 6)
     assert m["clip_fraction"].item() == pytest.approx(3 / 6)
-    assert m["lower_clip_fraction"].item() == pytest.approx(1 / 6)
+    assert m["dual_clip_fraction"].item() == pytest.approx(1 / 6)
     assert m["approx_kl"].item() == pytest.approx(-sum(math.log(r) for r in ratios) / 6)
     assert not any(v.requires_grad for v in m.values())
     loss.backward()
@@ -86,7 +86,7 @@ def test_ppo_matches_token_loop_far_outside_band(make_batch, clip_ratio_c):
         total, clipped, dual, n = total + value, clipped + is_clipped, dual + is_dual, n + 1
     assert loss.item() == pytest.approx(total / n, rel=1e-10)
     assert m["clip_fraction"].item() == pytest.approx(clipped / n)
-    assert m["lower_clip_fraction"].item() == pytest.approx(dual / n)
+    assert m["dual_clip_fraction"].item() == pytest.approx(dual / n)
     assert 0 < clipped < n and (clip_ratio_c is None or dual > 0)
 
 

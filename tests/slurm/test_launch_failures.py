@@ -7,7 +7,7 @@ import pytest
 from ray.exceptions import ActorDiedError, NodeDiedError
 
 from megaflow.launch.failures import (
-    RESUME_HINT, RankPlacement, WorkerLostError, is_worker_death, placements_of, worker_lost_error)
+    RESUME_HINT, RankProcess, WorkerLostError, is_worker_death, placements_of, worker_lost_error)
 from megaflow.launch.resources import NodeResources
 from megaflow.single_controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool
 from megaflow.single_controller.errors import WorkerError
@@ -16,7 +16,7 @@ from slurm_test_workers import PidWorker
 
 def placements_on(ip, node_id, roles, ranks, pid0=1000, per_node=8, hostname=""):
     """Ranks ``ranks`` of each role, ``per_node`` per node, colocated roles sharing one pid per rank."""
-    return [RankPlacement(role=role, rank=r, node_id=f"{node_id}{r // per_node}", node_ip=f"{ip}{r // per_node}",
+    return [RankProcess(role=role, rank=r, node_id=f"{node_id}{r // per_node}", node_ip=f"{ip}{r // per_node}",
                           hostname=hostname and f"{hostname}{r // per_node}", pid=pid0 + r)
             for role in roles for r in ranks]
 
@@ -60,8 +60,8 @@ def test_raw_actor_died_error_is_matched_by_ip_and_pid(launch_ray):
         for _ in range(50):
             ray.get(probe.where.remote())
             time.sleep(0.2)
-    placements = [RankPlacement("critic", 3, node_id, ip, "", pid), RankPlacement("ref", 3, node_id, ip, "", pid),
-                  RankPlacement("critic", 2, node_id, ip, "", pid - 1)]
+    placements = [RankProcess("critic", 3, node_id, ip, "", pid), RankProcess("ref", 3, node_id, ip, "", pid),
+                  RankProcess("critic", 2, node_id, ip, "", pid - 1)]
     err = worker_lost_error(info.value, placements, method="update_critic")
     assert str(err).startswith(f"worker lost: role 'critic' rank 3 (node {ip}, pid {pid}) died during update_critic")
     # The process hosted the colocated reference role too; rank 2 (another process) is not lost.

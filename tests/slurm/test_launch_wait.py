@@ -7,12 +7,12 @@ import pytest
 
 from megaflow.config import load_config
 from megaflow.launch.cluster import ClusterNotReadyError, wait_for_cluster, wait_for_port
-from megaflow.launch.resources import NodeResources, cluster_requirement
+from megaflow.launch.resources import NodeResources, launch_requirements
 from megaflow.launch.wait import main as wait_main
 
 
 def tiny(*overrides):
-    return cluster_requirement(load_config("tiny_arith_grpo", list(overrides)))
+    return launch_requirements(load_config("tiny_arith_grpo", list(overrides)))
 
 
 def local_cpus(ray):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from megaflow.launch.slurm import SlurmJob, check_job, main as slurm_main, render_sbatch, write_sbatch
-from megaflow.launch.resources import cluster_requirement
+from megaflow.launch.resources import launch_requirements
 from megaflow.config import load_config
 
 FAKE_SRUN = r"""#!/bin/bash
@@ -221,7 +221,7 @@ def test_impossible_jobs_are_refused_before_submission(tmp_path, kw, match):
 
 
 def test_more_nodes_than_needed_is_a_warning(tmp_path):
-    required = cluster_requirement(load_config("llama70b_ppo"))
+    required = launch_requirements(load_config("llama70b_ppo"))
     warnings = check_job(job_70b(tmp_path, nodes=9), required)
     assert warnings == ["--nodes=9: the recipe's pools use only 8; the other nodes stay idle"]
     assert "--nodes=9" in directives(render_sbatch(job_70b(tmp_path, nodes=9)))
