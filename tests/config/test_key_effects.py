@@ -152,3 +152,92 @@ def test_run_directory_is_output_dir_project_experiment(tiny, tmp_path):
     cfg = config_from_dict(tiny(trainer={"output_dir": str(tmp_path / "out"), "project_name": "proj",
                                          "experiment_name": "exp-1"}))
     assert run_dir_of(cfg) == tmp_path / "out" / "proj" / "exp-1"
+
+
+# ---------------------------------------------------------------- the worker's loss functions
+
+_LOG_RATIO = [[0.4, -0.7, 0.0], [0.1, -0.5, 0.26]]  # log(pi / pi_old) per token
+_ADV = [[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]]
+_MASK = [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]
+
+
+def _actor_loss(tiny, **sections):
+    import torch
+
+    from megaflow.megatron.engine_config import GlobalDenominators
+    from megaflow.workers.losses import actor_loss_fn
+
+    old = torch.tensor([[-1.0, -2.0, -1.5], [-0.5, -1.2, -2.2]])
+    log_probs = old + torch.tensor(_LOG_RATIO)
+    mb = {"response_mask": torch.tensor(_MASK), "old_log_probs": old, "advantages": torch.tensor(_ADV),
+          "ref_log_probs": old - 0.3}
+    outputs = {"log_probs": log_probs, "entropy": torch.tensor([[0.5, 1.0, 1.5], [2.0, 2.5, 9.0]])}
+    loss, _ = actor_loss_fn(config_from_dict(tiny(**sections)))(outputs, mb, GlobalDenominators(5, 2))
+    return float(loss)
+
+
+def _ppo_tokens(low, high):
+    """Clipped surrogate per token, by hand: max(-A r, -A clip(r, 1 - low, 1 + high))."""
+    import math
+
+    return [[max(-a * math.exp(x), -a * min(max(math.exp(x), 1 - low), 1 + high)) for x, a in zip(xs, advs)]
+            for xs, advs in zip(_LOG_RATIO, _ADV)]
+
+
+def _token_mean(values):
+    return sum(v * m for row, mrow in zip(values, _MASK) for v, m in zip(row, mrow)) / 5
+
+
+def test_actor_loss_keys_change_the_worker_loss(tiny):
+    import math
+
+    base = _actor_loss(tiny)
+    assert base == pytest.approx(_token_mean(_ppo_tokens(0.2, 0.2)), rel=1e-5)
+    # actor.clip_ratio_low / clip_ratio_high move the clip band
+    assert _actor_loss(tiny, actor={"clip_ratio_low": 0.5}) == pytest.approx(_token_mean(_ppo_tokens(0.5, 0.2)), rel=1e-5)
+    assert _actor_loss(tiny, actor={"clip_ratio_high": 0.6}) == pytest.approx(_token_mean(_ppo_tokens(0.2, 0.6)), rel=1e-5)
+    assert len({base, _actor_loss(tiny, actor={"clip_ratio_low": 0.5}), _actor_loss(tiny, actor={"clip_ratio_high": 0.6})}) == 3
+    # actor.loss_agg_mode: the mean over sequences of each sequence's token mean
+    per_seq = [sum(v * m for v, m in zip(row, mrow)) / sum(mrow) for row, mrow in zip(_ppo_tokens(0.2, 0.2), _MASK)]
+    assert _actor_loss(tiny, actor={"loss_agg_mode": "seq-mean-token-mean"}) == pytest.approx(sum(per_seq) / 2, rel=1e-5)
+    # actor.entropy_coeff: minus coeff x the token-mean entropy
+    entropy = _token_mean([[0.5, 1.0, 1.5], [2.0, 2.5, 9.0]])
+    assert _actor_loss(tiny, actor={"entropy_coeff": 0.1}) == pytest.approx(base - 0.1 * entropy, rel=1e-5)
+    # algorithm.kl_loss_type (with use_kl_loss, kl_loss_coef): k1 = log pi - log ref; low_var_kl = k3 of ref/pi
+    log_ratio_ref = [[x + 0.3 for x in row] for row in _LOG_RATIO]  # log pi - log ref
+    k1 = _token_mean(log_ratio_ref)
+    k3 = _token_mean([[math.exp(-d) + d - 1 for d in row] for row in log_ratio_ref])
+    kl = {"use_kl_loss": True, "kl_loss_coef": 0.5}
+    ref = {"enabled": True}
+    assert _actor_loss(tiny, algorithm={**kl, "kl_loss_type": "k1"}, ref=ref) == pytest.approx(base + 0.5 * k1, rel=1e-5)
+    assert _actor_loss(tiny, algorithm={**kl, "kl_loss_type": "low_var_kl"}, ref=ref) == pytest.approx(
+        base + 0.5 * k3, rel=1e-5)
+
+
+def test_critic_loss_keys_change_the_worker_value_loss(tiny):
+    import torch
+
+    from megaflow.megatron.engine_config import GlobalDenominators
+    from megaflow.workers.losses import critic_loss_fn
+
+    old = [[0.0, 1.0, 2.0], [0.5, -0.5, 0.0]]
+    new = [[0.8, 1.1, 1.0], [0.5, 0.4, 3.0]]
+    returns = [[1.0, 1.0, 1.0], [-1.0, 0.0, 0.0]]
+    mb = {"response_mask": torch.tensor(_MASK), "values": torch.tensor(old), "returns": torch.tensor(returns)}
+
+    def loss(**critic):
+        tree = tiny(critic={"enabled": True, **critic}, algorithm={"adv_estimator": "gae"})
+        out, _ = critic_loss_fn(config_from_dict(tree))({"values": torch.tensor(new)}, mb, GlobalDenominators(5, 2))
+        return float(out)
+
+    def by_hand(clip):
+        """0.5 max((v - R)^2, (old + clip(v - old, -c, c) - R)^2) per token (PPO value clipping)."""
+        return [[0.5 * max((v - r) ** 2, (o + min(max(v - o, -clip), clip) - r) ** 2)
+                 for v, o, r in zip(vs, os_, rs)] for vs, os_, rs in zip(new, old, returns)]
+
+    # critic.cliprange_value
+    assert loss() == pytest.approx(_token_mean(by_hand(0.5)), rel=1e-5)
+    assert loss(cliprange_value=0.2) == pytest.approx(_token_mean(by_hand(0.2)), rel=1e-5) != loss()
+    # critic.loss_agg_mode
+    per_seq = [sum(v * m for v, m in zip(row, mrow)) / sum(mrow) for row, mrow in zip(by_hand(0.5), _MASK)]
+    assert loss(loss_agg_mode="seq-mean-token-mean") == pytest.approx(sum(per_seq) / 2, rel=1e-5)
