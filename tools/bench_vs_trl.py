@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""megaflow vs TRL's GRPOTrainer on the same GRPO workload, side by side on the CPU (issue #17).
+"""megaflow vs TRL's GRPOTrainer on the same GRPO workload, side by side on the CPU.
 
 The workload is built in process from fixed numbers and a seed (nothing from a hub):
 

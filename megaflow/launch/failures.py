@@ -26,7 +26,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from megaflow.launch.resources import NodeResources
 from megaflow.single_controller.futures import process_gone
 
-#: What the controller prints about resuming (the trainer's checkpoints, issue 7).
+#: What the controller prints about resuming from the trainer's checkpoints.
 RESUME_HINT = ("the run cannot continue without these ranks; once the cluster is whole again, start it with the "
                "same trainer.output_dir and trainer.resume=auto to continue from the last complete checkpoint")
 

@@ -9,7 +9,7 @@ Subcommands (run on the node itself, e.g. through ``srun``)::
 ``head`` and ``worker`` replace themselves with ``ray start ... --block`` (so ``srun``
 and Slurm's signals reach Ray directly; SIGTERM stops every Ray process of the node).
 
-Security defaults (issue 8): Ray is told the node's *internal* IP (the address of
+Security defaults: Ray is told the node's *internal* IP (the address of
 ``--interface``, or the interface of the default route), never a wildcard; the dashboard
 is off, and when enabled binds 127.0.0.1 unless ``--dashboard-host`` says otherwise.
 Ray's token authentication is required (:mod:`megaflow.launch.auth`): the token comes

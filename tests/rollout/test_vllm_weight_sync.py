@@ -1,4 +1,4 @@
-"""Weight syncs into a running vLLM engine: tied and untied embeddings at TP = 1 and 2 (issue 13).
+"""Weight syncs into a running vLLM engine: tied and untied embeddings at TP = 1 and 2.
 
 The engine starts from dummy weights (as the hybrid engine's does), then receives three
 syncs: A through full HF tensors (the t_g = 1 route), B through already-sharded vLLM

@@ -1,4 +1,4 @@
-"""Checkpoints that can be trusted: manifests, no pickled code, resume checks (issue 12)."""
+"""Checkpoints that can be trusted: manifests, no pickled code, resume checks."""
 import json
 import pickle
 import random

@@ -1,5 +1,5 @@
 """Ctrl-C during training: one line saying where the run stopped and how to resume, exit 130,
-no traceback (issue 11), and Ray's processes stop with the controller (issue 12)."""
+no traceback, and Ray's processes stop with the controller."""
 import json
 import os
 import signal

@@ -1,4 +1,4 @@
-"""A single-machine run's Ray listens on 127.0.0.1 only (issue 12), checked with the socket table."""
+"""A single-machine run's Ray listens on 127.0.0.1 only, checked with the socket table."""
 import json
 import subprocess
 import sys

