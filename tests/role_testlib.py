@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from megaflow.config import Config, config_from_dict, config_to_dict, load_config
+from megaflow.config import Config, config_from_dict
 from megaflow.config.role_spec import RoleSpec
 
 RECIPE = "tiny_arith_grpo"
@@ -22,21 +22,24 @@ def seq_len_overrides(max_seq_len: int, response_length: int = 4) -> list[str]:
 
 def test_config(overrides: Iterable[str] = (), *, hf_config: Any = None, recipe: str = RECIPE,
                 sections: Mapping[str, Mapping[str, Any]] | None = None) -> Config:
-    """``recipe`` with ``overrides``; ``hf_config`` (an HF config object or dict) replaces
-    ``model.hf_config`` as a whole; ``sections`` (``{"critic": {"path": ...}}``) are set last.
+    """``recipe`` with ``overrides`` (as :func:`megaflow.config.load_config` applies them);
+    ``hf_config`` (an HF config object or dict) replaces ``model.hf_config`` as a whole;
+    ``sections`` (``{"critic": {"path": ...}}``) are set last. Validated once, at the end.
 
     Raises:
         ConfigError: the result is not a valid config (naming the key).
     """
-    cfg = load_config(recipe, list(overrides))
-    if hf_config is None and not sections:
-        return cfg
-    tree = config_to_dict(cfg)
+    from megaflow.config.loader import apply_override, merge, parse_override, read_yaml, resolve_recipe
+
+    path = resolve_recipe(recipe)
+    tree = merge({"trainer": {"experiment_name": path.stem}}, read_yaml(path))
+    for item in overrides:
+        tree = apply_override(tree, *parse_override(item))
     if hf_config is not None:
         values = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
-        tree["model"]["hf_config"] = {k: v for k, v in values.items() if v is not None}
+        tree.setdefault("model", {})["hf_config"] = {k: v for k, v in values.items() if v is not None}
     for name, values in (sections or {}).items():
-        tree[name].update(values)
+        tree.setdefault(name, {}).update(values)
     return config_from_dict(tree)
 
 

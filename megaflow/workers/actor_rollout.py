@@ -107,8 +107,11 @@ class ActorRolloutWorker(ActorWorker):
             dtype=cfg.model.dtype, load_format="dummy", max_model_len=max_seq_len(cfg),
             kv_cache_bytes=None if cfg.resources.use_gpu else cpu_kv_cache_bytes(cfg),
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.trainer.seed)
-        sampling = SamplingConfig(response_length=cfg.rollout.response_length, eos_token_ids=self.eos_token_ids,
-                                  pad_token_id=self.pad_token_id)
+        # Each call's meta_info overrides the sampling parameters; n stays 1 (the controller
+        # repeats every prompt rollout.n times).
+        sampling = SamplingConfig(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                  top_k=cfg.rollout.top_k, response_length=cfg.rollout.response_length,
+                                  eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id)
         return VLLMRollout(engine_cfg, sampling)
 
     def _engine_model_dir(self, hf_config) -> str:

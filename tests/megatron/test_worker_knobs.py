@@ -93,3 +93,17 @@ def test_forward_phases_reload_parameters_only():
     MegatronWorker._before_phase(worker, ("params",))
     MegatronWorker._before_phase(worker)
     assert worker.engine.reloads == [("params",), ("params", "grads", "optimizer")]
+
+
+def test_a_worker_refuses_the_spec_of_another_role():
+    from megaflow.workers.actor_rollout import ActorRolloutWorker
+    from megaflow.workers.megatron_workers import CriticWorker, RefWorker
+
+    actor = role_spec("actor")
+    with pytest.raises(ValueError, match="RefWorker serves the 'ref' role, got a RoleSpec of 'actor'"):
+        RefWorker(actor)
+    with pytest.raises(TypeError, match="spec must be a megaflow.config.role_spec.RoleSpec, got dict"):
+        CriticWorker({"role": "critic"})
+    worker = ActorRolloutWorker(role_spec("actor", ["rollout.ignore_eos=true"]), (0, 5), 0)
+    assert worker.eos_token_ids == () and worker.role_spec.head == "actor"
+    assert ActorRolloutWorker(actor, [0, 5], 0).eos_token_ids == (0, 5)
