@@ -55,6 +55,7 @@ E2E_TINY = "tests/trainer/test_e2e_tiny.py::"
 WORKER_KNOBS = "tests/megatron/test_worker_knobs.py::"
 SCALE = "tests/megatron/test_scale_knobs.py::"
 MAIN_ERR = "tests/trainer/test_main_errors.py::"
+ARS = "tests/workers/test_actor_rollout_settings.py::test_the_engine_is_built_from_the_config_sections"
 
 
 #: Overrides that enable a role on the tiny recipe (so that its layout is checked).
@@ -246,12 +247,36 @@ KEYS: dict[str, Consumed | Refused] = {
     "ray.namespace": consumed(KE + "test_ray_keys_reach_ray_init"),
     "ray.include_dashboard": consumed(KE + "test_ray_keys_reach_ray_init"),
     "ray.dashboard_host": consumed(KE + "test_ray_keys_reach_ray_init"),
+    # ------------------------------------------------------------------ engines, placement, sampling
+    "actor.log_prob_micro_batch_size_per_gpu": consumed(KE + "test_micro_batch_keys_and_token_budgets_reach_each_roles_engine"),
+    "ref.log_prob_micro_batch_size_per_gpu": consumed(KE + "test_micro_batch_keys_and_token_budgets_reach_each_roles_engine"),
+    "ref.use_dynamic_bsz": consumed(KE + "test_micro_batch_keys_and_token_budgets_reach_each_roles_engine"),
+    "ref.log_prob_max_token_len_per_gpu": consumed(KE + "test_micro_batch_keys_and_token_budgets_reach_each_roles_engine"),
+    "critic.ppo_micro_batch_size_per_gpu": consumed(KE + "test_micro_batch_keys_and_token_budgets_reach_each_roles_engine"),
+    "critic.forward_micro_batch_size_per_gpu": consumed(KE + "test_micro_batch_keys_and_token_budgets_reach_each_roles_engine"),
+    "critic.use_dynamic_bsz": consumed(KE + "test_micro_batch_keys_and_token_budgets_reach_each_roles_engine"),
+    "critic.ppo_max_token_len_per_gpu": consumed(KE + "test_micro_batch_keys_and_token_budgets_reach_each_roles_engine"),
+    "critic.forward_max_token_len_per_gpu": consumed(KE + "test_micro_batch_keys_and_token_budgets_reach_each_roles_engine"),
+    "reward_model.micro_batch_size_per_gpu": consumed(KE + "test_micro_batch_keys_and_token_budgets_reach_each_roles_engine"),
+    "critic.recompute_granularity": consumed(KE + "test_critic_recompute_keys_reach_the_critic_model"),
+    "critic.recompute_method": consumed(KE + "test_critic_recompute_keys_reach_the_critic_model"),
+    "critic.recompute_num_layers": consumed(KE + "test_critic_recompute_keys_reach_the_critic_model"),
+    "reward_model.path": consumed(KE + "test_the_reward_model_reads_its_own_checkpoint_and_a_critic_enables_its_group"),
+    "critic.enabled": consumed(KE + "test_the_reward_model_reads_its_own_checkpoint_and_a_critic_enables_its_group"),
+    "resources.placement.ref": consumed(KE + "test_ref_and_reward_model_placement_choose_their_pool"),
+    "resources.placement.reward_model": consumed(KE + "test_ref_and_reward_model_placement_choose_their_pool"),
+    "ray.resource_wait_timeout_s": consumed(KE + "test_the_cluster_wait_is_bounded_by_ray_resource_wait_timeout_s"),
+    "rollout.temperature": consumed(ARS, "tests/rollout/test_vllm_rollout.py::test_sampled_log_probs_are_log_softmax_of_logits_over_temperature"),
+    "rollout.top_p": consumed(ARS),
+    "rollout.top_k": consumed(ARS, "tests/rollout/test_vllm_rollout.py::test_top_k_log_probs_are_of_the_truncated_distribution"),
+    "rollout.gpu_memory_utilization": consumed(ARS),
+    "trainer.seed": consumed(ARS),
+    "data.val_files": consumed(KE + "test_validation_files_become_the_validation_dataset"),
 }
 
 #: Keys the run reads but no test yet shows changing the outcome, with what a test should measure.
 GAPS: dict[str, str] = {
     "model.dtype": "bf16 vs fp32 parameters of the built model and vLLM engine (GPU)",
-    "data.val_files": "a validation file's rows are the validation batch (with a test cadence)",
     "algorithm.gamma": "GAE/REINFORCE returns with gamma < 1 through the trainer's advantage stage",
     "algorithm.lam": "GAE advantages with lam < 1 through the trainer's advantage stage",
     "algorithm.norm_adv_by_std": "GRPO advantages not divided by the group std through the trainer",
@@ -262,35 +287,12 @@ GAPS: dict[str, str] = {
     "actor.optim.weight_decay": "decoupled weight decay in one engine update",
     "actor.optim.clip_grad": "the clipped gradient norm of one engine update",
     "actor.use_distributed_optimizer": "optimizer state sharded over DP ranks (per-rank state size)",
-    "actor.log_prob_micro_batch_size_per_gpu": "the old-log-prob forward's micro-batch rows in the engine",
-    "rollout.temperature": "the rollout's sampling temperature (vLLM SamplingParams)",
-    "rollout.top_p": "the rollout's nucleus mass (vLLM SamplingParams)",
-    "rollout.top_k": "the rollout's top-k (vLLM SamplingParams)",
-    "rollout.gpu_memory_utilization": "vLLM's gpu_memory_utilization (GPU)",
     "rollout.val_do_sample": "validation sampling instead of greedy decoding",
-    "ref.log_prob_micro_batch_size_per_gpu": "the reference forward's micro-batch rows in the engine",
-    "ref.use_dynamic_bsz": "token-budget micro-batches of the reference forward",
-    "ref.log_prob_max_token_len_per_gpu": "the reference forward's token budget",
-    "critic.recompute_granularity": "activation recomputation of the critic's update",
-    "critic.recompute_method": "the critic's recomputation method",
-    "critic.recompute_num_layers": "the critic's recomputation unit",
     "critic.optim.betas": "Adam's moments of the critic's update",
     "critic.optim.eps": "Adam's epsilon of the critic's update",
     "critic.optim.weight_decay": "weight decay of the critic's update",
     "critic.optim.clip_grad": "the critic's clipped gradient norm",
     "critic.use_distributed_optimizer": "the critic's optimizer state sharded over DP ranks",
-    "critic.ppo_micro_batch_size_per_gpu": "the critic update's micro-batch rows",
-    "critic.forward_micro_batch_size_per_gpu": "the value forward's micro-batch rows",
-    "critic.use_dynamic_bsz": "token-budget micro-batches of the critic",
-    "critic.ppo_max_token_len_per_gpu": "the critic update's token budget",
-    "critic.forward_max_token_len_per_gpu": "the value forward's token budget",
     "critic.ppo_epochs": "passes of the critic over a step's batch",
-    "reward_model.path": "the reward model's weights loaded from its checkpoint",
-    "reward_model.micro_batch_size_per_gpu": "the reward model forward's micro-batch rows",
-    "trainer.seed": "model init and sampling seeds (two seeds give different first-step scores)",
     "trainer.logger": "the metric sinks created for a run",
-    "resources.placement.ref": "the reference group on its own pool",
-    "resources.placement.reward_model": "the reward model group on its own pool",
-    "critic.enabled": "a critic group runs (the tiny_arith_ppo end-to-end test runs one, set by its recipe)",
-    "ray.resource_wait_timeout_s": "the cluster wait's bound (the launch tests pass it to wait_for_cluster directly)",
 }

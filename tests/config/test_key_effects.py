@@ -241,3 +241,98 @@ def test_critic_loss_keys_change_the_worker_value_loss(tiny):
     # critic.loss_agg_mode
     per_seq = [sum(v * m for v, m in zip(row, mrow)) / sum(mrow) for row, mrow in zip(by_hand(0.5), _MASK)]
     assert loss(loss_agg_mode="seq-mean-token-mean") == pytest.approx(sum(per_seq) / 2, rel=1e-5)
+
+
+# ---------------------------------------------------------------- what each role's engine is given
+
+
+def test_micro_batch_keys_and_token_budgets_reach_each_roles_engine(tiny):
+    from megaflow.config.role_spec import RoleSpec
+
+    tree = tiny(actor={"log_prob_micro_batch_size_per_gpu": 3, "ppo_micro_batch_size_per_gpu": 2},
+                critic={"enabled": True, "ppo_micro_batch_size_per_gpu": 2, "forward_micro_batch_size_per_gpu": 5,
+                        "use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 3000,
+                        "forward_max_token_len_per_gpu": 4000},
+                ref={"enabled": True, "log_prob_micro_batch_size_per_gpu": 6, "use_dynamic_bsz": True,
+                     "log_prob_max_token_len_per_gpu": 5000},
+                reward_model={"enabled": True, "micro_batch_size_per_gpu": 7},
+                algorithm={"adv_estimator": "gae", "use_kl_loss": True})
+    tree["reward_model"]["hf_config"] = dict(tree["model"]["hf_config"])
+    cfg = config_from_dict(tree)
+    sizes = {role: RoleSpec(cfg, role, 1).micro_batches for role in ("actor", "critic", "ref", "reward_model")}
+    got = {role: (s.update_micro_batch_size, s.forward_micro_batch_size, s.update_max_tokens, s.forward_max_tokens)
+           for role, s in sizes.items()}
+    assert got == {"actor": (2, 3, None, None), "critic": (2, 5, 3000, 4000), "ref": (None, 6, None, 5000),
+                   "reward_model": (None, 7, None, None)}
+
+
+def test_critic_recompute_keys_reach_the_critic_model(tiny):
+    from megaflow.config.role_spec import RoleSpec
+
+    cfg = config_from_dict(tiny(critic={"enabled": True, "recompute_granularity": "full", "recompute_method": "block",
+                                        "recompute_num_layers": 2}, algorithm={"adv_estimator": "gae"}))
+    assert RoleSpec(cfg, "critic", 1).model_overrides == dict(
+        sequence_parallel=False, recompute_granularity="full", recompute_method="block", recompute_num_layers=2)
+    assert RoleSpec(cfg, "actor", 1).model_overrides == dict(sequence_parallel=False)  # the actor's keys unchanged
+    selective = config_from_dict(tiny(critic={"enabled": True, "recompute_granularity": "selective"},
+                                      algorithm={"adv_estimator": "gae"}))
+    assert RoleSpec(selective, "critic", 1).model_overrides["recompute_granularity"] == "selective"
+
+
+def test_the_reward_model_reads_its_own_checkpoint_and_a_critic_enables_its_group(tiny, tmp_path):
+    from megaflow.config.topology import enabled_roles, model_source
+
+    hf = dict(tiny()["model"]["hf_config"])
+    (tmp_path / "config.json").write_text(__import__("json").dumps(hf))
+    cfg = config_from_dict(tiny(reward_model={"enabled": True, "path": str(tmp_path)}))
+    source = model_source(cfg, "reward_model")
+    assert (source.path, source.key) == (str(tmp_path), "reward_model.path")
+    assert model_source(cfg, "actor").key == "model.hf_config"
+    assert enabled_roles(cfg) == ("actor", "reward_model")
+    with_critic = config_from_dict(tiny(critic={"enabled": True}, algorithm={"adv_estimator": "gae"}))
+    assert enabled_roles(with_critic) == ("actor", "critic")  # critic.enabled starts a critic group
+
+
+def test_ref_and_reward_model_placement_choose_their_pool(tiny):
+    from megaflow.config.topology import role_parallel
+
+    tree = tiny(resources={"use_gpu": False, "procs_per_node": 6,
+                           "pools": {"global": {"procs_per_node": 2}, "side": {"procs_per_node": 4}},
+                           "placement": {"ref": "side", "reward_model": "side"}},
+                ref={"enabled": True}, reward_model={"enabled": True}, algorithm={"use_kl_loss": True})
+    tree["reward_model"]["hf_config"] = dict(tree["model"]["hf_config"])
+    cfg = config_from_dict(tree)
+    # world size = the pool's ranks; dp = world / (tp * pp * cp)
+    assert (role_parallel(cfg, "actor").world_size, role_parallel(cfg, "actor").dp) == (2, 2)
+    assert (role_parallel(cfg, "ref").world_size, role_parallel(cfg, "ref").dp) == (4, 4)
+    assert (role_parallel(cfg, "reward_model").world_size, role_parallel(cfg, "reward_model").dp) == (4, 4)
+
+
+def test_the_cluster_wait_is_bounded_by_ray_resource_wait_timeout_s(tiny, monkeypatch):
+    import ray
+
+    import megaflow.launch.auth
+    import megaflow.launch.cluster
+
+    waits = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: None)
+    monkeypatch.setattr(trainer_main, "_started_ray", False)
+    monkeypatch.setattr(megaflow.launch.auth, "enable_token_auth", lambda: None)
+    monkeypatch.setattr(megaflow.launch.cluster, "wait_for_cluster",
+                        lambda need, timeout, address: waits.append((timeout, address)))
+    trainer_main.init_ray(config_from_dict(tiny(ray={"address": "10.0.0.1:6379", "resource_wait_timeout_s": 12.5})))
+    assert waits == [(12.5, "10.0.0.1:6379")]
+
+
+def test_validation_files_become_the_validation_dataset(tmp_path, tiny, arith_rows):
+    tok = build_arith_tokenizer()
+    train = write_rows(arith_rows["train"], tmp_path / "train.jsonl")
+    val = write_rows(arith_rows["val"], tmp_path / "val.jsonl")
+    cfg = config_from_dict(_files_tree(tiny, train, val, max_prompt_length=64))
+    assert cfg.data.val_files == (str(val),)
+    assert load_datasets(cfg, tok).val_dataset is None  # data.val_files without a test cadence: not read
+    cadence = _files_tree(tiny, train, val, max_prompt_length=64)
+    cadence["trainer"] = {"test_freq": 5}
+    val_dataset = load_datasets(config_from_dict(cadence), tok).val_dataset
+    assert len(val_dataset) == len(arith_rows["val"]) and val_dataset.records[0].ground_truth is not None
