@@ -336,3 +336,46 @@ def test_validation_files_become_the_validation_dataset(tmp_path, tiny, arith_ro
     cadence["trainer"] = {"test_freq": 5}
     val_dataset = load_datasets(config_from_dict(cadence), tok).val_dataset
     assert len(val_dataset) == len(arith_rows["val"]) and val_dataset.records[0].ground_truth is not None
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_optimizer_keys_reach_megatron_cores_optimizer(tiny, role, monkeypatch):
+    """The engine hands ``<role>.optim`` and ``use_distributed_optimizer`` to megatron-core's
+    ``OptimizerConfig`` / DDP config (megatron-core's Adam then implements them); megatron's
+    optimizer and DDP wrapper are replaced by recorders so no process group is needed."""
+    from types import SimpleNamespace
+
+    import megatron.core.distributed as mcd
+    import megatron.core.optimizer as mco
+    import megatron.core.optimizer_param_scheduler as mcs
+    import torch
+
+    from megaflow.config.role_spec import RoleSpec
+    from megaflow.megatron.engine import MegatronEngine
+
+    seen = {}
+    monkeypatch.setattr(mcd, "DistributedDataParallel",
+                        lambda config, ddp_config, module: seen.update(ddp=ddp_config) or SimpleNamespace(
+                            no_sync=None, config=config))
+    monkeypatch.setattr(mco, "get_megatron_optimizer",
+                        lambda config, models: seen.update(optim=config) or SimpleNamespace(scale_loss=None))
+    monkeypatch.setattr(mcs, "OptimizerParamScheduler", lambda optimizer, **kwargs: seen.update(schedule=kwargs))
+    optim = {"lr": 2e-5, "betas": [0.8, 0.95], "eps": 1e-5, "weight_decay": 0.2, "clip_grad": 0.5}
+    sections = {role: {"optim": optim, "use_distributed_optimizer": False}}
+    if role == "critic":
+        sections.update(critic={"enabled": True, **sections["critic"]}, algorithm={"adv_estimator": "gae"})
+    spec = RoleSpec(config_from_dict(tiny(**sections)), role, 10)
+    engine = MegatronEngine.__new__(MegatronEngine)
+    engine.spec = spec
+    engine.model = SimpleNamespace(config=SimpleNamespace(bf16=False, fp16=False, params_dtype=torch.float32))
+    engine._setup_training()
+    o = seen["optim"]
+    assert (o.lr, o.adam_beta1, o.adam_beta2, o.adam_eps) == (2e-5, 0.8, 0.95, 1e-5)
+    assert (o.weight_decay, o.clip_grad, o.use_distributed_optimizer) == (0.2, 0.5, False)
+    assert seen["ddp"].use_distributed_optimizer is False
+    assert seen["schedule"]["start_wd"] == seen["schedule"]["end_wd"] == 0.2
+    default = RoleSpec(config_from_dict(tiny(**({"critic": {"enabled": True}, "algorithm": {"adv_estimator": "gae"}}
+                                                if role == "critic" else {}))), role, 10)
+    engine.spec = default
+    engine._setup_training()
+    assert (seen["optim"].adam_beta1, seen["optim"].use_distributed_optimizer) == (0.9, True)
