@@ -6,7 +6,8 @@ A ``DataProto`` has three parts that always describe the same rows:
   (sample) index; every tensor field is ``[batch, ...]``.
 * ``non_tensor_batch``: a dict of 1-D numpy arrays of ``dtype=object`` with one entry per
   row (uids, raw prompts, ground truths, data sources).
-* ``meta_info``: a plain dict for the whole batch (temperature, step, global token counts).
+* ``meta_info``: a plain dict for the whole batch (a generate call's sampling parameters,
+  the metrics a worker returns with its output).
 
 Standard fields
 ---------------

@@ -21,8 +21,6 @@ from megaflow.protocol import DataProto
 logger = logging.getLogger(__name__)
 
 OVERLONG_MODES = ("filter", "error")
-#: Per-sample fields that :func:`collate_fn` puts in ``non_tensor_batch``.
-NON_TENSOR_KEYS = ("raw_prompt", "data_source", "ground_truth", "extra_info", "index")
 
 
 class RLHFDataset(Dataset):

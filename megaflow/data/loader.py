@@ -78,9 +78,7 @@ class PromptDataLoader:
         while self.position < self._epoch_end:
             indices = order[self.position: self.position + self.batch_size]
             self.position += len(indices)
-            batch = self.collate_fn([self.dataset[int(i)] for i in indices])
-            batch.meta_info.update(epoch=self.epoch)
-            yield batch
+            yield self.collate_fn([self.dataset[int(i)] for i in indices])
         self.epoch, self.position = self.epoch + 1, 0
 
     def state_dict(self) -> dict[str, Any]:

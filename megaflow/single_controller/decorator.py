@@ -29,8 +29,6 @@ class Dispatch(enum.Enum):
 
     * ``ONE_TO_ALL``: every rank gets the same arguments; the group returns the list of
       per-rank outputs (index = rank). For init, load, save and queries.
-    * ``ALL_TO_ALL``: every argument is already a per-rank list/tuple of length
-      ``world_size``; rank ``r`` gets element ``r`` of each. Returns per-rank outputs.
     * ``RANK_ZERO``: the arguments go unchanged to rank 0 only, which alone executes; the
       group returns rank 0's output.
     * ``DP_COMPUTE_PROTO``: every rank is one data-parallel slot. Every argument must be a
@@ -42,7 +40,6 @@ class Dispatch(enum.Enum):
     """
 
     ONE_TO_ALL = "one_to_all"
-    ALL_TO_ALL = "all_to_all"
     RANK_ZERO = "rank_zero"
     DP_COMPUTE_PROTO = "dp_compute_proto"
 
@@ -137,7 +134,7 @@ def register(dispatch_mode: DispatchMode = Dispatch.ONE_TO_ALL, execute_mode: Ex
         execute_mode: :class:`Execute` member; default ``Execute.ALL``
             (``Execute.RANK_ZERO`` for ``Dispatch.RANK_ZERO``).
         blocking: when False the group call returns without waiting: a list of
-            ``ObjectRef`` (ONE_TO_ALL / ALL_TO_ALL), one ``ObjectRef`` (rank zero), or a
+            ``ObjectRef`` (ONE_TO_ALL), one ``ObjectRef`` (rank zero), or a
             :class:`~megaflow.single_controller.futures.DataProtoFuture` (proto modes),
             any of which can be passed to the next group call.
 

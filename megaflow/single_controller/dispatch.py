@@ -145,26 +145,6 @@ def plan_one_to_all(world_size: int, args: tuple, kwargs: dict, put: Callable[[A
                         "single" if rank_zero else "list")
 
 
-def plan_all_to_all(world_size: int, args: tuple, kwargs: dict, method: str = "method") -> DispatchPlan:
-    """Rank ``r`` gets element ``r`` of every argument.
-
-    Raises:
-        TypeError: an argument is not a list or tuple (names it).
-        ValueError: an argument's length is not ``world_size`` (names it).
-    """
-    for name, value in [(f"argument {i}", a) for i, a in enumerate(args)] + [(repr(k), v) for k, v in kwargs.items()]:
-        if not isinstance(value, (list, tuple)):
-            raise TypeError(f"{method} uses Dispatch.ALL_TO_ALL: {name} must be a list/tuple with one entry per "
-                            f"rank ({world_size}), got {type(value).__name__}")
-        if len(value) != world_size:
-            raise ValueError(f"{method} uses Dispatch.ALL_TO_ALL: {name} has {len(value)} entries, the group has "
-                             f"{world_size} ranks")
-    ranks = tuple(range(world_size))
-    per_args = [tuple(a[r] for a in args) for r in ranks]
-    per_kwargs = [{k: v[r] for k, v in kwargs.items()} for r in ranks]
-    return DispatchPlan(ranks, per_args, per_kwargs, (True,) * world_size, ranks, "list")
-
-
 def check_proto_arguments(args: tuple, kwargs: dict, method: str = "method") -> list[tuple[int | str, Any]]:
     """The ``(position or name, value)`` pairs of a proto-dispatched call, type-checked.
 
@@ -241,8 +221,6 @@ def make_plan(spec: MethodSpec, world_size: int, args: tuple, kwargs: dict, mesh
     mode = spec.dispatch_mode
     if mode is Dispatch.ONE_TO_ALL or mode is Dispatch.RANK_ZERO:
         return plan_one_to_all(world_size, args, kwargs, put, rank_zero=spec.execute_mode is Execute.RANK_ZERO)
-    if mode is Dispatch.ALL_TO_ALL:
-        return plan_all_to_all(world_size, args, kwargs, method)
     if mode is Dispatch.DP_COMPUTE_PROTO:
         return plan_proto(MeshInfo.data_parallel(world_size), args, kwargs, put, method)
     if isinstance(mode, NDCompute):
@@ -265,4 +243,4 @@ def collect(plan: DispatchPlan, outputs: Sequence[Any], method: str = "method") 
 
 __all__ = ["DPInfo", "ChunkOutput", "MeshInfo", "DispatchPlan", "make_plan", "collect", "collect_proto",
            "check_proto_arguments",
-           "plan_one_to_all", "plan_all_to_all", "plan_proto"]
+           "plan_one_to_all", "plan_proto"]

@@ -83,12 +83,6 @@ def test_keep_last_for_validation():
     assert [indices(b) for b in loader] == [[0, 1, 2], [3, 4, 5], [6]]  # next epoch, same order
 
 
-def test_batches_carry_the_epoch():
-    loader = PromptDataLoader(IndexDataset(4), 2, seed=0)
-    assert [b.meta_info["epoch"] for b in loader] == [0, 0]
-    assert [b.meta_info["epoch"] for b in loader] == [1, 1]
-
-
 def test_load_state_rejects_a_changed_setup():
     state = PromptDataLoader(IndexDataset(10), 2, seed=1).state_dict()
     with pytest.raises(ValueError, match=r"num_samples: saved 10 vs now 12"):

@@ -67,11 +67,6 @@ class MeshWorker(Worker):
     def calls(self) -> int:
         return self.num_calls
 
-    @register(Dispatch.ALL_TO_ALL)
-    def tag(self, value: int) -> tuple[int, int]:
-        self.num_calls += 1
-        return self.rank, value
-
     @register(Dispatch.RANK_ZERO)
     def rank_zero_pid(self) -> tuple[int, int]:
         return self.rank, os.getpid()

@@ -9,7 +9,7 @@ from megaflow.protocol import DataProto
 from megaflow.single_controller import (ChunkOutput, Dispatch, DispatchPlan, DPInfo, Execute, MeshInfo, MethodSpec,
                                         collect, make_plan, nd_compute, register, registered_methods)
 from megaflow.single_controller.collect import collect_proto
-from megaflow.single_controller.dispatch import plan_all_to_all, plan_one_to_all, plan_proto
+from megaflow.single_controller.dispatch import plan_one_to_all, plan_proto
 
 ND = MethodSpec(nd_compute("actor"), Execute.ALL, True)
 DP = MethodSpec(Dispatch.DP_COMPUTE_PROTO, Execute.ALL, True)
@@ -162,15 +162,6 @@ def test_one_to_all_puts_a_batch_once_and_shares_it():
     assert collect(plan, ["r0", "r1", "r2", "r3"]) == ["r0", "r1", "r2", "r3"]
     zero = make_plan(MethodSpec(Dispatch.RANK_ZERO, Execute.RANK_ZERO, True), 4, (1,), {})
     assert zero.ranks == (0,) and collect(zero, ["only"]) == "only"
-
-
-def test_all_to_all_hands_element_r_to_rank_r():
-    plan = plan_all_to_all(3, ([10, 11, 12],), {"k": ("a", "b", "c")})
-    assert plan.args == [(10,), (11,), (12,)] and [kw["k"] for kw in plan.kwargs] == ["a", "b", "c"]
-    with pytest.raises(ValueError, match="2 entries, the group has 3"):
-        plan_all_to_all(3, ([1, 2],), {})
-    with pytest.raises(TypeError, match="must be a list/tuple"):
-        plan_all_to_all(3, (5,), {})
 
 
 def test_collect_of_worker_cut_chunks_uses_their_padding_reports():

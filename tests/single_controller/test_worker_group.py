@@ -88,7 +88,6 @@ def test_nd_compute_splits_by_dp_rank_and_restores_order(mesh_group, monkeypatch
 
 
 def test_other_modes_and_method_exposure(mesh_group):
-    assert mesh_group.tag([5, 6, 7, 8]) == [(0, 5), (1, 6), (2, 7), (3, 8)]
     assert mesh_group.rank_zero_pid() == (0, mesh_group.worker_metadata[0].pid)
     assert mesh_group.executed_on() == 0
     assert mesh_group.transform.__doc__ == MeshWorker.transform.__doc__
@@ -100,8 +99,6 @@ def test_wrong_argument_types_fail_on_the_controller(mesh_group):
     calls_before = mesh_group.calls()
     with pytest.raises(TypeError, match="mesh.transform.*argument 0 must be a DataProto.*got dict"):
         mesh_group.transform({"input_ids": torch.zeros(2, 4, dtype=torch.long)})
-    with pytest.raises(ValueError, match="2 entries, the group has 4"):
-        mesh_group.tag([1, 2])
     assert mesh_group.calls() == calls_before  # nothing reached the workers
 
 
