@@ -119,11 +119,14 @@ def resolve_hf_config(path: str | None, inline: Mapping[str, Any] | None, prefix
 
     Returns ``(config, source_key)``: the inline ``<prefix>.hf_config`` when set (checked
     against ``<path>/config.json`` when that file exists), else ``<path>/config.json``
-    (source ``<prefix>.path``).
+    (source ``<prefix>.path``). The workers build from ``config.json`` whenever the path
+    has one, so that file is also read by :func:`model_spec` here: a feature it cannot
+    build is refused at load although the inline config omits it.
 
     Raises:
-        ConfigError: neither is set, config.json is missing/invalid, or the two disagree
-            on an architecture field (the key names the field).
+        ConfigError: neither is set, config.json is missing/invalid, the two disagree on
+            an architecture field (the key names the field), or config.json describes an
+            architecture megaflow cannot build (:class:`UnsupportedModelError`).
     """
     if inline is not None:
         if path is not None and (Path(path).expanduser() / "config.json").is_file():
@@ -132,6 +135,7 @@ def resolve_hf_config(path: str | None, inline: Mapping[str, Any] | None, prefix
                 if name in inline and name in on_disk and inline[name] != on_disk[name]:
                     raise ConfigError(f"{prefix}.hf_config.{name}",
                                       f"{inline[name]!r} disagrees with {on_disk[name]!r} in {path}/config.json")
+            model_spec(on_disk, f"{prefix}.path")
         return inline, f"{prefix}.hf_config"
     if path is None:
         raise ConfigError(f"{prefix}.path", "set {0} (an HF checkpoint directory) or {1} (an inline HF config)",

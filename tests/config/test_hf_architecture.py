@@ -139,6 +139,18 @@ def test_a_checkpoint_config_json_is_refused_at_load_naming_file_and_field(tmp_p
     assert str(err.value).startswith("model.path: config.json field 'sliding_window': 4096: sliding-window")
 
 
+def test_config_json_next_to_an_inline_config_is_read_too(tmp_path, tiny):
+    # the workers build from path/config.json: its unbuildable fields are refused at load
+    inline = {"model_type": "llama", **SMALL, "num_key_value_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps(dict(inline, rope_scaling={"rope_type": "yarn", "factor": 4.0})))
+    with pytest.raises(UnsupportedModelError) as err:
+        config_from_dict(tiny(model={"path": str(tmp_path), "hf_config": inline}))
+    assert err.value.key == "model.path" and "config.json field 'rope_scaling.rope_type'" in str(err.value)
+    (tmp_path / "config.json").write_text(json.dumps(inline))
+    assert role_model_spec(config_from_dict(tiny(model={"path": str(tmp_path), "hf_config": inline})),
+                           "actor").source == "model.hf_config"
+
+
 def test_qwen2_ignores_sliding_window_without_use_sliding_window():
     # Qwen2.5 checkpoints ship sliding_window with use_sliding_window false: full attention.
     cfg = {"model_type": "qwen2", **SMALL, "num_key_value_heads": 2, "sliding_window": 131072,
