@@ -32,10 +32,12 @@ from megaflow.config.topology import (
     num_samples_per_step,
     role_model_spec,
     role_parallel,
+    split_rollout_pool,
     token_budgets,
     train_batch_sizes,
 )
 from megaflow.config.hybrid_layout import HybridLayout, ReshardCost, reshard_cost
+from megaflow.config.split_layout import TransportPlan, plan_split_transport, split_sync_bytes
 from megaflow.config.typed import ConfigError
 
 #: Micro-batch size field of each role's forward-only pass.
@@ -62,13 +64,28 @@ class RolePlan:
 
 
 @dataclass(frozen=True)
+class SplitRolloutPlan:
+    """Split placement: the rollout's own pool and what each weight sync moves to it."""
+
+    pool: str
+    world_size: int
+    transport: TransportPlan
+    bytes_per_rank: int
+    """Bytes each rollout rank receives per sync (its generation shard, M / t_g)."""
+    bytes_total: int
+    """Bytes one sync moves over all rollout ranks."""
+
+
+@dataclass(frozen=True)
 class RolloutPlan:
-    """Generation in the actor's processes: layout, reshard cost, memory."""
+    """Generation: layout, reshard cost, memory; ``split`` when it runs on its own pool
+    (None: in the actor's processes)."""
 
     sizes: GenerationSizes
     layout: HybridLayout
     reshard: ReshardCost
     memory: RolloutMemory
+    split: SplitRolloutPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -170,7 +187,14 @@ def _rollout_plan(cfg: Config, actor: RolePlan) -> RolloutPlan:
         cpu_kv_cache=None if res.use_gpu else cpu_kv_cache_bytes(cfg),
         params_in_buffer=bool(cfg.actor.use_distributed_optimizer))
     model_bytes = count_parameters(spec) * DTYPE_BYTES[cfg.model.dtype]
-    return RolloutPlan(sizes=sizes, layout=layout, reshard=reshard_cost(layout, model_bytes), memory=memory)
+    split, pool = None, split_rollout_pool(cfg)
+    if pool is not None:
+        world = res.pool_world_size(pool)
+        per_rank, total = split_sync_bytes(model_bytes, sizes.tp, world)
+        split = SplitRolloutPlan(pool=pool, world_size=world, transport=plan_split_transport(layout, world),
+                                 bytes_per_rank=per_rank, bytes_total=total)
+    return RolloutPlan(sizes=sizes, layout=layout, reshard=reshard_cost(layout, model_bytes), memory=memory,
+                       split=split)
 
 
 def _phases(roles: dict[str, RolePlan], pool_roles: tuple[str, ...], rollout: RolloutPlan) -> tuple[PhaseMemory, ...]:
@@ -183,7 +207,7 @@ def _phases(roles: dict[str, RolePlan], pool_roles: tuple[str, ...], rollout: Ro
         # the training shard plus what the reshard adds (the whole generation shard when the
         # distributed optimizer's param buffer prevents aliasing; see rollout_memory)
         parts = [("actor params", actor.params), ("rollout weights gathered", gen.extra_weights),
-                 ("rollout KV cache", gen.kv_reserved),
+                 ("rollout KV cache", 0.0 if rollout.split is not None else gen.kv_reserved),
                  ("actor grads+optimizer resident", actor.resident - (0 if actor.param_offload else actor.params))]
         phases.append(PhaseMemory("generate", sum(b for _, b in parts + others("actor")),
                                   tuple(parts + others("actor"))))
@@ -265,7 +289,12 @@ def build_plan(cfg: Config) -> Plan:
     pools, idle = [], []
     for name, placement in placements.items():
         pool_roles = tuple(r for r in roles if roles[r].parallel.pool == name)
-        if pool_roles:
+        if rollout.split is not None and rollout.split.pool == name:  # engines only: weights + KV cache
+            gen = rollout.memory
+            parts = (("rollout weights", gen.weights), ("rollout KV cache", gen.kv_reserved))
+            pools.append(PoolPlan(placement=placement, roles=("rollout",),
+                                  phases=(PhaseMemory("generate", gen.weights + gen.kv_reserved, parts),)))
+        elif pool_roles:
             pools.append(PoolPlan(placement=placement, roles=pool_roles, phases=_phases(roles, pool_roles, rollout)))
         else:
             idle.append(f"resources.pools.{name}: no enabled role is placed on it; its ranks stay idle")

@@ -51,9 +51,9 @@ def _header(plan: Plan) -> list[str]:
     ]
 
 
-def _pool_lines(pool: PoolPlan) -> list[str]:
+def _pool_lines(pool: PoolPlan, split: bool) -> list[str]:
     p = pool.placement
-    roles = ["actor+rollout" if r == "actor" else r for r in pool.roles]
+    roles = ["actor+rollout" if r == "actor" and not split else r for r in pool.roles]
     share = "colocated, one process per rank" if len(roles) > 1 else "own processes"
     return [f"  {p.name}: nodes {_span(p.nodes)} x {p.procs_per_node} = {p.world_size} ranks; "
             f"roles {', '.join(roles)} ({share})"]
@@ -82,11 +82,22 @@ def _role_lines(rp: RolePlan, max_groups: int) -> list[str]:
     return lines
 
 
+def _split_lines(ro: RolloutPlan) -> list[str]:
+    sp = ro.split
+    routes = "; ".join(f"tp rank {g.gen_tp_rank}: actor rank {g.source} -> rollout ranks {list(g.receivers)}"
+                       for g in sp.transport.groups)
+    return [f"    weight sync (broadcast, actor generation replica 0 -> rollout pool): {routes}",
+            f"    each sync moves {_gib(sp.bytes_per_rank)} to every rollout rank, {_gib(sp.bytes_total)} in all"]
+
+
 def _rollout_lines(ro: RolloutPlan, max_groups: int) -> list[str]:
     s, lay, mem, cost = ro.sizes, ro.layout, ro.memory, ro.reshard
+    where = "in the actor's processes" if ro.split is None else \
+        f"own pool {ro.split.pool}, {ro.split.world_size} ranks; the actor reshards, then broadcasts"
     return [
-        f"rollout (in the actor's processes): t_g={s.tp} p_g={s.pp}, micro-DP d_g={s.micro_dp}; "
+        f"rollout ({where}): t_g={s.tp} p_g={s.pp}, micro-DP d_g={s.micro_dp}; "
         f"{s.num_replicas} generation replicas of {s.tp * s.pp} rank(s), {s.samples_per_replica} samples each",
+        *([] if ro.split is None else _split_lines(ro)),
         _groups("generation tp groups", lay.gen_tp_groups, max_groups),
         _groups("micro-dp groups", lay.micro_dp_groups, max_groups),
         f"    reshard train->generate per rank: receives {_gib(cost.micro_dp_bytes)} "
@@ -118,7 +129,7 @@ def format_plan(plan: Plan, max_groups: int = 4) -> str:
     """
     lines = _header(plan) + ["pools"]
     for pool in plan.pools:
-        lines += _pool_lines(pool)
+        lines += _pool_lines(pool, split=plan.rollout.split is not None)
     for rp in plan.roles:
         lines += [""] + _role_lines(rp, max_groups)
     lines += [""] + _rollout_lines(plan.rollout, max_groups) + [""] + _memory_lines(plan) + [""]

@@ -284,11 +284,22 @@ class TrainerConfig(Section):
     """Project (directory level and wandb project)."""
     experiment_name: str = "default"
     """Experiment (run directory and wandb run); load_config sets it to the recipe name."""
+    async_rollout: bool = False
+    """One-step-off asynchronous training: batch k+1 is generated with the weights of step k
+    on the rollout pool while the actor trains on batch k. Needs split placement
+    (resources.placement.rollout); turns on token-level rollout correction
+    (algorithm.rollout_correction.is_level=token) unless that section chooses a mode."""
+    max_staleness: int = 1
+    """Largest accepted age of a sample, in actor versions (updates), when the actor trains
+    on it; enforced per sample in async_rollout mode (which needs >= 1)."""
 
     def validate(self) -> None:
         check_positive(self, "total_epochs", "total_steps", "max_ckpt_to_keep")
         check(self.save_freq >= -1, "save_freq", f"must be >= -1, got {self.save_freq}")
-        check_positive(self, "test_freq", "console_every", allow_zero=True)
+        check_positive(self, "test_freq", "console_every", "max_staleness", allow_zero=True)
+        check(not self.async_rollout or self.max_staleness >= 1, "max_staleness",
+              f"{{0}}=true generates each batch one actor version ahead: needs >= 1, got {self.max_staleness}",
+              "async_rollout")
         check(len(set(self.logger)) == len(self.logger), "logger", f"duplicate entries in {list(self.logger)}")
         check(self.resume.strip() != "", "resume", "must be 'disable', 'auto' or a checkpoint path")
         for name in ("project_name", "experiment_name"):
@@ -313,8 +324,9 @@ class PoolConfig(Section):
 @dataclass(frozen=True)
 class PlacementConfig(Section):
     """Role -> pool name. Roles on the same pool share its processes (colocated in one
-    process per rank); a role on its own pool runs in its own processes. The rollout always
-    lives in the actor's processes (3D-HybridEngine)."""
+    process per rank); a role on its own pool runs in its own processes. The rollout lives
+    in the actor's processes (3D-HybridEngine) unless ``rollout`` names another pool
+    (split placement: weights travel from the actor to the rollout ranks each sync)."""
 
     actor: str = "global"
     """Pool of the actor (and its rollout)."""
@@ -324,6 +336,10 @@ class PlacementConfig(Section):
     """Pool of the critic."""
     reward_model: str = "global"
     """Pool of the reward model."""
+    rollout: str | None = None
+    """Pool of the rollout engines; null: the actor's pool (colocated). Another pool: split
+    placement, the pool's ranks hold only engines (TP = rollout.tp, ranks a multiple of it)
+    and the actor broadcasts its generation shards to them on every weight sync."""
 
 
 @dataclass(frozen=True)
@@ -359,6 +375,9 @@ class ResourcesConfig(Section):
             name = getattr(self.placement, role)
             check(name in self.pools, f"placement.{role}",
                   f"unknown pool {name!r}; pools: {', '.join(self.pools)}")
+        rollout = self.placement.rollout
+        check(rollout is None or rollout in self.pools, "placement.rollout",
+              f"unknown pool {rollout!r}; pools: {', '.join(self.pools)} (null: the actor's pool)")
         pack_pools(self)  # raises ConfigError at resources.pools.<name> when they do not fit
 
     def pool_nodes(self, name: str) -> int:

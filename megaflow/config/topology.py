@@ -109,6 +109,8 @@ def generation_sizes(cfg: Config) -> GenerationSizes:
           f"generation replicas), got {rollout.pp}")
     micro_dp = (actor.tp * actor.pp) // (rollout.tp * rollout.pp)
     replicas = actor.dp * actor.cp * micro_dp
+    if split_rollout_pool(cfg) is not None:  # split placement: the rollout pool's replicas generate
+        replicas = _check_split_rollout_pool(cfg) // rollout.tp
     return GenerationSizes(tp=rollout.tp, pp=rollout.pp, micro_dp=micro_dp, num_replicas=replicas,
                            samples_per_replica=-(-num_samples_per_step(cfg) // replicas))
 
@@ -135,6 +137,43 @@ class TrainBatchSizes:
     """data.max_prompt_length + rollout.response_length."""
     max_tokens_per_mini_batch: int
     """Upper bound of the global token count of one mini-batch (all DP ranks)."""
+
+
+def split_rollout_pool(cfg: Config) -> str | None:
+    """The rollout's own pool under split placement (``resources.placement.rollout`` naming
+    a pool other than the actor's), else None (colocated with the actor)."""
+    placement = cfg.resources.placement
+    return placement.rollout if placement.rollout not in (None, placement.actor) else None
+
+
+def _check_split_rollout_pool(cfg: Config) -> int:
+    """Split placement's rules; returns the rollout pool's ranks.
+
+    Raises:
+        ConfigError: the pool's ranks are not a positive multiple of ``rollout.tp``, or
+            another role shares the pool (its processes hold engines only).
+    """
+    pool, res = split_rollout_pool(cfg), cfg.resources
+    world = res.pool_world_size(pool)
+    check(world >= cfg.rollout.tp and world % cfg.rollout.tp == 0, "resources.placement.rollout",
+          f"rollout pool {pool!r} has {world} ranks, not a positive multiple of {{0}}={cfg.rollout.tp} "
+          f"(each engine replica needs t_g ranks)", "rollout.tp", f"resources.pools.{pool}")
+    for role in enabled_roles(cfg):
+        check(getattr(res.placement, role) != pool, f"resources.placement.{role}",
+              f"pool {pool!r} is the rollout's own pool (resources.placement.rollout): its ranks hold only "
+              f"engines; place {role} on another pool")
+    return world
+
+
+def _check_async_rollout(cfg: Config) -> None:
+    if not cfg.trainer.async_rollout:
+        return
+    check(split_rollout_pool(cfg) is not None, "trainer.async_rollout",
+          "one-step-off generation runs on the rollout's own pool: set {0} to a pool other than the actor's",
+          "resources.placement.rollout")
+    check(cfg.algorithm.adv_estimator != "remax", "trainer.async_rollout",
+          "ReMax's greedy baseline would be generated with newer weights than its batch: use another "
+          "{0} or turn async_rollout off", "algorithm.adv_estimator")
 
 
 def num_samples_per_step(cfg: Config) -> int:
@@ -447,6 +486,7 @@ def validate_config(cfg: Config) -> None:
             token_budgets(cfg, role)
     _check_colocated_meshes(cfg)
     generation_sizes(cfg)  # t_g | t and p_g | p; with t | heads this gives t_g | heads
+    _check_async_rollout(cfg)
     for role in TRAINED_ROLES:
         if role in enabled_roles(cfg):
             train_batch_sizes(cfg, role)
@@ -458,4 +498,5 @@ __all__ = [
     "max_seq_len", "run_dir_of", "num_training_steps", "lr_schedule_steps", "token_budgets", "TOKEN_BUDGET_KEYS",
     "cluster_requirements", "validate_config", "TRAINED_ROLES",
     "MICRO_BATCH_KEYS", "MicroBatchSizes", "micro_batch_sizes", "ModelSource", "model_source", "role_hf_config",
+    "split_rollout_pool",
 ]

@@ -7,6 +7,8 @@ collect ranks (in dp order), and the padding to remove. Nothing is fetched.
 Passing a future to the next group call never routes data through the controller:
 
 * ``ONE_TO_ALL`` / ``RANK_ZERO``: the future itself is sent; the worker calls ``get()``.
+  Non-blocking calls of these modes return a :class:`GroupFuture` (``get()`` gives what
+  the blocking call returns: the per-rank list, or rank 0's value).
 * proto dispatch (``DP_COMPUTE_PROTO``, ``nd_compute``): each rank receives a
   :class:`FutureChunk` ``(future, num_chunks, index)`` and the worker cuts its chunk on
   arrival. Fast path: when the producer added no padding and produced exactly
@@ -169,6 +171,40 @@ class DataProtoFuture:
         return f"DataProtoFuture({self.method}, chunks={self.num_chunks}, pad_size={self.pad_size})"
 
 
+class GroupFuture:
+    """The pending result of a non-blocking ``ONE_TO_ALL`` / ``ALL_TO_ALL`` / rank-zero call.
+
+    Args:
+        refs: per executing rank, the ref of its output.
+        where: per rank, its description for error messages.
+        method: ``"role.method"`` that produced it.
+        single: the call returns one value (rank zero) rather than the per-rank list.
+        processes: per rank, ``(node ip, pid)`` for the early death check of :func:`get_all`.
+    """
+
+    def __init__(self, refs: Sequence[ray.ObjectRef], where: Sequence[str], method: str, *, single: bool,
+                 processes: Sequence[tuple[str, int]] | None = None) -> None:
+        self.refs, self.where, self.method, self.single = list(refs), list(where), method, single
+        self.processes = None if processes is None else list(processes)
+
+    def done(self) -> bool:
+        """Whether every rank has finished (successfully or not); does not wait."""
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0, fetch_local=False)
+        return len(ready) == len(self.refs)
+
+    def get(self) -> Any:
+        """Wait for every rank; the blocking call's value (per-rank list, or rank 0's value).
+
+        Raises:
+            WorkerError: a rank raised or its process died.
+        """
+        values = get_all(self.refs, self.where, self.method, processes=self.processes)
+        return values[0] if self.single else values
+
+    def __repr__(self) -> str:
+        return f"GroupFuture({self.method}, ranks={len(self.refs)})"
+
+
 @dataclass(frozen=True)
 class FutureChunk:
     """Chunk ``index`` of ``num_chunks`` of a :class:`DataProtoFuture`, cut by the worker."""
@@ -224,7 +260,7 @@ def resolve_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple[int
             chunk, num_rows, num_pad_rows = value.resolve()
             reports.add((num_rows, num_pad_rows))
             return chunk
-        if isinstance(value, DataProtoFuture):
+        if isinstance(value, (DataProtoFuture, GroupFuture)):
             return value.get()
         return value
 
@@ -236,4 +272,4 @@ def resolve_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple[int
     return args, kwargs, (reports.pop() if reports else None)
 
 
-__all__ = ["DataProtoFuture", "FutureChunk", "get_all", "resolve_arguments", "POLL_S"]
+__all__ = ["DataProtoFuture", "GroupFuture", "FutureChunk", "get_all", "resolve_arguments", "POLL_S"]

@@ -29,7 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megaflow.single_controller.decorator import MethodSpec, NDCompute, registered_methods
 from megaflow.single_controller.dispatch import MeshInfo, check_proto_arguments, collect, make_plan
-from megaflow.single_controller.futures import DataProtoFuture, get_all
+from megaflow.single_controller.futures import DataProtoFuture, GroupFuture, get_all
 from megaflow.single_controller.host import WorkerHost
 from megaflow.single_controller.resource_pool import ResourcePool
 from megaflow.single_controller.worker import Worker, WorkerMetadata
@@ -248,7 +248,25 @@ class RayWorkerGroup:
                                f"call .spawn() and use one role's view")
         return self._role
 
-    def _call(self, name: str, spec: MethodSpec, args: tuple, kwargs: dict) -> Any:
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Start the registered ``method`` as ``group.<method>(...)`` does, without waiting.
+
+        Returns:
+            A :class:`~megaflow.single_controller.futures.DataProtoFuture` for proto
+            dispatch, a :class:`~megaflow.single_controller.futures.GroupFuture` otherwise;
+            ``.get()`` waits and returns what the blocking call would have returned. Either
+            can be passed to the next group call (the workers resolve it).
+
+        Raises:
+            AttributeError: ``method`` is not a registered method of this view's role.
+        """
+        spec = registered_methods(self._core.roles[self._require_role()].cls).get(method)
+        if spec is None:
+            raise AttributeError(f"{self._role!r} has no registered method {method!r}")
+        return self._call(method, spec, args, kwargs, blocking=False)
+
+    def _call(self, name: str, spec: MethodSpec, args: tuple, kwargs: dict, blocking: bool | None = None) -> Any:
+        blocking = spec.blocking if blocking is None else blocking
         role = self._require_role()
         method = f"{role}.{name}"
         mode = spec.dispatch_mode
@@ -261,11 +279,11 @@ class RayWorkerGroup:
                 for r, a, kw, keep in zip(plan.ranks, plan.args, plan.kwargs, plan.keep_output)]
         where = [self._core.where_of(role, r) for r in plan.ranks]
         collect_index = [plan.ranks.index(r) for r in plan.collect_ranks]
-        if not spec.blocking:
+        processes = [(self._core.metadata[r].node_ip, self._core.metadata[r].pid) for r in plan.ranks]
+        if not blocking:
             if plan.kind == "proto":
                 return DataProtoFuture(refs, where, collect_index, plan.pad_size, plan.num_rows, method)
-            return refs[0] if plan.kind == "single" else refs
-        processes = [(self._core.metadata[r].node_ip, self._core.metadata[r].pid) for r in plan.ranks]
+            return GroupFuture(refs, where, method, single=plan.kind == "single", processes=processes)
         outputs = get_all(refs, where, method, fetch=collect_index, processes=processes)
         return collect(plan, outputs, method)
 

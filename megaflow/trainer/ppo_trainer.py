@@ -52,7 +52,9 @@ class WorkerGroups:
     """The worker groups a step talks to (None where the role is not configured), each
     typed with its protocol in :mod:`megaflow.trainer.worker_api`.
 
-    ``resource_pools`` are released when the groups shut down.
+    ``resource_pools`` are released when the groups shut down. ``rollout``: the standalone
+    rollout group of split placement (:class:`~megaflow.workers.rollout_worker.RolloutWorker`;
+    None: the engines live in the actor's processes).
     """
 
     actor: ActorRolloutGroup
@@ -60,6 +62,7 @@ class WorkerGroups:
     critic: CriticGroup | None = None
     reward_model: RewardModelGroup | None = None
     resource_pools: list[ResourcePool] = field(default_factory=list)
+    rollout: Any | None = None
 
 
 @contextmanager

@@ -1,0 +1,300 @@
+"""Split placement: the rollout on its own resource pool, fed by the actor over a transport.
+
+With ``resources.placement.rollout`` naming a pool other than the actor's, generation
+leaves the actor's processes (the disaggregated layout of verl, NeMo-RL, slime, AReaL):
+
+* :class:`RolloutWorker` - one rank of the rollout pool: a vLLM engine shard of
+  TP = t_g (rollout rank ``r`` is TP rank ``r % t_g`` of replica ``r // t_g``: vLLM's
+  consecutive TP groups in the rollout group's own ``torch.distributed`` world). Same
+  ``generate_sequences`` contract and ``rollout`` dispatch mesh as
+  :class:`~megaflow.workers.actor_rollout.ActorRolloutWorker`.
+* :class:`SplitActorWorker` - the actor without an engine: on a sync it reshards its
+  training shard into the generation layout exactly as the colocated actor does
+  (micro-DP all-gathers, :class:`~megaflow.hybrid_engine.reshard.MicroDPResharder`),
+  converts it into buckets and, on the ranks of generation replica 0, broadcasts them to
+  the rollout ranks (:class:`~megaflow.hybrid_engine.transport.BroadcastTransport`).
+
+The two groups rendezvous once (:func:`megaflow.trainer.rollout_pipeline.connect_split`):
+actor rank 0 opens a ``TCPStore``, then the source ranks and the rollout ranks build
+one stateless process group per generation TP rank on it. Every sync is one call on
+each group, in lockstep; the rollout ranks record the actor version the stream carried,
+which the controller compares with the actor's (:func:`check_split_synced`).
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from megaflow.protocol import DataProto
+from megaflow.single_controller import Dispatch, Worker, nd_compute, register
+from megaflow.config.role_spec import RoleSpec
+from megaflow.workers.actor_rollout import _REPLICA_SEED_STRIDE, ActorRolloutWorker, check_synced, stop_token_ids
+
+#: Seconds a transport collective may wait (rendezvous included).
+TRANSPORT_TIMEOUT_S = 1800.0
+
+
+def _open_store(host: str, port: int, *, is_master: bool):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, None, is_master, timedelta(seconds=TRANSPORT_TIMEOUT_S),
+                         wait_for_workers=False)
+
+
+class RolloutWorker(Worker):
+    """One rank of a standalone rollout group (a vLLM engine shard of TP = t_g).
+
+    Reads ``rollout`` (``tp`` = t_g and the engine settings), ``data.max_prompt_length``,
+    ``model.dtype`` and ``trainer.seed`` from the config, as the colocated engine does.
+
+    Args:
+        spec: the actor's :class:`~megaflow.config.role_spec.RoleSpec` (the model served).
+        eos_token_ids: the tokenizer's end-of-sequence ids (stop ids unless ``rollout.ignore_eos``).
+        pad_token_id: the tokenizer's padding id.
+    """
+
+    def __init__(self, spec: RoleSpec, eos_token_ids: tuple[int, ...], pad_token_id: int) -> None:
+        super().__init__()
+        self.role_spec, self.config = spec, spec.config
+        self.eos_token_ids = stop_token_ids(spec.config, eos_token_ids)
+        self.pad_token_id = int(pad_token_id)
+        self.rollout = None
+        self.transport = None
+        self._synced_actor_version = -1
+        self.last_transport_stats = None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        """Join this group's world and build the engine (dummy weights until the first sync).
+
+        Raises:
+            ValueError: the group's size is not a multiple of ``rollout.tp``.
+        """
+        from megaflow.hybrid_engine import plan_hybrid_layout
+        from megaflow.models.hf_mapping import ModelSpec
+
+        gen_tp = self.config.rollout.tp
+        if self.world_size % gen_tp:
+            raise ValueError(f"rollout group of {self.world_size} ranks is not a multiple of rollout.tp={gen_tp}")
+        self.init_distributed()
+        hf_config = self.role_spec.hf_config()
+        self.spec = ModelSpec.from_hf_config(hf_config)
+        self._gen_tp_rank, self._gen_replica = self.rank % gen_tp, self.rank // gen_tp
+        self.register_dp_info("rollout", dp_rank=self._gen_replica, is_collect=self._gen_tp_rank == 0)
+        # The pool's own layout: replicas of TP = t_g on consecutive ranks, no micro-DP
+        # (a "training" layout t = t_g, p = 1, d = replicas, whose generation layout is itself).
+        self.layout = plan_hybrid_layout(gen_tp, 1, self.world_size // gen_tp, gen_tp,
+                                         num_attention_heads=self.spec.num_heads,
+                                         num_query_groups=self.spec.num_kv_heads)
+        self.rollout = self._build_engine(hf_config)
+
+    # The engine is built as the colocated actor builds its own (same settings, dummy weights).
+    _build_engine = ActorRolloutWorker._build_engine
+    _engine_model_dir = ActorRolloutWorker._engine_model_dir
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sharded_param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """vLLM name -> this rank's shard shape (what the actor must send to TP rank ``rank % t_g``)."""
+        return self.rollout.sharded_param_shapes()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_weight_transport(self, host: str, port: int, plan, backend: str) -> None:
+        """Join this rank's broadcast group of ``plan`` (blocks until all members joined)."""
+        from megaflow.hybrid_engine.transport import BroadcastTransport, stateless_process_group
+
+        group = plan.group_of_rollout(self.rank)
+        store = _open_store(host, port, is_master=False)
+        pg = stateless_process_group(store, group.rank_of_rollout(self.rank), 1 + len(group.receivers),
+                                     backend=backend, prefix=f"tp{group.gen_tp_rank}",
+                                     timeout_s=TRANSPORT_TIMEOUT_S)
+        self._store, self.transport = store, BroadcastTransport(pg, backend)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def receive_weights(self) -> dict[str, float]:
+        """Receive one sync from the actor (collective with the actor's
+        :meth:`SplitActorWorker.sync_rollout_weights`).
+
+        Returns:
+            ``rollout/weight_version`` (engine syncs so far), ``rollout/synced_actor_version``
+            (the actor version this engine serves) and, when weights moved, the
+            ``transport/*`` figures and ``timing_s/transport``.
+        """
+        stats, changed = self.transport.receive(self.rollout)
+        self._synced_actor_version = stats.version
+        metrics = {"rollout/weight_version": float(self.rollout.weight_version),
+                   "rollout/synced_actor_version": float(self._synced_actor_version)}
+        if changed:
+            self.last_transport_stats = stats
+            metrics.update(stats.as_metrics())
+        return metrics
+
+    @register(nd_compute("rollout"))
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Rollout on this rank's replica (the ranks of a replica in lockstep).
+
+        Same contract as :meth:`ActorRolloutWorker.generate_sequences` (``meta_info``
+        sampling parameters, seed offset per replica), plus ``weight_version`` ``[B]``
+        (int64): the actor version of the weights that generated each row. ``meta_info
+        ["metrics"]`` holds the engine's weight version and ``timeline/gen_start_unix`` /
+        ``timeline/gen_end_unix`` (wall clock, seconds since the epoch).
+
+        Raises:
+            RuntimeError: no weights were received yet.
+        """
+        if self._synced_actor_version < 0:
+            raise RuntimeError("rollout worker: generate_sequences before the first weight sync")
+        start = time.time()
+        meta = dict(prompts.meta_info)
+        if meta.get("seed") is not None:
+            meta["seed"] = int(meta["seed"]) + self._gen_replica * _REPLICA_SEED_STRIDE
+        out = self.rollout.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch, meta))
+        out.batch["weight_version"] = torch.full((len(out),), self._synced_actor_version, dtype=torch.int64)
+        out.meta_info["metrics"] = {"rollout/weight_version": float(self.rollout.weight_version),
+                                    "timeline/gen_start_unix": start, "timeline/gen_end_unix": time.time()}
+        return out
+
+    @register(Dispatch.ONE_TO_ALL)
+    def rollout_weight_version(self) -> int:
+        """Number of weight syncs the engine has received."""
+        return self.rollout.weight_version
+
+    # the colocated actor's fixed verification probe (seeded prompts, greedy)
+    _probe = ActorRolloutWorker._probe
+
+    @register(Dispatch.ONE_TO_ALL)
+    def probe_rollout(self) -> DataProto:
+        """Greedy rollout of the fixed probe (``rollout.verify_sync``; every replica
+        generates it); each rank returns its replica's output."""
+        return self.rollout.generate_sequences(self._probe())
+
+
+class SplitActorWorker(ActorRolloutWorker):
+    """The actor of split placement: no engine; its syncs broadcast to a rollout group.
+
+    Args: as for :class:`ActorRolloutWorker`.
+    """
+
+    def __init__(self, spec: RoleSpec, eos_token_ids: tuple[int, ...], pad_token_id: int) -> None:
+        super().__init__(spec, eos_token_ids, pad_token_id)
+        self.transport = None
+        self._vllm_shapes: Optional[dict] = None
+        self._num_sends = 0
+        self.last_transport_stats = None
+
+    def _build_engine(self, hf_config):
+        return None  # the engines live on the rollout pool
+
+    @register(Dispatch.RANK_ZERO)
+    def open_weight_store(self) -> tuple[str, int]:
+        """Start the transport's ``TCPStore`` on this rank (rank 0); returns ``(host, port)``."""
+        host = self.master_addr  # this rank's node: the group's rendezvous address
+        self._store = _open_store(host, 0, is_master=True)
+        return host, int(self._store.port)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_weight_transport(self, host: str, port: int, plan, vllm_shapes: list, backend: str) -> None:
+        """Join the broadcast group this rank is the source of, if any (blocks until its
+        members joined); ``vllm_shapes[j]``: the shard shapes of generation TP rank ``j``."""
+        from megaflow.hybrid_engine.transport import BroadcastTransport, stateless_process_group
+
+        self._vllm_shapes = vllm_shapes[self._gen_tp_rank]
+        group = plan.group_of_actor(self.rank)
+        if group is None:
+            return
+        if not hasattr(self, "_store"):
+            self._store = _open_store(host, port, is_master=False)
+        pg = stateless_process_group(self._store, 0, 1 + len(group.receivers), backend=backend,
+                                     prefix=f"tp{group.gen_tp_rank}", timeout_s=TRANSPORT_TIMEOUT_S)
+        self.transport = BroadcastTransport(pg, backend)
+
+    def _sync_rollout_weights(self, bucket_bytes: int) -> None:
+        """train -> generation layout -> buckets -> broadcast (sources) -> train."""
+        from megaflow.hybrid_engine.rollout_weights import iter_vllm_buckets
+
+        if self._synced_version == self._actor_version:
+            if self.transport is not None:
+                self.transport.send_unchanged(self._actor_version)
+            return
+        self._before_phase(("params",))  # parameters only: grads/optimizer stay offloaded
+        try:
+            with self.resharder.generation() as stats:
+                buckets = iter_vllm_buckets(
+                    self.resharder.named_generation_tensors(), self.spec, gen_tp=self.layout.gen_tp,
+                    gen_tp_rank=self._gen_tp_rank, vllm_shapes=self._vllm_shapes,
+                    gather_vocab=self._gather_gen_tp, bucket_bytes=bucket_bytes)
+                if self.transport is not None:
+                    self.last_transport_stats = self.transport.send(buckets, self._actor_version)
+                else:
+                    for _ in buckets:  # the conversion's collectives (vocabulary gathers) run on every rank
+                        pass
+        finally:
+            self._after_phase()
+        self.last_reshard_stats = stats
+        self._synced_version = self._actor_version
+        self._num_sends += 1
+
+    def _sync_metrics(self, synced: bool) -> dict[str, float]:
+        metrics = {"rollout/weight_version": float(self._num_sends),
+                   "rollout/synced_actor_version": float(self._synced_version),
+                   "rollout/actor_version": float(self._actor_version)}
+        if synced and self.last_reshard_stats is not None:
+            s = self.last_reshard_stats
+            metrics.update({"timing_s/reshard": s.seconds, "reshard/bytes_received": float(s.bytes_received),
+                            "reshard/bytes_sent": float(s.bytes_sent)})
+            if self.transport is not None and self.last_transport_stats is not None:
+                metrics.update(self.last_transport_stats.as_metrics())
+        return metrics
+
+    def _verify_sync(self) -> float:
+        raise RuntimeError("split placement: the controller verifies the sync (rollout_pipeline.verify_split_sync)")
+
+    @register(nd_compute("rollout"))
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Refused: with split placement the rollout group generates."""
+        raise RuntimeError("split placement (resources.placement.rollout): the actor has no engine; "
+                           "call the rollout group's generate_sequences")
+
+    @register(Dispatch.ONE_TO_ALL)
+    def rollout_weight_version(self) -> int:
+        """Number of syncs this rank has sent (or, off the sources, produced)."""
+        return self._num_sends
+
+
+def check_split_synced(actor: list[dict[str, float]], rollout: list[dict[str, float]]) -> dict[str, float]:
+    """Controller-side check of one split-placement sync.
+
+    Args:
+        actor: every actor rank's :meth:`SplitActorWorker.sync_rollout_weights` result.
+        rollout: every rollout rank's :meth:`RolloutWorker.receive_weights` result.
+
+    Returns:
+        Actor rank 0's metrics (reshard and transport figures) with the rollout group's
+        ``rollout/weight_version`` and the largest ``transport/bytes_received`` of a rank.
+
+    Raises:
+        RuntimeError: an actor rank that did not sync (see :func:`check_synced`), a rollout
+            rank whose engine serves another actor version than the actor's, or rollout
+            engines with different sync counts (ranks named).
+    """
+    metrics = check_synced(actor)
+    version = actor[0]["rollout/actor_version"]
+    stale = [r for r, m in enumerate(rollout) if m["rollout/synced_actor_version"] != version]
+    if stale:
+        raise RuntimeError(f"weight sync: rollout ranks {stale} serve actor version "
+                           f"{[rollout[r]['rollout/synced_actor_version'] for r in stale]}, the actor is at {version}")
+    engine_versions = {m["rollout/weight_version"] for m in rollout}
+    if len(engine_versions) > 1:
+        raise RuntimeError(f"weight sync: the rollout engines disagree on their weight version "
+                           f"{[m['rollout/weight_version'] for m in rollout]} (index = rollout rank)")
+    metrics["rollout/weight_version"] = rollout[0]["rollout/weight_version"]
+    received = [m.get("transport/bytes_received") for m in rollout if "transport/bytes_received" in m]
+    if received:
+        metrics["transport/bytes_received"] = max(received)
+    return metrics
+
+
+__all__ = ["RolloutWorker", "SplitActorWorker", "check_split_synced"]

@@ -1,0 +1,46 @@
+"""``RayWorkerGroup.submit``: any registered method started without waiting, and its futures."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megaflow.protocol import DataProto
+from megaflow.single_controller import ClassWithInitArgs, DataProtoFuture, RayWorkerGroup, ResourcePool
+from megaflow.single_controller.futures import GroupFuture
+from single_controller_workers import ScaleWorker
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def scale_group(sc_ray):
+    pool = ResourcePool([2], num_cpus_per_process=0.5, name_prefix="sc_submit")
+    group = RayWorkerGroup(pool, ClassWithInitArgs(ScaleWorker, 3.0), name_prefix="scale")
+    group.init()
+    yield group
+    group.shutdown()
+    pool.remove()
+
+
+def test_submit_returns_futures_whose_values_equal_the_blocking_calls(scale_group):
+    world = scale_group.submit("world")
+    assert isinstance(world, GroupFuture)
+    ranks = world.get()
+    assert [(r, size, total) for r, size, _, total in ranks] == [(0, 2, 3.0), (1, 2, 3.0)]  # 1 + 2 all-reduced
+    assert world.done()
+
+    values = torch.arange(5, dtype=torch.float32)  # 5 rows on 2 ranks: padded and unpadded
+    data = DataProto.from_dict({"row": torch.arange(5), "values": values})
+    future = scale_group.submit("scale", data)
+    assert isinstance(future, DataProtoFuture)
+    out = future.get()
+    assert torch.equal(out.batch["values"], values * 3.0)
+    assert torch.equal(out.batch["row"], torch.arange(5))
+    # A future passed on: the next call's workers resolve it (no round trip through the controller).
+    twice = scale_group.scale(future)
+    assert torch.equal(twice.batch["values"], values * 9.0)
+
+
+def test_submit_refuses_an_unregistered_method(scale_group):
+    with pytest.raises(AttributeError, match="no registered method 'nope'"):
+        scale_group.submit("nope")
