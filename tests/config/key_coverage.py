@@ -162,7 +162,8 @@ KEYS: dict[str, Consumed | Refused] = {
     "actor.log_prob_max_token_len_per_gpu": consumed(
         KNOBS + "test_token_budgets_reach_the_engines_and_small_budgets_are_refused"),
     "actor.logits_chunk_tokens": consumed(KNOBS + "test_logits_chunk_tokens_reach_the_actor_and_ref_engines"),
-    "actor.ppo_epochs": consumed(KNOBS + "test_decay_horizon_is_the_runs_optimizer_steps"),
+    "actor.ppo_epochs": consumed(KE + "test_ppo_epochs_repeat_the_mini_batch_steps_of_an_update",
+                                 KNOBS + "test_decay_horizon_is_the_runs_optimizer_steps"),
     "actor.shuffle": consumed(WORKER_KNOBS + "test_shuffle_permutes_rows_reproducibly_per_step_epoch_and_rank",
                               WORKER_KNOBS + "test_order_is_kept_without_shuffle_or_with_one_mini_batch"),
     "actor.policy_loss": consumed(E2E_RC + "test_cispo_with_tis_and_icepop_learns"),
@@ -282,6 +283,7 @@ KEYS: dict[str, Consumed | Refused] = {
     "critic.optim.weight_decay": consumed(KE + "test_optimizer_keys_reach_megatron_cores_optimizer"),
     "critic.optim.clip_grad": consumed(KE + "test_optimizer_keys_reach_megatron_cores_optimizer"),
     "critic.use_distributed_optimizer": consumed(KE + "test_optimizer_keys_reach_megatron_cores_optimizer"),
+    "critic.ppo_epochs": consumed(KE + "test_ppo_epochs_repeat_the_mini_batch_steps_of_an_update"),
 }
 
 #: Keys the run reads but no test yet shows changing the outcome, with what a test should measure.
@@ -293,6 +295,5 @@ GAPS: dict[str, str] = {
     "algorithm.kl_penalty": "the reward penalty's estimator (k1 vs k3) through the trainer's KL stage",
     "algorithm.rollout_correction.is_threshold": "truncation of the importance weights in the trainer's stage",
     "rollout.val_do_sample": "validation sampling instead of greedy decoding",
-    "critic.ppo_epochs": "passes of the critic over a step's batch",
     "trainer.logger": "the metric sinks created for a run",
 }

@@ -379,3 +379,37 @@ def test_optimizer_keys_reach_megatron_cores_optimizer(tiny, role, monkeypatch):
     engine.spec = default
     engine._setup_training()
     assert (seen["optim"].adam_beta1, seen["optim"].use_distributed_optimizer) == (0.9, True)
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_ppo_epochs_repeat_the_mini_batch_steps_of_an_update(tiny, role):
+    """``<role>.ppo_epochs`` passes over a rank's rows, each cut into mini-batches of
+    ``ppo_mini_batch_size x rollout.n / dp`` rows: epochs x mini-batches optimizer steps
+    (the worker's update loop with a recording engine)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megaflow.config.role_spec import RoleSpec
+    from megaflow.protocol import DataProto
+    from megaflow.workers.megatron_workers import MegatronWorker
+
+    def steps_of(epochs):
+        section = {"ppo_epochs": epochs, "ppo_mini_batch_size": 4, **({"shuffle": False} if role == "actor" else {})}
+        extra = {"critic": {"enabled": True, **section}, "algorithm": {"adv_estimator": "gae"}} if role == "critic" \
+            else {"actor": section}
+        spec = RoleSpec(config_from_dict(tiny(**extra)), role, 1)
+        minis = []
+        engine = SimpleNamespace(scheduler=SimpleNamespace(num_steps=0),
+                                 train_step=lambda mini, loss_fn: minis.append(mini["row"].tolist()) or {"loss": 1.0})
+        worker = SimpleNamespace(role_spec=spec, config=spec.config, engine=engine, info=SimpleNamespace(dp_rank=0),
+                                 _before_phase=lambda *parts: None, _after_phase=lambda: None)
+        worker._mini_batch_order = lambda rows, per_rank, epoch: MegatronWorker._mini_batch_order(
+            worker, rows, per_rank, epoch)
+        MegatronWorker._update(worker, DataProto.from_dict({"row": torch.arange(64)}), loss_fn=None)
+        return minis
+
+    # 16 prompts x 8 samples over dp=2: 64 rows per rank; mini-batches of 4 x 8 / 2 = 16 rows
+    one, three = steps_of(1), steps_of(3)
+    assert one == [list(range(i, i + 16)) for i in range(0, 64, 16)]
+    assert len(three) == 3 * 4 and sorted(sum(three, [])) == sorted(list(range(64)) * 3)
