@@ -284,6 +284,9 @@ KEYS: dict[str, Consumed | Refused] = {
     "critic.optim.clip_grad": consumed(KE + "test_optimizer_keys_reach_megatron_cores_optimizer"),
     "critic.use_distributed_optimizer": consumed(KE + "test_optimizer_keys_reach_megatron_cores_optimizer"),
     "critic.ppo_epochs": consumed(KE + "test_ppo_epochs_repeat_the_mini_batch_steps_of_an_update"),
+    "resources.placement.rollout": consumed(
+        "tests/workers/test_split_placement.py::test_split_layout_equals_colocated_after_an_update",
+        "tests/workers/test_split_placement.py::test_split_placement_is_refused_where_it_cannot_work"),
 }
 
 #: Keys the run reads but no test yet shows changing the outcome, with what a test should measure.
@@ -296,4 +299,6 @@ GAPS: dict[str, str] = {
     "algorithm.rollout_correction.is_threshold": "truncation of the importance weights in the trainer's stage",
     "rollout.val_do_sample": "validation sampling instead of greedy decoding",
     "trainer.logger": "the metric sinks created for a run",
+    "trainer.async_rollout": "the one-step-off rollout pipeline (tests/trainer/test_async_pipeline.py, not yet committed)",
+    "trainer.max_staleness": "per-sample staleness bound of the async pipeline (same file)",
 }
