@@ -133,10 +133,13 @@ def register(dispatch_mode: DispatchMode = Dispatch.ONE_TO_ALL, execute_mode: Ex
         dispatch_mode: a :class:`Dispatch` member or ``nd_compute(mesh)``.
         execute_mode: :class:`Execute` member; default ``Execute.ALL``
             (``Execute.RANK_ZERO`` for ``Dispatch.RANK_ZERO``).
-        blocking: when False the group call returns without waiting: a list of
-            ``ObjectRef`` (ONE_TO_ALL), one ``ObjectRef`` (rank zero), or a
+        blocking: when False the group call returns without waiting: a
+            :class:`~megaflow.single_controller.futures.GroupFuture` (ONE_TO_ALL /
+            rank zero) or a
             :class:`~megaflow.single_controller.futures.DataProtoFuture` (proto modes),
-            any of which can be passed to the next group call.
+            either of which can be passed to the next group call. Any registered method
+            can also be started without waiting, call by call, with
+            :meth:`RayWorkerGroup.submit <megaflow.single_controller.worker_group.RayWorkerGroup.submit>`.
 
     Raises:
         TypeError: a mode of the wrong type, or ``@register`` used without parentheses.

@@ -172,7 +172,7 @@ class DataProtoFuture:
 
 
 class GroupFuture:
-    """The pending result of a non-blocking ``ONE_TO_ALL`` / ``ALL_TO_ALL`` / rank-zero call.
+    """The pending result of a non-blocking ``ONE_TO_ALL`` or rank-zero call.
 
     Args:
         refs: per executing rank, the ref of its output.
