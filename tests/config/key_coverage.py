@@ -287,6 +287,9 @@ KEYS: dict[str, Consumed | Refused] = {
     "resources.placement.rollout": consumed(
         "tests/workers/test_split_placement.py::test_split_layout_equals_colocated_after_an_update",
         "tests/workers/test_split_placement.py::test_split_placement_is_refused_where_it_cannot_work"),
+    "algorithm.kl_penalty": consumed(KE + "test_kl_penalty_picks_the_estimator_of_the_reward_stage"),
+    "algorithm.rollout_correction.is_threshold": consumed(
+        KE + "test_is_threshold_truncates_the_rollout_correction_weights"),
 }
 
 #: Keys the run reads but no test yet shows changing the outcome, with what a test should measure.
@@ -295,8 +298,6 @@ GAPS: dict[str, str] = {
     "algorithm.gamma": "GAE/REINFORCE returns with gamma < 1 through the trainer's advantage stage",
     "algorithm.lam": "GAE advantages with lam < 1 through the trainer's advantage stage",
     "algorithm.norm_adv_by_std": "GRPO advantages not divided by the group std through the trainer",
-    "algorithm.kl_penalty": "the reward penalty's estimator (k1 vs k3) through the trainer's KL stage",
-    "algorithm.rollout_correction.is_threshold": "truncation of the importance weights in the trainer's stage",
     "rollout.val_do_sample": "validation sampling instead of greedy decoding",
     "trainer.logger": "the metric sinks created for a run",
     "trainer.async_rollout": "the one-step-off rollout pipeline (tests/trainer/test_async_pipeline.py, not yet committed)",

@@ -413,3 +413,58 @@ def test_ppo_epochs_repeat_the_mini_batch_steps_of_an_update(tiny, role):
     one, three = steps_of(1), steps_of(3)
     assert one == [list(range(i, i + 16)) for i in range(0, 64, 16)]
     assert len(three) == 3 * 4 and sorted(sum(three, [])) == sorted(list(range(64)) * 3)
+
+
+# ---------------------------------------------------------------- the controller's stages
+
+
+def test_kl_penalty_picks_the_estimator_of_the_reward_stage(tiny):
+    import math
+    from types import SimpleNamespace
+
+    import torch
+
+    from megaflow.algorithms.kl import build_kl_controller
+    from megaflow.protocol import DataProto
+    from megaflow.trainer.ppo_trainer import KL_STAGES
+
+    old = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]])
+    diff = [[0.3, -0.2], [0.1, 0.4]]  # log pi_old - log pi_ref
+    scores = [[0.0, 1.0], [0.0, 0.5]]
+    beta = 0.5
+
+    def rewards(kind):
+        cfg = config_from_dict(tiny(algorithm={"use_kl_in_reward": True, "kl_penalty": kind,
+                                               "kl_ctrl": {"kl_coef": beta}}, ref={"enabled": True}))
+        k = cfg.algorithm.kl_ctrl
+        trainer = SimpleNamespace(cfg=cfg, kl_ctrl=build_kl_controller(k.type, kl_coef=k.kl_coef))
+        batch = DataProto.from_dict({"token_level_scores": torch.tensor(scores), "old_log_probs": old,
+                                     "ref_log_probs": old - torch.tensor(diff), "response_mask": torch.ones(2, 2)})
+        out, _ = KL_STAGES[cfg.algorithm.use_kl_in_reward](trainer, batch)
+        return sum(out.batch["token_level_rewards"].tolist(), [])
+
+    k1 = [s - beta * d for srow, drow in zip(scores, diff) for s, d in zip(srow, drow)]
+    k3 = [s - beta * (math.exp(-d) + d - 1) for srow, drow in zip(scores, diff) for s, d in zip(srow, drow)]
+    assert rewards("k1") == pytest.approx(k1, rel=1e-5) and rewards("k3") == pytest.approx(k3, rel=1e-5)
+
+
+def test_is_threshold_truncates_the_rollout_correction_weights(tiny):
+    import math
+
+    import torch
+
+    from megaflow.protocol import DataProto
+    from megaflow.trainer.stages import rollout_correction
+
+    old, rollout = [[-1.0, -0.2, -3.0]], [[-2.0, -0.1, -3.5]]  # delta = 1.0, -0.1, 0.5
+    batch = DataProto.from_dict({"old_log_probs": torch.tensor(old), "rollout_log_probs": torch.tensor(rollout),
+                                 "response_mask": torch.ones(1, 3)})
+
+    def weights(threshold):
+        cfg = config_from_dict(tiny(algorithm={"rollout_correction": {"is_level": "token", "is_threshold": threshold}}))
+        out, _ = rollout_correction(batch, cfg.algorithm.rollout_correction, step=0)
+        return out.batch["rollout_is_weights"].tolist()[0]
+
+    raw = [math.exp(o - r) for o, r in zip(old[0], rollout[0])]
+    assert weights(2.0) == pytest.approx([min(w, 2.0) for w in raw], rel=1e-6)
+    assert weights(1.5) == pytest.approx([min(w, 1.5) for w in raw], rel=1e-6)  # two weights truncated
