@@ -114,6 +114,7 @@ KEYS: dict[str, Consumed | Refused] = {
     "model.hf_config": consumed(HF + "test_planner_builder_and_mapping_agree_with_transformers",
                                 TOPO + "test_tp_must_divide_the_attention_heads"),
     "model.tokenizer": consumed(MAIN_ERR + "test_dry_run_reports_every_problem_after_the_plan"),
+    "model.dtype": consumed(KE + "test_model_dtype_sizes_the_planned_parameter_memory"),
     # ------------------------------------------------------------------ data
     "data.train_files": consumed(KE + "test_data_prompt_key_chat_template_and_length_filter_reach_the_dataset"),
     "data.task": consumed(MAIN_ERR + "test_preflight_loads_the_data_without_creating_the_run_dir"),
@@ -294,7 +295,6 @@ KEYS: dict[str, Consumed | Refused] = {
 
 #: Keys the run reads but no test yet shows changing the outcome, with what a test should measure.
 GAPS: dict[str, str] = {
-    "model.dtype": "bf16 vs fp32 parameters of the built model and vLLM engine (GPU)",
     "algorithm.gamma": "GAE/REINFORCE returns with gamma < 1 through the trainer's advantage stage",
     "algorithm.lam": "GAE advantages with lam < 1 through the trainer's advantage stage",
     "algorithm.norm_adv_by_std": "GRPO advantages not divided by the group std through the trainer",

@@ -468,3 +468,14 @@ def test_is_threshold_truncates_the_rollout_correction_weights(tiny):
     raw = [math.exp(o - r) for o, r in zip(old[0], rollout[0])]
     assert weights(2.0) == pytest.approx([min(w, 2.0) for w in raw], rel=1e-6)
     assert weights(1.5) == pytest.approx([min(w, 1.5) for w in raw], rel=1e-6)  # two weights truncated
+
+
+def test_model_dtype_sizes_the_planned_parameter_memory(tiny):
+    from megaflow.config import build_plan
+    from megaflow.config.model_spec import stage_parameters
+
+    for dtype, nbytes in (("float32", 4), ("bfloat16", 2), ("float16", 2)):
+        plan = build_plan(config_from_dict(tiny(model={"dtype": dtype})))
+        actor = plan.role("actor")
+        per_rank = stage_parameters(actor.model, tp=actor.parallel.tp, pp=actor.parallel.pp)[0]
+        assert plan.dtype == dtype and actor.memory.params == per_rank * nbytes
