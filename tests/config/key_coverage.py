@@ -184,6 +184,7 @@ KEYS: dict[str, Consumed | Refused] = {
                                          "tests/rollout/test_fixed_length_kv_auto.py::test_kv_auto_off_keeps_the_fixed_gib"),
     "rollout.cpu_kv_cache_auto": consumed("tests/rollout/test_fixed_length_kv_auto.py::test_kv_auto_matches_a_hand_computation"),
     "rollout.ignore_eos": consumed("tests/rollout/test_fixed_length_kv_auto.py::test_ignore_eos_drops_every_stop_id"),
+    "rollout.val_do_sample": consumed(KE + "test_val_do_sample_makes_validation_sample_instead_of_decoding_greedily"),
     "rollout.verify_sync": consumed("tests/workers/test_actor_rollout_hybrid.py::test_verified_sync_reports_engine_equal_to_trainer"),
     # ------------------------------------------------------------------ ref
     **_parallel("ref"),
@@ -298,7 +299,6 @@ GAPS: dict[str, str] = {
     "algorithm.gamma": "GAE/REINFORCE returns with gamma < 1 through the trainer's advantage stage",
     "algorithm.lam": "GAE advantages with lam < 1 through the trainer's advantage stage",
     "algorithm.norm_adv_by_std": "GRPO advantages not divided by the group std through the trainer",
-    "rollout.val_do_sample": "validation sampling instead of greedy decoding",
     "trainer.logger": "the metric sinks created for a run",
     "trainer.async_rollout": "the one-step-off rollout pipeline (tests/trainer/test_async_pipeline.py, not yet committed)",
     "trainer.max_staleness": "per-sample staleness bound of the async pipeline (same file)",

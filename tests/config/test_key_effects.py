@@ -479,3 +479,27 @@ def test_model_dtype_sizes_the_planned_parameter_memory(tiny):
         actor = plan.role("actor")
         per_rank = stage_parameters(actor.model, tp=actor.parallel.tp, pp=actor.parallel.pp)[0]
         assert plan.dtype == dtype and actor.memory.params == per_rank * nbytes
+
+
+def test_val_do_sample_makes_validation_sample_instead_of_decoding_greedily(tiny):
+    from types import SimpleNamespace
+
+    import torch
+
+    from megaflow.protocol import DataProto
+    from megaflow.trainer.ppo_trainer import RayPPOTrainer
+
+    def greedy_flags(**rollout):
+        flags = []
+        prompts = DataProto.from_dict({"input_ids": torch.zeros(2, 3, dtype=torch.long)})
+        trainer = SimpleNamespace(
+            cfg=config_from_dict(tiny(rollout=rollout)), val_loader=[prompts], sync_rollout_weights=lambda: None,
+            rollout=lambda batch, n, greedy: flags.append((n, greedy)) or batch,
+            score=lambda batch, keep_reward_fields: DataProto.from_dict(
+                {"token_level_scores": torch.tensor([[1.0, 0.0], [0.0, 0.0]])}))
+        metrics = RayPPOTrainer.validate(trainer)
+        assert metrics["val/score/mean"] == pytest.approx(0.5)
+        return flags
+
+    assert greedy_flags() == [(1, True)]  # rollout.val_do_sample false: greedy
+    assert greedy_flags(val_do_sample=True) == [(1, False)]
