@@ -332,7 +332,7 @@ class VLLMRollout:
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                       format: str = "hf_full") -> int:  # noqa: A002 - the issue's name
+                       format: str = "hf_full") -> int:  # noqa: A002 - the public keyword name
         """Load new weights (one sync); every rank of the TP group calls it in lockstep.
 
         Args:
