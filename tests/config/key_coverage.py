@@ -289,6 +289,11 @@ KEYS: dict[str, Consumed | Refused] = {
     "resources.placement.rollout": consumed(
         "tests/workers/test_split_placement.py::test_split_layout_equals_colocated_after_an_update",
         "tests/workers/test_split_placement.py::test_split_placement_is_refused_where_it_cannot_work"),
+    "trainer.async_rollout": consumed(
+        "tests/trainer/test_async_pipeline.py::test_async_run_learns_like_the_synchronous_one",
+        "tests/trainer/test_async_pipeline.py::test_async_mode_turns_token_level_correction_on_unless_configured"),
+    "trainer.max_staleness": consumed(
+        "tests/trainer/test_async_pipeline.py::test_one_step_off_order_loader_state_and_staleness_bound"),
     "algorithm.kl_penalty": consumed(KE + "test_kl_penalty_picks_the_estimator_of_the_reward_stage"),
     "algorithm.rollout_correction.is_threshold": consumed(
         KE + "test_is_threshold_truncates_the_rollout_correction_weights"),
@@ -300,6 +305,4 @@ GAPS: dict[str, str] = {
     "algorithm.lam": "GAE advantages with lam < 1 through the trainer's advantage stage",
     "algorithm.norm_adv_by_std": "GRPO advantages not divided by the group std through the trainer",
     "trainer.logger": "the metric sinks created for a run",
-    "trainer.async_rollout": "the one-step-off rollout pipeline (tests/trainer/test_async_pipeline.py, not yet committed)",
-    "trainer.max_staleness": "per-sample staleness bound of the async pipeline (same file)",
 }
