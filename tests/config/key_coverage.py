@@ -131,6 +131,9 @@ KEYS: dict[str, Consumed | Refused] = {
     "data.seed": consumed(KE + "test_data_loader_keys_reach_the_prompt_loaders"),
     # ------------------------------------------------------------------ algorithm
     "algorithm.adv_estimator": consumed(E2E_ALGO + "test_rloo_with_kl_loss", E2E_ALGO + "test_remax_with_fixed_kl_in_reward"),
+    "algorithm.gamma": consumed(KE + "test_gamma_and_lam_shape_the_gae_advantages"),
+    "algorithm.lam": consumed(KE + "test_gamma_and_lam_shape_the_gae_advantages"),
+    "algorithm.norm_adv_by_std": consumed(KE + "test_norm_adv_by_std_divides_group_centred_scores_by_the_group_std"),
     "algorithm.use_kl_in_reward": consumed(E2E_ALGO + "test_remax_with_fixed_kl_in_reward"),
     "algorithm.kl_ctrl.type": consumed(E2E_ALGO + "test_remax_with_fixed_kl_in_reward"),
     "algorithm.kl_ctrl.kl_coef": consumed(E2E_ALGO + "test_remax_with_fixed_kl_in_reward"),
@@ -301,8 +304,5 @@ KEYS: dict[str, Consumed | Refused] = {
 
 #: Keys the run reads but no test yet shows changing the outcome, with what a test should measure.
 GAPS: dict[str, str] = {
-    "algorithm.gamma": "GAE/REINFORCE returns with gamma < 1 through the trainer's advantage stage",
-    "algorithm.lam": "GAE advantages with lam < 1 through the trainer's advantage stage",
-    "algorithm.norm_adv_by_std": "GRPO advantages not divided by the group std through the trainer",
     "trainer.logger": "the metric sinks created for a run",
 }

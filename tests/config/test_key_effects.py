@@ -503,3 +503,85 @@ def test_val_do_sample_makes_validation_sample_instead_of_decoding_greedily(tiny
 
     assert greedy_flags() == [(1, True)]  # rollout.val_do_sample false: greedy
     assert greedy_flags(val_do_sample=True) == [(1, False)]
+
+
+def _advantages_of_a_step(cfg, seq_scores, values=None):
+    """``advantages`` that ``RayPPOTrainer.train_step`` hands to the actor's update (and
+    ``returns``, to the critic's), on a stand-in trainer: 2 prompts x 2 samples, prompts and responses 2 tokens,
+    each sequence's score on its last token (``values`` ``[4, 2]``: the critic's)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megaflow.protocol import DataProto
+    from megaflow.trainer.ppo_trainer import RayPPOTrainer
+
+    b, r = 4, 2
+    prompts, responses = torch.tensor([[5, 6]] * b), torch.tensor([[7, 8], [8, 7], [7, 7], [8, 8]])
+    batch = DataProto.from_dict(
+        {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], -1),
+         "attention_mask": torch.ones(b, 4, dtype=torch.long), "position_ids": torch.arange(4).repeat(b, 1),
+         "response_mask": torch.ones(b, r, dtype=torch.long), "rollout_log_probs": torch.zeros(b, r)},
+        {"uid": ["p0", "p0", "p1", "p1"]})
+    scores = torch.zeros(b, r)
+    scores[:, -1] = torch.tensor(seq_scores)
+    seen = {}
+
+    def update(data):
+        seen.update(advantages=data.batch["advantages"].tolist())
+        return DataProto(meta_info={"metrics": {}})
+
+    def update_critic(data):
+        seen.update(returns=data.batch["returns"].tolist())
+        return DataProto(meta_info={"metrics": {}})
+
+    actor = SimpleNamespace(compute_log_prob=lambda data: DataProto.from_dict({"old_log_probs": torch.zeros(b, r)}),
+                            update_actor=update)
+    critic = None if values is None else SimpleNamespace(
+        compute_values=lambda data: DataProto.from_dict({"values": torch.tensor(values)}),
+        update_critic=update_critic)
+    trainer = SimpleNamespace(
+        cfg=cfg, groups=SimpleNamespace(actor=actor, ref=None, critic=critic), global_step=0,
+        rollout_pipeline=SimpleNamespace(sync=lambda tr: {}, generate=lambda tr, p: (batch, {}),
+                                         correction=lambda c: c.algorithm.rollout_correction),
+        score=lambda data: data.union(DataProto.from_dict({"token_level_scores": scores})))
+    RayPPOTrainer.train_step(trainer, batch)
+    return seen
+
+
+def test_norm_adv_by_std_divides_group_centred_scores_by_the_group_std(tiny):
+    import statistics
+
+    scores = [1.0, 0.0, 3.0, 1.0]
+    plain = _advantages_of_a_step(config_from_dict(tiny(algorithm={"norm_adv_by_std": False})), scores)
+    normed = _advantages_of_a_step(config_from_dict(tiny()), scores)
+    centred = [0.5, -0.5, 1.0, -1.0]  # minus each prompt's mean score
+    stds = [statistics.stdev([1.0, 0.0])] * 2 + [statistics.stdev([3.0, 1.0])] * 2  # unbiased (Shao et al. 2024)
+    assert [row[0] for row in plain["advantages"]] == pytest.approx(centred)
+    assert [row[0] for row in normed["advantages"]] == pytest.approx([c / (s + 1e-6) for c, s in zip(centred, stds)])
+
+
+def test_gamma_and_lam_shape_the_gae_advantages(tiny):
+    values = [[0.5, 0.2], [0.1, 0.4], [0.3, 0.3], [0.0, 0.6]]
+    scores = [1.0, 0.0, 2.0, -1.0]
+
+    def gae_by_hand(gamma, lam):
+        """delta_t = r_t + gamma V_{t+1} - V_t (V after the last token 0); A_t = delta_t + gamma lam A_{t+1}."""
+        out = []
+        for v, s in zip(values, scores):
+            rewards, adv, nxt_v, nxt_a = [0.0, s], [0.0, 0.0], 0.0, 0.0
+            for t in (1, 0):
+                delta = rewards[t] + gamma * nxt_v - v[t]
+                adv[t] = nxt_a = delta + gamma * lam * nxt_a
+                nxt_v = v[t]
+            out.append(adv)
+        return out
+
+    for gamma, lam in ((1.0, 1.0), (0.9, 0.8), (0.5, 0.0)):
+        cfg = config_from_dict(tiny(algorithm={"adv_estimator": "gae", "gamma": gamma, "lam": lam,
+                                               "norm_adv_by_std": False}, critic={"enabled": True}))
+        got = _advantages_of_a_step(cfg, scores, values)
+        expected = gae_by_hand(gamma, lam)
+        assert sum(got["advantages"], []) == pytest.approx(sum(expected, []), rel=1e-5, abs=1e-6)
+        assert sum(got["returns"], []) == pytest.approx([a + v for ea, va in zip(expected, values)
+                                                         for a, v in zip(ea, va)], rel=1e-5, abs=1e-6)
