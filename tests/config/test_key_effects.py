@@ -535,8 +535,9 @@ def _advantages_of_a_step(cfg, seq_scores, values=None):
         seen.update(returns=data.batch["returns"].tolist())
         return DataProto(meta_info={"metrics": {}})
 
+    synced = [{"rollout/weight_version": 0.0, "rollout/synced_actor_version": 0.0, "rollout/actor_version": 0.0}]
     actor = SimpleNamespace(compute_log_prob=lambda data: DataProto.from_dict({"old_log_probs": torch.zeros(b, r)}),
-                            update_actor=update)
+                            update_actor=update, sync_rollout_weights=lambda verify=False, bucket_mb=None: synced)
     critic = None if values is None else SimpleNamespace(
         compute_values=lambda data: DataProto.from_dict({"values": torch.tensor(values)}),
         update_critic=update_critic)
@@ -544,6 +545,7 @@ def _advantages_of_a_step(cfg, seq_scores, values=None):
         cfg=cfg, groups=SimpleNamespace(actor=actor, ref=None, critic=critic), global_step=0,
         rollout_pipeline=SimpleNamespace(sync=lambda tr: {}, generate=lambda tr, p: (batch, {}),
                                          correction=lambda c: c.algorithm.rollout_correction),
+        _generate=lambda p, n, greedy: (batch, {}),  # the step's generation with or without a pipeline
         score=lambda data: data.union(DataProto.from_dict({"token_level_scores": scores})))
     RayPPOTrainer.train_step(trainer, batch)
     return seen
