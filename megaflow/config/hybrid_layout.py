@@ -40,16 +40,12 @@ from __future__ import annotations
 
 import dataclasses
 from fractions import Fraction
-from typing import Optional, Sequence
+from typing import Optional
 
 __all__ = [
     "RankPlacement",
     "HybridLayout",
     "plan_hybrid_layout",
-    "ParamSpec",
-    "SlicePiece",
-    "GenShardPlan",
-    "plan_param_slices",
     "ReshardCost",
     "reshard_cost",
 ]
@@ -220,135 +216,6 @@ def plan_hybrid_layout(tp: int, pp: int, dp: int, gen_tp: int, gen_pp: int = 1, 
 
 
 # ---------------------------------------------------------------------------------------
-# Per-parameter slice plans
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamSpec:
-    """One model parameter as the planner sees it (global name, unsharded shape).
-
-    ``partition_dim`` is the TP partition dimension (None: replicated across TP).
-    ``stride`` is the number of interleaved blocks along it, megatron's
-    ``partition_stride``: 2 for SwiGLU ``linear_fc1`` (each TP shard is
-    ``[gate_chunk; up_chunk]``), 1 otherwise (megatron's ``linear_qkv`` rows are grouped
-    per KV group and every TP rank holds whole groups, so consecutive shards concatenate
-    into a valid shard). ``stage`` is the training pipeline stage that holds it.
-    """
-
-    name: str
-    full_shape: tuple[int, ...]
-    partition_dim: Optional[int]
-    stage: int
-    stride: int = 1
-
-    def __post_init__(self):
-        if self.partition_dim is not None and not 0 <= self.partition_dim < len(self.full_shape):
-            raise ValueError(f"{self.name}: partition_dim={self.partition_dim} out of range "
-                             f"for shape {self.full_shape}")
-        if self.stride < 1:
-            raise ValueError(f"{self.name}: stride must be >= 1, got {self.stride}")
-
-
-@dataclasses.dataclass(frozen=True)
-class SlicePiece:
-    """A contiguous range along ``dim`` copied from a source rank's training shard.
-
-    ``full_start`` indexes the unsharded tensor, ``src_start`` the source rank's training
-    shard, ``dst_start`` the receiving rank's generation shard; all span ``length`` rows
-    of ``dim`` (every other dimension is taken whole).
-    """
-
-    src_rank: int
-    dim: int
-    full_start: int
-    src_start: int
-    dst_start: int
-    length: int
-
-
-@dataclasses.dataclass(frozen=True)
-class GenShardPlan:
-    """How one rank's generation shard of one parameter is assembled."""
-
-    name: str
-    rank: int
-    gen_shape: tuple[int, ...]
-    pieces: tuple[SlicePiece, ...]
-
-    def row_numel(self, dim: int) -> int:
-        """Elements in one row along ``dim`` (the product of the other dimensions)."""
-        return _numel(self.gen_shape) // self.gen_shape[dim] if self.gen_shape else 1
-
-    def numel_received(self) -> int:
-        """Elements of the generation shard that come from other ranks."""
-        return sum(p.length * self.row_numel(p.dim) for p in self.pieces if p.src_rank != self.rank)
-
-    def numel_local(self) -> int:
-        """Elements of the generation shard this rank already holds (its training shard)."""
-        return sum(p.length * self.row_numel(p.dim) for p in self.pieces if p.src_rank == self.rank)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def plan_param_slices(layout: HybridLayout, spec: ParamSpec, rank: int) -> Optional[GenShardPlan]:
-    """Which slices of which training shards make up ``rank``'s generation shard of ``spec``.
-
-    The generation shard is megatron's TP = t_g shard of the parameter: along
-    ``partition_dim`` the unsharded length ``L`` is split into ``stride`` blocks of
-    ``B = L/stride`` rows; training TP rank ``i`` holds rows ``[i*B/t, (i+1)*B/t)`` of
-    every block, generation TP rank ``j`` rows ``[j*B/t_g, (j+1)*B/t_g)`` of every block.
-    The sources are the ``m`` training ranks ``j*m .. j*m+m-1`` of the parameter's stage
-    in this rank's training replica (its micro-DP group). Replicated parameters come
-    whole from the rank of that stage with the same ``tp_rank``.
-
-    Returns:
-        The plan, or None when the parameter's stage is not folded into this rank's
-        generation stage (the rank does not hold it during generation).
-
-    Raises:
-        ValueError: ``spec.stage`` outside ``[0, pp)``, or the partitioned length not
-            divisible by ``stride * tp``.
-    """
-    if not 0 <= spec.stage < layout.pp:
-        raise ValueError(f"{spec.name}: stage {spec.stage} outside [0, {layout.pp})")
-    me = layout.ranks[rank]
-    if spec.stage // layout.pp_ratio != me.gen_pp_rank:
-        return None
-    if spec.partition_dim is None:
-        src = layout.rank_of(me.tp_rank, spec.stage, me.dp_rank)
-        length = spec.full_shape[0] if spec.full_shape else 1
-        piece = SlicePiece(src_rank=src, dim=0, full_start=0, src_start=0, dst_start=0,
-                           length=length)
-        return GenShardPlan(spec.name, rank, tuple(spec.full_shape), (piece,))
-    dim, stride = spec.partition_dim, spec.stride
-    full_len = spec.full_shape[dim]
-    if full_len % (stride * layout.tp):
-        raise ValueError(f"{spec.name}: length {full_len} of dim {dim} is not divisible by "
-                         f"stride {stride} x tp {layout.tp}")
-    block = full_len // stride
-    train_chunk, gen_chunk = block // layout.tp, block // layout.gen_tp
-    m, j = layout.tp_ratio, me.gen_tp_rank
-    pieces = []
-    for b in range(stride):
-        for micro in range(m):
-            tp_rank = j * m + micro
-            pieces.append(SlicePiece(
-                src_rank=layout.rank_of(tp_rank, spec.stage, me.dp_rank), dim=dim,
-                full_start=b * block + tp_rank * train_chunk,
-                src_start=b * train_chunk,
-                dst_start=b * gen_chunk + micro * train_chunk,
-                length=train_chunk))
-    gen_shape = list(spec.full_shape)
-    gen_shape[dim] = full_len // layout.gen_tp
-    return GenShardPlan(spec.name, rank, tuple(gen_shape), tuple(pieces))
-
-
-# ---------------------------------------------------------------------------------------
 # Cost model
 
 
@@ -380,8 +247,8 @@ def reshard_cost(layout: HybridLayout, model_bytes: int) -> ReshardCost:
     """Closed-form per-rank costs of DESIGN.md section 5 for a model of ``model_bytes``.
 
     Exact when every parameter is TP-partitioned and the stages are equal; replicated
-    parameters (norms) and uneven stages make the real figures differ slightly (see
-    :func:`plan_param_slices` for the exact per-parameter accounting).
+    parameters (norms) and uneven stages make the real figures differ slightly
+    (:class:`megaflow.hybrid_engine.reshard.ReshardStats` has the measured per-rank figures).
 
     Raises:
         ValueError: ``model_bytes`` < 0.

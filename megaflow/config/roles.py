@@ -223,9 +223,15 @@ class RolloutConfig(Section):
     tokens) and compare the engine's log-probs with the actor's recomputation; a largest
     difference above 1e-5 (fp32) fails the step, naming the rank. Off by default (one
     extra short generation and forward per step)."""
+    weight_sync_bucket_mb: int = 512
+    """The weight sync streams the actor's generation shard into the engine in buckets of at
+    most this many MiB of converted tensors (one larger tensor forms its own bucket): the
+    extra memory of a sync is the generation shard plus one bucket. 512 MiB holds the largest
+    tensor of a 70B model's shard at t_g = 8 (its embedding shard, 250 MiB in bf16)."""
 
     def validate(self) -> None:
-        check_positive(self, "tp", "pp", "n", "response_length", "temperature", "cpu_kv_cache_gib")
+        check_positive(self, "tp", "pp", "n", "response_length", "temperature", "cpu_kv_cache_gib",
+                       "weight_sync_bucket_mb")
         check(0.0 < self.top_p <= 1.0, "top_p", f"must lie in (0, 1], got {self.top_p}")
         check(self.top_k == -1 or self.top_k > 0, "top_k", f"must be -1 (disabled) or > 0, got {self.top_k}")
         check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",

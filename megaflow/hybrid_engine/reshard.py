@@ -42,7 +42,7 @@ from typing import Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from megaflow.config.hybrid_layout import GenShardPlan, HybridLayout, ParamSpec, plan_param_slices
+from megaflow.config.hybrid_layout import HybridLayout
 from .params import LocalParam, count_local_layers, describe_local_params
 
 __all__ = ["ReshardGroups", "build_reshard_groups", "ReshardStats", "MicroDPResharder",
@@ -210,11 +210,6 @@ class MicroDPResharder:
         self._stage_params: dict[int, list[LocalParam]] = {
             s: [p for p in params if not (tied_skip and p.name == "output_layer.weight")]
             for s, params in sorted(stage_params.items())}
-        self.plans: dict[str, GenShardPlan] = {}
-        for stage, params in self._stage_params.items():
-            for p in params:
-                spec = ParamSpec(p.name, p.full_shape, p.partition_dim, stage, p.stride)
-                self.plans[p.name] = plan_param_slices(layout, spec, groups.rank)
         self._entries: Optional[dict[str, _GenEntry]] = None
         self._aliased: list[torch.Tensor] = []
         self.last_stats: Optional[ReshardStats] = None
@@ -262,13 +257,6 @@ class MicroDPResharder:
     def in_generation(self) -> bool:
         """True between :meth:`to_generation` and :meth:`to_training`."""
         return self._entries is not None
-
-    @property
-    def planned_bytes_received(self) -> int:
-        """Bytes this rank receives according to the slice plans (pure accounting)."""
-        itemsize = {p.name: torch.empty((), dtype=p.dtype).element_size()
-                    for params in self._stage_params.values() for p in params}
-        return sum(plan.numel_received() * itemsize[name] for name, plan in self.plans.items())
 
     def to_generation(self) -> ReshardStats:
         """Train -> generate: gather and fold the generation shard (collective).
@@ -407,8 +395,9 @@ class MicroDPResharder:
     def named_generation_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(global megatron name, TP = t_g shard)`` for the whole generation shard.
 
-        Names are megatron-core GPTModel names with global layer indices (E's converter
-        maps them to vLLM/HF names). Regrouped tensors are built one per step.
+        Names are megatron-core GPTModel names with global layer indices
+        (:mod:`megaflow.hybrid_engine.rollout_weights` maps them to vLLM's). Regrouped
+        tensors are built one per step, when the consumer asks for them.
         """
         for name in self.generation_names():
             yield name, self.generation_tensor(name)

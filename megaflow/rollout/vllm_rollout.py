@@ -34,10 +34,12 @@ vLLM's own (dtype default, KV-cache sizing, sleep mode), chosen from vLLM's
   (DESIGN.md section 6); with top-k/top-p on, it differs from the trainer's value by the
   log of the kept probability mass. Greedy rows use temperature 1 (``log_softmax(logits)``).
   ``"raw_logprobs"`` gives ``log_softmax(logits)`` whatever the temperature.
-* weights: :meth:`VLLMRollout.update_weights`, two routes (full HF tensors, or this rank's
-  already-sharded vLLM tensors, see :mod:`megaflow.rollout.vllm_weights`; with tied
-  embeddings the LM head's packed kernel is rebuilt after the full-tensor route); each sync
-  increments :attr:`VLLMRollout.weight_version` and resets the prefix cache.
+* weights: the weight sync streams this rank's already-sharded vLLM tensors in buckets
+  (:meth:`VLLMRollout.begin_weight_update`, :meth:`~VLLMRollout.load_weight_bucket`,
+  :meth:`~VLLMRollout.finish_weight_update`; :mod:`megaflow.rollout.vllm_weights`);
+  :meth:`VLLMRollout.update_weights` loads a whole set at once (also full HF tensors, e.g.
+  a checkpoint; with tied embeddings the LM head's packed kernel is rebuilt afterwards).
+  Each update increments :attr:`VLLMRollout.weight_version` and resets the prefix cache.
 * memory between rollouts: with ``free_cache_engine`` the engine sleeps after each
   generation (KV cache discarded, weights offloaded at ``sleep_level=1`` or discarded at
   2) where vLLM supports sleep mode (CUDA/ROCm/XPU) and wakes on the next call. The CPU
@@ -69,7 +71,7 @@ from megaflow.rollout.batch import assemble_rollout_batch, prompt_token_lists, r
 from megaflow.rollout.sampling import SamplingConfig, request_seeds
 from megaflow.rollout.vllm_groups import prepare_vllm_tp_groups, verify_vllm_tp_group
 from megaflow.rollout.vllm_shm import prepare_engine_shm
-from megaflow.rollout.vllm_weights import load_sharded_weights, refresh_tied_modules, sharded_param_shapes
+from megaflow.rollout.vllm_weights import ShardedWeightUpdate, refresh_tied_modules, sharded_param_shapes
 
 WEIGHT_FORMATS = ("hf_full", "sharded")
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
@@ -216,6 +218,8 @@ class VLLMRollout:
         self._num_calls = 0
         self._asleep: set[str] = set()
         self._weights_valid = True
+        self._invalid_reason = ""
+        self._update_open = False
         self.sleep()
 
     # ------------------------------------------------------------------ construction
@@ -287,7 +291,8 @@ class VLLMRollout:
             raise ValueError(f"prompt length {longest} + response_length {sampling.response_length} exceeds the "
                              f"engine's max_model_len={self.max_model_len}")
         if not self._weights_valid:
-            raise RuntimeError("the engine's weights were discarded (sleep_level=2); call update_weights first")
+            raise RuntimeError(f"the engine cannot generate: {self._invalid_reason}; load a complete weight update "
+                               f"first")
         requests, params = self._requests(token_lists, sampling)
         self.wake_up()
         start = time.perf_counter()
@@ -331,39 +336,133 @@ class VLLMRollout:
         return requests, params
 
     # ------------------------------------------------------------------ weights
+    def begin_weight_update(self) -> None:
+        """Open a streamed weight update (every rank of the TP group, in lockstep).
+
+        Until :meth:`finish_weight_update` the engine refuses to generate (its weights
+        are part old, part new). Then :meth:`load_weight_bucket` once per bucket.
+
+        Raises:
+            RuntimeError: an update is already open.
+            ValueError: a quantized model (writing shards would bypass the quantizer).
+        """
+        if self._update_open:
+            raise RuntimeError("begin_weight_update: a weight update is already open (finish_weight_update first)")
+        if self._llm.llm_engine.vllm_config.model_config.quantization is not None:
+            raise ValueError("streamed weight updates support unquantized models only")
+        self._wake_weights()
+        self._llm.collective_rpc(_begin_update_on_worker)
+        self._update_open = True
+        self._weights_valid = False
+        self._invalid_reason = "a weight update is in progress (finish_weight_update not called)"
+
+    def load_weight_bucket(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Write one bucket of ``(vLLM parameter name, this rank's shard)`` pairs.
+
+        Args:
+            bucket: tensors in vLLM's per-rank layout (:meth:`sharded_param_shapes`;
+                :func:`megaflow.hybrid_engine.rollout_weights.iter_vllm_buckets`), any
+                float dtype. Each parameter at most once per update.
+
+        Returns:
+            The names written.
+
+        Raises:
+            RuntimeError: no update open.
+            KeyError / ValueError: an unknown name, a wrong shape or a repeated name
+                (:meth:`~megaflow.rollout.vllm_weights.ShardedWeightUpdate.load`); the
+                bucket is not written, the update is aborted and the engine refuses to
+                generate until a complete update.
+        """
+        if not self._update_open:
+            raise RuntimeError("load_weight_bucket: call begin_weight_update first")
+        try:
+            return self._llm.collective_rpc(_load_bucket_on_worker, args=(bucket,))[0]
+        except BaseException:
+            self.abort_weight_update()
+            raise
+
+    def abort_weight_update(self) -> None:
+        """Drop an open update (e.g. its producer failed); the engine then refuses to
+        generate until a complete update. A no-op when no update is open."""
+        if self._update_open:
+            self._update_open = False
+            self._llm.collective_rpc(_finish_update_on_worker)
+            self._invalid_reason = "the last weight update was aborted"
+
+    def finish_weight_update(self, *, require_all: bool = True) -> int:
+        """Close the update: post-process modules written in part, reset the engine's caches.
+
+        The tied ``lm_head`` is rebuilt with the embedding it shares, and the prefix cache
+        is reset so that no KV block computed with the old weights is reused (for the
+        text-only models megaflow serves it is the one engine cache derived from weights;
+        CUDA graphs stay valid because on GPUs the parameters are written in place, at
+        the same addresses).
+
+        Args:
+            require_all: every parameter must have been written (a weight sync); False
+                keeps the values of parameters no bucket named (a partial update).
+
+        Returns:
+            The new :attr:`weight_version` (previous + 1).
+
+        Raises:
+            RuntimeError: no update open, or vLLM could not reset its prefix cache.
+            ValueError: with ``require_all``, parameters that no bucket wrote (named; the
+                engine keeps refusing to generate).
+        """
+        if not self._update_open:
+            raise RuntimeError("finish_weight_update: call begin_weight_update first")
+        self._update_open = False
+        missing = self._llm.collective_rpc(_finish_update_on_worker)[0]
+        if missing and require_all:
+            self._invalid_reason = f"the last weight update left {len(missing)} parameters unwritten"
+            raise ValueError(f"weight update incomplete: no bucket wrote {len(missing)} vLLM parameters, e.g. "
+                             f"{missing[:4]}")
+        return self._updated()
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                        format: str = "hf_full") -> int:  # noqa: A002 - the public keyword name
-        """Load new weights (one sync); every rank of the TP group calls it in lockstep.
+        """Load new weights in one go (one sync); every rank of the TP group calls it in lockstep.
 
         Args:
             named_tensors: ``(name, tensor)`` pairs (any iterable, consumed once).
                 ``format="hf_full"``: Hugging Face names and full, unsharded tensors (e.g.
-                the output of the Megatron -> HF conversion); vLLM fuses and shards them
-                itself, and parameters not named keep their values. ``format="sharded"``:
-                vLLM parameter names and this rank's shards in vLLM's layout
-                (:meth:`sharded_param_shapes`; :mod:`megaflow.rollout.vllm_weights`).
+                a checkpoint); vLLM fuses and shards them itself, and parameters not named
+                keep their values. ``format="sharded"``: vLLM parameter names and this
+                rank's shards in vLLM's layout for every parameter, as one bucket of
+                :meth:`begin_weight_update` / :meth:`load_weight_bucket` /
+                :meth:`finish_weight_update`.
             format: ``"hf_full"`` or ``"sharded"``.
 
         Returns:
             The new :attr:`weight_version` (previous + 1).
 
         Raises:
-            ValueError: unknown ``format``, a shard of the wrong shape, or ``"sharded"`` on a
-                quantized model.
+            ValueError: unknown ``format``, a shard of the wrong shape, a parameter missing
+                from ``"sharded"``, or ``"sharded"`` on a quantized model.
             KeyError: a name the model does not have.
         """
         if format not in WEIGHT_FORMATS:
             raise ValueError(f"update_weights: format must be one of {WEIGHT_FORMATS}, got {format!r}")
-        if format == "sharded" and self._llm.llm_engine.vllm_config.model_config.quantization is not None:
-            raise ValueError("update_weights(format='sharded') supports unquantized models only")
+        if self._update_open:
+            raise RuntimeError("update_weights: a streamed weight update is open (finish_weight_update first)")
+        if format == "sharded":
+            self.begin_weight_update()
+            self.load_weight_bucket(named_tensors)
+            return self.finish_weight_update()
+        self._wake_weights()
+        quantized = self._llm.llm_engine.vllm_config.model_config.quantization is not None
+        self._llm.collective_rpc(_reload_full_on_worker, args=(iter(named_tensors), not quantized))
+        return self._updated()
+
+    def _wake_weights(self) -> None:
         if "weights" in self._asleep:
             self._llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
-        if format == "hf_full":
-            quantized = self._llm.llm_engine.vllm_config.model_config.quantization is not None
-            self._llm.collective_rpc(_reload_full_on_worker, args=(iter(named_tensors), not quantized))
-        else:
-            self._llm.collective_rpc(_load_sharded_on_worker, args=(named_tensors,))
+
+    def _updated(self) -> int:
+        """After a complete update: reset every cache that holds state of the old weights."""
         if not self._llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache after the weight update")
         self._weights_valid = True
@@ -386,6 +485,7 @@ class VLLMRollout:
         self._asleep = {"weights", "kv_cache"}
         if self.config.sleep_level == 2:
             self._weights_valid = False
+            self._invalid_reason = "its weights were discarded (sleep_level=2)"
 
     def wake_up(self) -> None:
         """Re-allocate whatever :meth:`sleep` released (no-op when awake or unsupported)."""
@@ -403,8 +503,23 @@ def _reload_full_on_worker(worker: Any, named_tensors: Iterable[tuple[str, torch
         refresh_tied_modules(worker.get_model())
 
 
-def _load_sharded_on_worker(worker: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-    return load_sharded_weights(worker.get_model(), named_tensors)
+#: Attribute of vLLM's worker object holding the open :class:`ShardedWeightUpdate` (the
+#: functions below run inside the worker, wherever the executor puts it).
+_UPDATE_ATTR = "_megaflow_weight_update"
+
+
+def _begin_update_on_worker(worker: Any) -> None:
+    setattr(worker, _UPDATE_ATTR, ShardedWeightUpdate(worker.get_model()))
+
+
+def _load_bucket_on_worker(worker: Any, bucket: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    return getattr(worker, _UPDATE_ATTR).load(bucket)
+
+
+def _finish_update_on_worker(worker: Any) -> list[str]:
+    update = getattr(worker, _UPDATE_ATTR)
+    delattr(worker, _UPDATE_ATTR)
+    return update.finish()
 
 
 def _shapes_on_worker(worker: Any) -> dict[str, tuple[int, ...]]:

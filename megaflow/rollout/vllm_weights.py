@@ -1,9 +1,14 @@
-"""Writing already-sharded weights straight into a vLLM model (weight-sync route 2).
+"""Writing already-sharded weights straight into a vLLM model (the weight sync's route).
 
-Route 1 (full Hugging Face tensors) goes through vLLM's own ``reload_weights``, which
+The weight sync hands over tensors that already have vLLM's per-rank layout at the
+engine's TP size (the 3D-HybridEngine's generation shards, converted by
+:mod:`megaflow.hybrid_engine.rollout_weights`), in buckets; :class:`ShardedWeightUpdate`
+writes them into the parameters directly, skipping vLLM's re-sharding. Full Hugging Face
+tensors (a checkpoint, not the sync) go through vLLM's own ``reload_weights``, which
 shards, fuses and post-processes them layer by layer, followed by
-:func:`refresh_tied_modules` (below). Route 2 receives tensors that
-already have vLLM's per-rank layout at the engine's TP size (the 3D-HybridEngine's
+:func:`refresh_tied_modules` (below).
+
+vLLM's per-rank layout at the engine's TP size (the 3D-HybridEngine's
 generation shards) and writes them into the parameters directly, skipping the
 re-sharding.
 
@@ -46,7 +51,7 @@ a no-op.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -77,59 +82,114 @@ def sharded_param_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     return {name: _expected_shape(owners[id(p)][0][0], p) for name, p in model.named_parameters()}
 
 
+class ShardedWeightUpdate:
+    """One weight update of a vLLM model from already-sharded tensors, fed in buckets.
+
+    Each bucket is validated before any of it is written; a module's post-load
+    processing (the CPU re-pack, see the module docstring) runs once per update, as soon
+    as all of its parameters have arrived (so a tied ``lm_head`` is rebuilt together with
+    the embedding it shares), and for modules only partly written at :meth:`finish`.
+
+    Args:
+        model: the vLLM model (``worker.get_model()``).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        canonical = {id(p): name for name, p in model.named_parameters()}
+        self._expected = set(canonical.values())
+        #: module name -> (module, names of its own parameters as model.named_parameters() lists them)
+        self._modules = {name: (module, frozenset(canonical[id(p)] for _, p in module.named_parameters(recurse=False)))
+                         for name, module in model.named_modules(remove_duplicate=False)
+                         if next(module.parameters(recurse=False), None) is not None}
+        self.loaded: list[str] = []
+        self._loaded: set[str] = set()
+        self._processed: set[int] = set()
+
+    def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Write one bucket (any float dtype; cast to the model's).
+
+        Returns:
+            The names written, in order.
+
+        Raises:
+            KeyError: a name that is not a parameter of the model (some valid names listed).
+            ValueError: a tensor of the wrong shape (name, expected and given shapes), or a
+                name given twice in this update. Nothing of the bucket is written then.
+        """
+        params = dict(self.model.named_parameters())  # re-read: processing replaces emptied parameters
+        owners = _param_owners(self.model)
+        items = list(named_tensors)
+        seen: set[str] = set()
+        for name, tensor in items:  # validate the whole bucket before writing any of it
+            if name not in params:
+                raise KeyError(f"{name!r} is not a vLLM parameter of this model; expected names like "
+                               f"{sorted(params)[:4]} (see sharded_param_shapes())")
+            if name in seen or name in self._loaded:
+                raise ValueError(f"parameter {name!r} given twice in one weight update")
+            seen.add(name)
+            expected = _expected_shape(owners[id(params[name])][0][0], params[name])
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"shard for {name!r} has shape {tuple(tensor.shape)}, vLLM expects {expected} "
+                                 f"on this rank")
+        for name, tensor in items:
+            _write(params[name], owners[id(params[name])], tensor)
+        names = [name for name, _ in items]
+        self.loaded.extend(names)
+        self._loaded.update(names)
+        self._process(lambda own: own <= self._loaded)
+        return names
+
+    def finish(self) -> list[str]:
+        """Process the modules written only in part; return the parameters never written
+        (sorted; empty when the update covered the whole model)."""
+        self._process(lambda own: bool(own & self._loaded))
+        return sorted(self._expected - self._loaded)
+
+    def _process(self, ready: Callable[[frozenset], bool]) -> None:
+        for module, own in self._modules.values():
+            if id(module) not in self._processed and ready(own):
+                self._processed.add(id(module))
+                quant_method = getattr(module, "quant_method", None)
+                if quant_method is not None and hasattr(quant_method, "process_weights_after_loading"):
+                    quant_method.process_weights_after_loading(module)
+
+
+def _write(param: torch.nn.Parameter, holders: list[tuple[torch.nn.Module, str]], tensor: torch.Tensor) -> None:
+    """Copy ``tensor`` into ``param`` (or, when the CPU re-pack emptied it, install a fresh
+    parameter with the same loader attributes on every module holding it)."""
+    new = tensor.detach().to(device=param.device, dtype=param.dtype)
+    if param.numel() == new.numel():
+        param.data.copy_(new)
+        return
+    fresh = torch.nn.Parameter(new.clone(), requires_grad=False)
+    for attr_name in ("weight_loader", "output_dim", "input_dim"):
+        if hasattr(param, attr_name):
+            setattr(fresh, attr_name, getattr(param, attr_name))
+    for module, attr in holders:
+        setattr(module, attr, fresh)
+
+
 def load_sharded_weights(model: torch.nn.Module,
                          named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-    """Write this rank's shards into ``model`` and rebuild the kernels' packed copies.
+    """Write this rank's shards into ``model`` as one bucket and rebuild the kernels' packed copies.
 
     Args:
         model: the vLLM model (``worker.get_model()``).
         named_tensors: ``(vLLM parameter name, tensor)`` pairs, each tensor of the shape
             :func:`sharded_param_shapes` gives (any float dtype; cast to the model's).
+            Parameters not named keep their values.
 
     Returns:
         The names loaded, in order.
 
     Raises:
-        KeyError: a name that is not a parameter of the model (some valid names listed).
-        ValueError: a tensor of the wrong shape (name, expected and given shapes), or a
-            name given twice.
+        KeyError / ValueError: as :meth:`ShardedWeightUpdate.load` (nothing written then).
     """
-    params = dict(model.named_parameters())
-    owners = _param_owners(model)
-    items = list(named_tensors)
-    seen: set[str] = set()
-    for name, tensor in items:  # validate everything before writing anything
-        if name not in params:
-            raise KeyError(f"{name!r} is not a vLLM parameter of this model; expected names like "
-                           f"{sorted(params)[:4]} (see sharded_param_shapes())")
-        if name in seen:
-            raise ValueError(f"parameter {name!r} given twice in one weight update")
-        seen.add(name)
-        expected = _expected_shape(owners[id(params[name])][0][0], params[name])
-        if tuple(tensor.shape) != expected:
-            raise ValueError(f"shard for {name!r} has shape {tuple(tensor.shape)}, vLLM expects {expected} "
-                             f"on this rank")
-    touched: dict[int, torch.nn.Module] = {}
-    for name, tensor in items:
-        param = params[name]
-        holders = owners[id(param)]
-        new = tensor.detach().to(device=param.device, dtype=param.dtype)
-        if param.numel() == new.numel():
-            param.data.copy_(new)
-        else:  # emptied by the CPU re-pack: install a fresh parameter on every holder
-            fresh = torch.nn.Parameter(new.clone(), requires_grad=False)
-            for attr_name in ("weight_loader", "output_dim", "input_dim"):
-                if hasattr(param, attr_name):
-                    setattr(fresh, attr_name, getattr(param, attr_name))
-            for module, attr in holders:
-                setattr(module, attr, fresh)
-        for module, _ in holders:
-            touched[id(module)] = module
-    for module in touched.values():
-        quant_method = getattr(module, "quant_method", None)
-        if quant_method is not None and hasattr(quant_method, "process_weights_after_loading"):
-            quant_method.process_weights_after_loading(module)
-    return [name for name, _ in items]
+    update = ShardedWeightUpdate(model)
+    names = update.load(named_tensors)
+    update.finish()
+    return names
 
 
 def refresh_tied_modules(model: torch.nn.Module) -> list[str]:
@@ -158,4 +218,4 @@ def refresh_tied_modules(model: torch.nn.Module) -> list[str]:
     return [names[key] for key in refreshed]
 
 
-__all__ = ["sharded_param_shapes", "load_sharded_weights", "refresh_tied_modules"]
+__all__ = ["sharded_param_shapes", "ShardedWeightUpdate", "load_sharded_weights", "refresh_tied_modules"]

@@ -185,10 +185,8 @@ class RayPPOTrainer:
     def train_step(self, prompts: DataProto) -> dict[str, float]:
         """One PPO/GRPO step on a batch of prompts; returns the step's metrics."""
         g, algo, t = self.groups, self.cfg.algorithm, {}
-        from megaflow.workers.actor_rollout import check_synced
-
         with _timer("sync", t):  # the actor's weights -> the rollout engines; versions checked on every rank
-            sync_metrics = check_synced(g.actor.sync_rollout_weights(verify=self.cfg.rollout.verify_sync))
+            sync_metrics = self.sync_rollout_weights()
         with _timer("gen", t):
             batch, rollout_metrics = self._generate(prompts, self.cfg.rollout.n, greedy=False)
         check_rollout_batch(batch)  # the layout every later worker call relies on, checked once here
@@ -340,12 +338,25 @@ class RayPPOTrainer:
             self._train_iter = iter(self.train_loader)
             return next(self._train_iter)
 
+    def sync_rollout_weights(self) -> dict[str, float]:
+        """Bring every rollout engine to the actor's current weights (a no-op on the workers
+        when nothing changed), in buckets of ``rollout.weight_sync_bucket_mb``, verified with
+        ``rollout.verify_sync``; the versions are checked on every rank
+        (:func:`~megaflow.workers.actor_rollout.check_synced`). Returns rank 0's sync metrics."""
+        from megaflow.workers.actor_rollout import check_synced
+
+        r = self.cfg.rollout
+        return check_synced(self.groups.actor.sync_rollout_weights(verify=r.verify_sync,
+                                                                   bucket_mb=r.weight_sync_bucket_mb))
+
     def validate(self) -> dict[str, float]:
         """Score the validation prompts (greedy unless ``rollout.val_do_sample``).
 
         Reports the mean score overall and per data source, and the mean accuracy
         (``val/acc/...``) where the reward function returns one (GSM8K, arith).
+        The engines are synced to the actor's weights first (generation never syncs).
         """
+        self.sync_rollout_weights()
         greedy = not self.cfg.rollout.val_do_sample
         scored = [self.score(self.rollout(prompts, 1, greedy=greedy), keep_reward_fields=True)
                   for prompts in self.val_loader]

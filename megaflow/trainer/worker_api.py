@@ -132,10 +132,11 @@ class ActorRolloutGroup(MegatronRoleGroup, Protocol):
     """The actor with its colocated rollout engines
     (:class:`~megaflow.workers.actor_rollout.ActorRolloutWorker`)."""
 
-    def sync_rollout_weights(self, verify: bool = False) -> list[dict[str, float]]:
+    def sync_rollout_weights(self, verify: bool = False, bucket_mb: int = 512) -> list[dict[str, float]]:
         """``ActorRolloutWorker.sync_rollout_weights`` on every rank: reshard the actor's
-        weights into the engines when they changed. Returns each rank's version metrics
-        (check them with :func:`megaflow.workers.actor_rollout.check_synced`)."""
+        weights into the engines when they changed, pushing at most ``bucket_mb`` MiB at a
+        time. Returns each rank's version metrics (check them with
+        :func:`megaflow.workers.actor_rollout.check_synced`)."""
 
     def rollout_weight_version(self) -> list[int]:
         """``ActorRolloutWorker.rollout_weight_version`` on every rank: engine syncs so far."""

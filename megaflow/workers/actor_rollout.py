@@ -10,8 +10,9 @@ names and layouts (:mod:`megaflow.hybrid_engine.rollout_weights`) and pushed int
 engine, and the generation buffers are released again (train -> generate -> train). The
 engine's weight version increments and its prefix cache is reset on every sync; the
 controller checks with :func:`check_synced` that every rank serves the actor's version.
-``generate_sequences`` still syncs first when a caller did not (validation), so no
-rollout ever runs on weights older than the actor's.
+The shard travels in buckets of ``rollout.weight_sync_bucket_mb`` MiB, produced lazily
+from the resharder (at most one bucket alive). ``generate_sequences`` only generates: it
+refuses to run on weights older than the actor's.
 
 Dispatch: ``generate_sequences`` is registered on the ``rollout`` mesh
 (``dp_rank`` = generation replica, collected from generation TP rank 0), the actor's
@@ -41,6 +42,10 @@ _REPLICA_SEED_STRIDE = 1_000_003
 #: |engine - trainer| log-prob difference on the probe (fp32).
 VERIFY_SYNC_ATOL = 1e-5
 _PROBE_LENGTHS, _PROBE_RESPONSE = (8, 5), 8
+#: Default of ``bucket_mb`` (``rollout.weight_sync_bucket_mb``): a 70B model's generation
+#: shard at t_g = 8 (about 17 GB in bf16) streams in about 35 buckets, and its largest
+#: tensor (the embedding shard, 128256 / 8 x 8192 x 2 bytes = 250 MiB) fits in one.
+DEFAULT_WEIGHT_SYNC_BUCKET_MB = 512
 
 
 def stop_token_ids(cfg: Config, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
@@ -123,57 +128,82 @@ class ActorRolloutWorker(ActorWorker):
         return path
 
     # ------------------------------------------------------------------ weight sync
-    def _sync_rollout_weights(self) -> None:
-        """train -> generate -> train: push the actor's current weights into the engine."""
+    def _sync_rollout_weights(self, bucket_bytes: int) -> None:
+        """train -> generate -> train: stream the actor's current weights into the engine.
+
+        The generation shard is produced by the resharder, converted to vLLM's names and
+        local layout and pushed in buckets of at most ``bucket_bytes``
+        (:func:`~megaflow.hybrid_engine.rollout_weights.iter_vllm_buckets`); at most one
+        bucket is alive at a time. Parameters only are reloaded onto the device.
+        """
         if self._synced_version == self._actor_version:
             return
-        from megaflow.hybrid_engine.rollout_weights import hf_full_tensors, vllm_sharded_tensors
+        from megaflow.hybrid_engine.rollout_weights import iter_vllm_buckets
 
         self._before_phase(("params",))  # the sync reads parameters only: grads/optimizer stay offloaded
+        num_buckets = largest = 0
         try:
             with self.resharder.generation() as stats:
-                named = self.resharder.named_generation_tensors()
-                if self.config.rollout.tp == 1:
-                    self.rollout.update_weights(hf_full_tensors(named, self.spec), format="hf_full")
-                else:
-                    tensors = vllm_sharded_tensors(
-                        named, self.spec, gen_tp=self.config.rollout.tp, gen_tp_rank=self._gen_tp_rank,
-                        vllm_shapes=self.rollout.sharded_param_shapes(), gather_vocab=self._gather_gen_tp)
-                    self.rollout.update_weights(list(tensors), format="sharded")
+                buckets = iter_vllm_buckets(
+                    self.resharder.named_generation_tensors(), self.spec, gen_tp=self.layout.gen_tp,
+                    gen_tp_rank=self._gen_tp_rank, vllm_shapes=self.rollout.sharded_param_shapes(),
+                    gather_vocab=self._gather_gen_tp, bucket_bytes=bucket_bytes)
+                self.rollout.begin_weight_update()
+                try:
+                    for bucket in buckets:
+                        self.rollout.load_weight_bucket(bucket)
+                        num_buckets += 1
+                        largest = max(largest, sum(t.numel() * t.element_size() for _, t in bucket))
+                        del bucket  # before the next bucket is built
+                except BaseException:
+                    self.rollout.abort_weight_update()  # the engine refuses to generate until a complete sync
+                    raise
+                self.rollout.finish_weight_update()
         finally:
             self._after_phase()  # the training state goes back off the device while the engine generates
         self.last_reshard_stats = stats
+        self.last_sync_buckets = (num_buckets, largest)
         self._synced_version = self._actor_version
 
     def _gather_gen_tp(self, shard: torch.Tensor) -> torch.Tensor:
+        """All-gather ``shard`` over the generation TP group along dim 0 (identity at t_g = 1)."""
         group = self.reshard_groups.gen_tp
+        if group is None:
+            return shard
         parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, shard.contiguous(), group=group)
         return torch.cat(parts, dim=0)
 
     # ------------------------------------------------------------------ registered methods
     @register(Dispatch.ONE_TO_ALL)
-    def sync_rollout_weights(self, verify: bool = False) -> dict[str, float]:
+    def sync_rollout_weights(self, verify: bool = False,
+                             bucket_mb: int = DEFAULT_WEIGHT_SYNC_BUCKET_MB) -> dict[str, float]:
         """Push the actor's weights into the engine if they changed since the last sync
         (collective: every rank, in lockstep).
 
         Args:
             verify: then generate greedily on a fixed probe and compare the engine's
                 log-probs with the actor's recomputation (``rollout.verify_sync``).
+            bucket_mb: the most MiB of converted tensors pushed into the engine at once
+                (``rollout.weight_sync_bucket_mb``).
 
         Returns:
             This rank's ``rollout/weight_version`` (engine syncs so far),
             ``rollout/synced_actor_version`` and ``rollout/actor_version`` (equal after a
-            sync), when weights moved ``timing_s/reshard``, ``reshard/bytes_received`` and
-            ``reshard/bytes_sent``, and with ``verify`` ``rollout/verify_sync_max_diff``
-            (the largest difference over all ranks).
+            sync), when weights moved ``timing_s/reshard`` (the transition, seconds),
+            ``reshard/bytes_received``, ``reshard/bytes_sent``, ``rollout/weight_sync_buckets``
+            and ``rollout/weight_sync_bucket_bytes`` (the largest bucket), and with ``verify``
+            ``rollout/verify_sync_max_diff`` (the largest difference over all ranks).
 
         Raises:
+            ValueError: ``bucket_mb <= 0``.
             RuntimeError: with ``verify``, a difference above :data:`VERIFY_SYNC_ATOL`
                 (on every rank, naming the rank with the largest one).
         """
+        if bucket_mb <= 0:
+            raise ValueError(f"rollout.weight_sync_bucket_mb must be > 0, got {bucket_mb}")
         synced = self._synced_version != self._actor_version
-        self._sync_rollout_weights()
+        self._sync_rollout_weights(int(bucket_mb) << 20)
         metrics = self._sync_metrics(synced)
         if verify:
             metrics["rollout/verify_sync_max_diff"] = self._verify_sync()
@@ -194,19 +224,36 @@ class ActorRolloutWorker(ActorWorker):
             "seed": 0})
 
     def _verify_sync(self) -> float:
-        """Engine vs trainer log-probs of the probe's greedy tokens; the world's largest
-        difference (collective). Raises RuntimeError above :data:`VERIFY_SYNC_ATOL`."""
+        """Every engine's log-probs of its greedy probe tokens vs the trainer's (collective).
+
+        Each rank's engine generates on the probe; all ranks exchange their outputs and the
+        trainer recomputes the log-probs of every rank's rows (the same batch on every rank,
+        so the pipeline stages agree on their input and ranks of any stage are checked);
+        the last stage's differences are shared with all ranks.
+
+        Returns:
+            The largest |engine - trainer| log-prob difference over all ranks' engines.
+
+        Raises:
+            RuntimeError: above :data:`VERIFY_SYNC_ATOL` (on every rank), naming the rank
+                with the largest difference and listing every rank's.
+        """
         out = self.rollout.generate_sequences(self._probe())
         keys = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask")
-        trainer = self._forward(DataProto.from_dict({k: out.batch[k] for k in keys}), temperature=1.0)
-        diff = -1.0  # no output on this rank (not the last pipeline stage)
+        world = dist.get_world_size()
+        outputs: list = [None] * world
+        dist.all_gather_object(outputs, {k: out.batch[k] for k in keys + ("rollout_log_probs",)})
+        every = {k: torch.cat([o[k] for o in outputs]) for k in keys + ("rollout_log_probs",)}
+        trainer = self._forward(DataProto.from_dict({k: every[k] for k in keys}), temperature=1.0)
+        mine = None  # only the last pipeline stage has the trainer's log-probs
         if trainer is not None:
-            mask = out.batch["response_mask"].bool()
-            delta = (out.batch["rollout_log_probs"] - trainer["log_probs"].to(torch.float32).cpu()).abs()
-            diff = float(delta[mask].max()) if mask.any() else 0.0
-        diffs: list = [None] * dist.get_world_size()
-        dist.all_gather_object(diffs, diff)
-        worst = max(range(len(diffs)), key=lambda r: diffs[r])
+            delta = (every["rollout_log_probs"] - trainer["log_probs"].to(torch.float32).cpu()).abs()
+            delta = torch.where(every["response_mask"].bool(), delta, torch.zeros_like(delta))
+            mine = [float(rows.max()) for rows in delta.chunk(world)]
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, mine)
+        diffs = next(d for d in gathered if d is not None)
+        worst = max(range(world), key=lambda r: diffs[r])
         if diffs[worst] > VERIFY_SYNC_ATOL:
             raise RuntimeError(f"rollout.verify_sync: after weight sync {self.rollout.weight_version} the engine's "
                                f"log-probs of the probe differ from the actor's by up to {diffs[worst]:.3g} on rank "
@@ -220,7 +267,9 @@ class ActorRolloutWorker(ActorWorker):
         if synced and self.last_reshard_stats is not None:
             s = self.last_reshard_stats
             metrics.update({"timing_s/reshard": s.seconds, "reshard/bytes_received": float(s.bytes_received),
-                            "reshard/bytes_sent": float(s.bytes_sent)})
+                            "reshard/bytes_sent": float(s.bytes_sent),
+                            "rollout/weight_sync_buckets": float(self.last_sync_buckets[0]),
+                            "rollout/weight_sync_bucket_bytes": float(self.last_sync_buckets[1])})
         return metrics
 
     @register(nd_compute("rollout"))
@@ -229,19 +278,24 @@ class ActorRolloutWorker(ActorWorker):
 
         ``meta_info`` carries the sampling parameters (:mod:`megaflow.rollout.sampling`);
         its ``seed`` is offset by the replica index so that replicas draw distinct samples.
-        Weights: synced first if the caller did not call :meth:`sync_rollout_weights`
-        since the actor last changed. Adds ``meta_info["metrics"]`` with the engine's
-        weight version and, when this call synced, the reshard's bytes and time.
+        Only generates: the caller syncs first (:meth:`sync_rollout_weights`). Adds
+        ``meta_info["metrics"]`` with the engine's weight version.
+
+        Raises:
+            RuntimeError: the engine serves weights older than the actor's (an update or
+                checkpoint load since the last sync), naming both versions. The check is a
+                comparison of two counters, so it is always on (with or without
+                ``rollout.verify_sync``): stale weights are never sampled.
         """
-        synced = self._synced_version != self._actor_version
-        self._sync_rollout_weights()
+        if self._synced_version != self._actor_version:
+            raise RuntimeError(f"generate_sequences on rank {self.rank}: the engine serves actor version "
+                               f"{self._synced_version} (engine weight version {self.rollout.weight_version}) but "
+                               f"the actor is at version {self._actor_version}; call sync_rollout_weights() first")
         meta = dict(prompts.meta_info)
         if meta.get("seed") is not None:
             meta["seed"] = int(meta["seed"]) + self._gen_replica * _REPLICA_SEED_STRIDE
         out = self.rollout.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch, meta))
-        metrics = self._sync_metrics(synced)
-        del metrics["rollout/synced_actor_version"], metrics["rollout/actor_version"]
-        out.meta_info["metrics"] = metrics
+        out.meta_info["metrics"] = {"rollout/weight_version": float(self.rollout.weight_version)}
         return out
 
     @register(nd_compute("actor"))

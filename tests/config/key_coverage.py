@@ -189,6 +189,9 @@ KEYS: dict[str, Consumed | Refused] = {
     "rollout.ignore_eos": consumed("tests/rollout/test_fixed_length_kv_auto.py::test_ignore_eos_drops_every_stop_id"),
     "rollout.val_do_sample": consumed(KE + "test_val_do_sample_makes_validation_sample_instead_of_decoding_greedily"),
     "rollout.verify_sync": consumed("tests/workers/test_actor_rollout_hybrid.py::test_verified_sync_reports_engine_equal_to_trainer"),
+    "rollout.weight_sync_bucket_mb": consumed(
+        "tests/workers/test_actor_rollout_hybrid.py::test_after_update_the_rollout_serves_the_new_weights",
+        "tests/hybrid_engine/test_rollout_weights.py::test_a_bucket_size_below_one_mib_is_refused_at_load_naming_the_key"),
     # ------------------------------------------------------------------ ref
     **_parallel("ref"),
     "ref.enabled": consumed(E2E_ALGO + "test_rloo_with_kl_loss"),

@@ -68,6 +68,11 @@ def _engine_checks(rank, world_size, model_dir, prompts, eos, full_path, sharded
         "bad_format": _error(lambda: engine.update_weights([], format="megatron")),
         "bad_shape": _error(lambda: engine.update_weights([("model.norm.weight", torch.ones(3))], format="sharded")),
         "bad_name": _error(lambda: engine.update_weights([("model.nope.weight", torch.ones(3))], format="sharded")),
+        # a streamed update that leaves parameters unwritten is refused, and so is generating after it
+        "incomplete": _error(lambda: engine.update_weights(
+            [("model.norm.weight", torch.ones(TINY_LLAMA["hidden_size"]))], format="sharded")),
+        "generate_after_incomplete": _error(lambda: engine.generate_sequences(greedy)),
+        "bucket_without_update": _error(lambda: engine.load_weight_bucket([])),
     }
     res["version_after_errors"] = engine.weight_version
 
@@ -201,6 +206,13 @@ def test_errors_are_clear_and_do_not_bump_the_version(run):
     assert errors["bad_format"][0] == "ValueError" and "megatron" in errors["bad_format"][1]
     assert errors["bad_shape"][0] == "ValueError" and "model.norm.weight" in errors["bad_shape"][1]
     assert errors["bad_name"][0] == "KeyError" and "model.nope.weight" in errors["bad_name"][1]
+    num_params = len(run["shapes"])
+    assert errors["incomplete"] == ("ValueError", f"weight update incomplete: no bucket wrote {num_params - 1} vLLM "
+                                                  f"parameters, e.g. {sorted(set(run['shapes']) - {'model.norm.weight'})[:4]}")
+    assert errors["generate_after_incomplete"] == (
+        "RuntimeError", f"the engine cannot generate: the last weight update left {num_params - 1} parameters "
+                        "unwritten; load a complete weight update first")
+    assert errors["bucket_without_update"] == ("RuntimeError", "load_weight_bucket: call begin_weight_update first")
     assert run["version0"] == 0 and run["version_after_errors"] == 0
 
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from megaflow.rollout.vllm_weights import load_sharded_weights, refresh_tied_modules, sharded_param_shapes
+from megaflow.rollout.vllm_weights import (ShardedWeightUpdate, load_sharded_weights, refresh_tied_modules,
+                                           sharded_param_shapes)
 
 
 class PackingLinearMethod:
@@ -112,3 +113,66 @@ def test_refresh_is_a_no_op_without_shared_parameters():
     packed = model.lm_head.packed
     assert refresh_tied_modules(model) == []
     assert model.lm_head.packed is packed
+
+
+class Biased(nn.Module):
+    """A linear layer with a bias (Qwen2's qkv_proj): two parameters, one packed kernel."""
+
+    def __init__(self, out_size, in_size):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(out_size, in_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.randn(out_size), requires_grad=False)
+        self.output_size_per_partition, self.input_size_per_partition = out_size, in_size
+        self.quant_method = PackingLinearMethod()
+        self.quant_method.process_weights_after_loading(self)
+
+
+def _count_processing(model):
+    """module name -> number of process_weights_after_loading calls from now on."""
+    calls = {}
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is None:
+            continue
+        original = method.process_weights_after_loading
+
+        def counted(layer, _name=name, _original=original):
+            calls[_name] = calls.get(_name, 0) + 1
+            _original(layer)
+        method.process_weights_after_loading = counted
+    return calls
+
+
+def test_a_streamed_update_processes_each_module_once_when_its_parameters_are_complete():
+    model = TinyPackedModel()
+    model.qkv = Biased(6, 4)
+    calls = _count_processing(model)
+    new = {"embed.weight": torch.randn(8, 4), "proj.weight": torch.randn(6, 4), "norm.weight": torch.randn(4),
+           "qkv.weight": torch.randn(6, 4), "qkv.bias": torch.randn(6)}
+    update = ShardedWeightUpdate(model)
+    assert update.load([("qkv.weight", new["qkv.weight"]), ("embed.weight", new["embed.weight"])]) == \
+        ["qkv.weight", "embed.weight"]
+    # the embedding and the tied head are complete: both rebuilt; qkv waits for its bias
+    assert calls == {"embed": 1, "lm_head": 1}
+    assert torch.equal(model.lm_head.packed, new["embed.weight"])
+    update.load([("qkv.bias", new["qkv.bias"])])
+    assert calls == {"embed": 1, "lm_head": 1, "qkv": 1}
+    assert torch.equal(model.qkv.packed, new["qkv.weight"]) and torch.equal(model.qkv.bias, new["qkv.bias"])
+    with pytest.raises(ValueError, match="'embed.weight' given twice"):
+        update.load([("embed.weight", new["embed.weight"])])
+    update.load([("proj.weight", new["proj.weight"])])
+    assert update.finish() == ["norm.weight"]  # never written: reported
+    assert calls == {"embed": 1, "lm_head": 1, "qkv": 1, "proj": 1}
+    assert torch.equal(model.proj.packed, new["proj.weight"])
+
+
+def test_finish_processes_a_module_written_in_part():
+    model = TinyPackedModel()
+    model.qkv = Biased(6, 4)
+    calls = _count_processing(model)
+    update = ShardedWeightUpdate(model)
+    weight = torch.randn(6, 4)
+    update.load([("qkv.weight", weight)])
+    assert calls == {}
+    assert "qkv.bias" in update.finish()
+    assert calls == {"qkv": 1} and torch.equal(model.qkv.packed, weight)

@@ -111,6 +111,23 @@ def _stats_per_rank(group) -> list:
     return ray.get([group.execute_async(r, "__getattribute__", "last_reshard_stats") for r in range(WORLD)])
 
 
+def _probed_worker_class():
+    """:class:`ActorRolloutWorker` plus one test hook that overwrites an engine parameter through
+    the engine's own update API (defined in a function: Ray ships the class by value)."""
+    from megaflow.workers.actor_rollout import ActorRolloutWorker
+
+    class ProbedActorRolloutWorker(ActorRolloutWorker):
+        def overwrite_engine_parameter(self, name: str, value: float) -> None:
+            """Set vLLM parameter ``name`` of this rank's engine to ``value`` everywhere (a
+            partial update; the trainer's weights and version counters are untouched)."""
+            shape = self.rollout.sharded_param_shapes()[name]
+            self.rollout.begin_weight_update()
+            self.rollout.load_weight_bucket([(name, torch.full(shape, value))])
+            self.rollout.finish_weight_update(require_all=False)
+
+    return ProbedActorRolloutWorker
+
+
 # ---------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
 def model_dir(request, tmp_path_factory) -> str:
@@ -143,13 +160,14 @@ class Hybrid:
     model_dir: str
     tied: bool
     first_greedy: Optional[DataProto] = None
+    first_sync: Optional[dict] = None
 
 
 @pytest.fixture(scope="module", params=[2, 1], ids=lambda g: f"gen_tp{g}")
 def hybrid(request, ray_session, model_dir):
     """The actor + rollout group (4 ranks, t=2, p=2 -> t_g = param) and its first rollout."""
     from megaflow.single_controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool
-    from megaflow.workers.actor_rollout import ActorRolloutWorker
+    from megaflow.workers.actor_rollout import check_synced
     from role_testlib import role_spec
 
     gen_tp = request.param
@@ -169,11 +187,12 @@ def hybrid(request, ray_session, model_dir):
     group = None
     try:
         start = time.perf_counter()
-        group = RayWorkerGroup(pool, ClassWithInitArgs(ActorRolloutWorker, spec, (EOS,), EOS), name_prefix="actor")
+        group = RayWorkerGroup(pool, ClassWithInitArgs(_probed_worker_class(), spec, (EOS,), EOS), name_prefix="actor")
         group.init_model()
         ready = time.perf_counter()
         state = Hybrid(gen_tp, group, model_dir, tied)
-        state.first_greedy = group.generate_sequences(_prompts(GREEDY))  # the first weight sync
+        state.first_sync = check_synced(group.sync_rollout_weights())  # the first weight sync, default buckets
+        state.first_greedy = group.generate_sequences(_prompts(GREEDY))
         print(f"[gen_tp={gen_tp} tied={tied}] group + init_model {ready - start:.1f} s, first rollout "
               f"{time.perf_counter() - ready:.1f} s")
         yield state
@@ -233,12 +252,10 @@ def test_reshard_bytes_equal_the_design_formula(hybrid):
     assert all(s.generation_bytes == model_bytes // (t_g * p_g) + norms[0] + norms[1] for s in stats)
     # Every gathered training shard is aliased into its generation buffer, none copied.
     assert all(s.num_copied == 0 and (s.num_aliased > 0) == (t_g < T) for s in stats)
-    # The rollout's metrics report the collect rank of generation replica 0.
-    mesh = hybrid.group.mesh_info("rollout")
-    reporter = next(r for r in range(WORLD) if mesh.dp_rank_mapping[r] == 0 and mesh.collect_mask[r])
-    metrics = hybrid.first_greedy.meta_info["metrics"]
-    assert metrics["reshard/bytes_received"] == expected[reporter]
-    assert metrics["rollout/weight_version"] == 1
+    # The sync's metrics (check_synced) report rank 0; generation reports the engine's version.
+    assert hybrid.first_sync["reshard/bytes_received"] == expected[0]
+    assert hybrid.first_sync["rollout/weight_version"] == 1
+    assert hybrid.first_greedy.meta_info["metrics"] == {"rollout/weight_version": 1.0}
 
 
 def test_rollout_log_probs_equal_the_trainers_position_by_position(hybrid):
@@ -247,8 +264,11 @@ def test_rollout_log_probs_equal_the_trainers_position_by_position(hybrid):
     trainer = _old_log_probs(group, greedy, temperature=1.0)  # greedy rows: log_softmax(logits)
     _assert_log_probs_match(greedy.batch["rollout_log_probs"], trainer, greedy.batch["response_mask"])
 
+    from megaflow.workers.actor_rollout import check_synced
+
+    again = check_synced(group.sync_rollout_weights())  # no update since: nothing moves
+    assert "reshard/bytes_received" not in again and again["rollout/weight_version"] == 1
     sampled = group.generate_sequences(_prompts(SAMPLED))
-    assert "reshard/bytes_received" not in sampled.meta_info["metrics"]  # no update: no re-sync
     assert sampled.meta_info["rollout_weight_version"] == 1
     rollout, mask = sampled.batch["rollout_log_probs"], sampled.batch["response_mask"]
     trainer = _old_log_probs(group, sampled, temperature=SAMPLE_TEMPERATURE)
@@ -266,6 +286,7 @@ def _common_prefix(a: torch.Tensor, b: torch.Tensor, mask_a: torch.Tensor, mask_
 
 def test_after_update_the_rollout_serves_the_new_weights(hybrid, tmp_path):
     from megaflow.models.convert import convert_megatron_to_hf
+    from megaflow.workers.actor_rollout import check_synced
 
     group, before = hybrid.group, hybrid.first_greedy
     sampled = group.generate_sequences(_prompts(SAMPLED))
@@ -279,10 +300,21 @@ def test_after_update_the_rollout_serves_the_new_weights(hybrid, tmp_path):
     assert metrics["actor/clip_fraction"] == 0.0  # on-policy: ratio 1
 
     trained_before_sync = _old_log_probs(group, before, temperature=1.0)
+    # Generation only generates: on weights older than the actor's it refuses, naming the versions.
+    with pytest.raises(Exception, match=r"serves actor version 0 \(engine weight version 1\) but the actor is at "
+                                        r"version 1; call sync_rollout_weights\(\) first"):
+        group.generate_sequences(_prompts(GREEDY))
+    # rollout.weight_sync_bucket_mb = 1: the shard streams in several buckets of at most 1 MiB
+    # (the first sync, at the default 512 MiB, pushed it in one).
+    sync = check_synced(group.sync_rollout_weights(bucket_mb=1))
+    shard_bytes = max(s.generation_bytes for s in _stats_per_rank(group))
+    assert hybrid.first_sync["rollout/weight_sync_buckets"] == 1
+    assert sync["rollout/weight_sync_buckets"] >= -(-shard_bytes // (1 << 20)) > 1
+    assert 0 < sync["rollout/weight_sync_bucket_bytes"] <= 1 << 20
+    assert sync["reshard/bytes_received"] == hybrid.first_sync["reshard/bytes_received"]
     after = group.generate_sequences(_prompts(GREEDY))
     assert after.meta_info["rollout_weight_version"] == 2
     assert group.rollout_weight_version() == [2] * WORLD
-    assert after.meta_info["metrics"]["reshard/bytes_received"] == before.meta_info["metrics"]["reshard/bytes_received"]
     # The transition leaves the training parameters as they were (bit for bit).
     assert torch.equal(_old_log_probs(group, before, temperature=1.0), trained_before_sync)
 
@@ -315,3 +347,30 @@ def test_verified_sync_reports_engine_equal_to_trainer(hybrid):
     assert "reshard/bytes_received" not in metrics and metrics["rollout/weight_version"] == version
     diffs = [m["rollout/verify_sync_max_diff"] for m in per_rank]
     assert len(set(diffs)) == 1 and 0.0 <= diffs[0] <= VERIFY_SYNC_ATOL, diffs
+
+
+def test_verify_fails_on_a_corrupted_engine_naming_the_rank_and_the_difference(hybrid):
+    """Overwrite the final norm of rank 1's engine (through the engine's update API, after the
+    sync): rollout.verify_sync fails, naming a rank of the corrupted generation replica and the
+    largest difference; the other replicas still agree with the trainer. Runs last: the engine
+    stays corrupted."""
+    import re
+
+    from megaflow.workers.actor_rollout import VERIFY_SYNC_ATOL
+
+    group, corrupted = hybrid.group, 1
+    import ray
+
+    ray.get(group.execute_async(corrupted, "overwrite_engine_parameter", "model.norm.weight", 3.0))
+    with pytest.raises(Exception, match=r"rollout.verify_sync") as failure:
+        group.sync_rollout_weights(verify=True)
+    text = str(failure.value)
+    found = re.search(r"differ from the actor's by up to (\S+) on rank (\d+) \(tolerance 1e-05\); per rank: "
+                      r"\[([^\]]*)\]", text)
+    assert found, text
+    largest, rank = float(found.group(1)), int(found.group(2))
+    per_rank = [float(x) for x in found.group(3).split(",")]
+    replica = [r for r in range(WORLD) if r // hybrid.gen_tp == corrupted // hybrid.gen_tp]  # gen TP groups: blocks
+    assert rank in replica and largest > 1e-3
+    assert abs(largest - max(per_rank)) <= 5e-3 * largest and per_rank[rank] == max(per_rank)  # 3 digits
+    assert all(0.0 <= per_rank[r] <= VERIFY_SYNC_ATOL for r in range(WORLD) if r not in replica)
