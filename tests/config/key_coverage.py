@@ -233,6 +233,7 @@ KEYS: dict[str, Consumed | Refused] = {
     "trainer.resume_ignore_config_diff": consumed("tests/trainer/test_resume_checks.py::test_finished_run_says_so"),
     "trainer.max_ckpt_to_keep": consumed("tests/trainer/test_checkpoint.py::test_keep_last_prunes_old_complete_only"),
     "trainer.export_hf": consumed(E2E_TINY + "test_default_recipe_learns_on_policy"),
+    "trainer.logger": consumed(KE + "test_trainer_logger_picks_the_runs_metric_sinks"),
     "trainer.console_every": consumed("tests/tracking/test_tracking.py::test_console_line_every_n_steps_and_after_the_last"),
     "trainer.experiment_name": consumed(KE + "test_run_directory_is_output_dir_project_experiment",
                                         "tests/config/test_config_loader.py::test_recipe_path_and_invalid_yaml"),
@@ -307,5 +308,4 @@ KEYS: dict[str, Consumed | Refused] = {
 
 #: Keys the run reads but no test yet shows changing the outcome, with what a test should measure.
 GAPS: dict[str, str] = {
-    "trainer.logger": "the metric sinks created for a run",
 }

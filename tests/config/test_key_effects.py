@@ -587,3 +587,40 @@ def test_gamma_and_lam_shape_the_gae_advantages(tiny):
         assert sum(got["advantages"], []) == pytest.approx(sum(expected, []), rel=1e-5, abs=1e-6)
         assert sum(got["returns"], []) == pytest.approx([a + v for ea, va in zip(expected, values)
                                                          for a, v in zip(ea, va)], rel=1e-5, abs=1e-6)
+
+
+def test_trainer_logger_picks_the_runs_metric_sinks(tiny, tmp_path, monkeypatch):
+    """``train`` with the worker groups and the controller replaced by stand-ins: the run's
+    ``Tracking`` writes ``metrics.jsonl`` only with the jsonl sink, tensorboard events only
+    with the tensorboard sink."""
+    from types import SimpleNamespace
+
+    import megaflow.trainer.ppo_trainer as ppo
+    import megaflow.trainer.roles as roles
+    from megaflow.utils.tracking import read_metrics_jsonl
+
+    made = []
+    monkeypatch.setattr(trainer_main, "init_ray", lambda cfg: None)
+    monkeypatch.setattr(roles, "build_worker_groups", lambda cfg, tokenizer, steps: SimpleNamespace())
+    monkeypatch.setattr(roles, "shutdown_worker_groups", lambda groups: None)
+    monkeypatch.setattr(ppo, "RayPPOTrainer", lambda cfg, groups, reward_fn, train, val, tracker, ckpt, **kw:
+                        made.append(sorted(tracker.backends)) or SimpleNamespace(tracker=tracker))
+
+    def fit(trainer, groups, total_steps):
+        trainer.tracker.log({"critic/score/mean": 0.25}, step=1)
+        return {}
+
+    monkeypatch.setattr(trainer_main, "_fit_naming_lost_workers", fit)
+
+    def run(name, loggers):
+        cfg = config_from_dict(tiny(trainer={"output_dir": str(tmp_path), "experiment_name": name,
+                                             "logger": loggers, "total_steps": 1}))
+        trainer_main.train(cfg)
+        return tmp_path / "megaflow" / name
+
+    jsonl = run("sinks-jsonl", ["jsonl"])
+    assert [r["critic/score/mean"] for r in read_metrics_jsonl(jsonl / "metrics.jsonl")] == [0.25]
+    assert not (jsonl / "tensorboard").exists()
+    board = run("sinks-tb", ["console", "tensorboard"])
+    assert not (board / "metrics.jsonl").exists() and any((board / "tensorboard").iterdir())
+    assert made == [["jsonl"], ["console", "tensorboard"]]
