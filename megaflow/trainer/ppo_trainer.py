@@ -36,7 +36,8 @@ from megaflow.trainer.checkpoint import (TRAINER_STATE_FILE, CheckpointManager, 
                                          write_trainer_state)
 from megaflow.trainer.stages import (add_advantages, balance_batch, bypass_old_log_probs, check_rollout_batch,
                                      compute_data_metrics, kl_in_reward, rollout_correction, scores_as_rewards)
-from megaflow.trainer.worker_api import (ActorRolloutGroup, CriticGroup, RefGroup, RewardModelGroup, inputs_for)
+from megaflow.trainer.worker_api import (ActorRolloutGroup, CriticGroup, RefGroup, RewardModelGroup, RolloutGroup,
+                                         inputs_for)
 
 if TYPE_CHECKING:
     from megaflow.config import Config
@@ -62,7 +63,7 @@ class WorkerGroups:
     critic: CriticGroup | None = None
     reward_model: RewardModelGroup | None = None
     resource_pools: list[ResourcePool] = field(default_factory=list)
-    rollout: Any | None = None
+    rollout: RolloutGroup | None = None
 
 
 @contextmanager
@@ -180,15 +181,18 @@ class RayPPOTrainer:
                                            target_kl=algo.kl_ctrl.target_kl, horizon=algo.kl_ctrl.horizon)
         self.global_step = 0
         self._train_iter: Iterator[DataProto] | None = None
+        from megaflow.trainer.rollout_pipeline import build_pipeline
+
+        self.rollout_pipeline = build_pipeline(cfg)  # synchronous, or one step off (trainer.async_rollout)
 
     # ------------------------------------------------------------------ the step
     def train_step(self, prompts: DataProto) -> dict[str, float]:
         """One PPO/GRPO step on a batch of prompts; returns the step's metrics."""
         g, algo, t = self.groups, self.cfg.algorithm, {}
         with _timer("sync", t):  # the actor's weights -> the rollout engines; versions checked on every rank
-            sync_metrics = self.sync_rollout_weights()
+            sync_metrics = self.rollout_pipeline.sync(self)
         with _timer("gen", t):
-            batch, rollout_metrics = self._generate(prompts, self.cfg.rollout.n, greedy=False)
+            batch, rollout_metrics = self.rollout_pipeline.generate(self, prompts)
         check_rollout_batch(batch)  # the layout every later worker call relies on, checked once here
         rollout_metrics.update(sync_metrics)
         if algo.adv_estimator == "remax":
@@ -218,7 +222,8 @@ class RayPPOTrainer:
             with _timer("update_critic", t):
                 out = g.critic.update_critic(inputs_for(CriticGroup.update_critic, batch))
                 metrics.update(_worker_metrics(out))
-        actor_batch, correction_metrics = rollout_correction(batch, algo.rollout_correction, step=self.global_step)
+        actor_batch, correction_metrics = rollout_correction(batch, self.rollout_pipeline.correction(self.cfg),
+                                                             step=self.global_step)
         metrics.update(correction_metrics)
         with _timer("update_actor", t):
             metrics.update(_worker_metrics(g.actor.update_actor(inputs_for(ActorRolloutGroup.update_actor,
@@ -244,12 +249,22 @@ class RayPPOTrainer:
 
     def _generate(self, prompts: DataProto, n: int, *, greedy: bool) -> tuple[DataProto, dict[str, float]]:
         """:meth:`rollout` and the rollout's metrics (engine weight version, reshard figures)."""
+        prompts, gen_in = self._generation_request(prompts, n, greedy=greedy)
+        return self._join_rollout(prompts, self.rollout_pipeline.generate_sequences(self, gen_in), n)
+
+    def _generation_request(self, prompts: DataProto, n: int, *, greedy: bool,
+                            step: int | None = None) -> tuple[DataProto, DataProto]:
+        """``(prompts with a uid per prompt, the generate call's input)``: the prompt fields
+        repeated ``n`` times with the sampling parameters of ``step`` (default: the current)."""
         prompts = prompts.union(DataProto.from_dict(
             non_tensors={"uid": [uuid.uuid4().hex for _ in range(len(prompts))]})) \
             if "uid" not in prompts.non_tensor_batch else prompts
         gen_in = inputs_for(ActorRolloutGroup.generate_sequences, prompts).repeat(n, interleave=True)
-        gen_in.meta_info.update(self.sampling_params(greedy=greedy))
-        out = self.groups.actor.generate_sequences(gen_in)
+        gen_in.meta_info.update(self.sampling_params(greedy=greedy, step=step))
+        return prompts, gen_in
+
+    def _join_rollout(self, prompts: DataProto, out: DataProto, n: int) -> tuple[DataProto, dict[str, float]]:
+        """The prompts' other fields joined with the rollout's outputs, and the rollout's metrics."""
         metrics = dict(out.meta_info.get("metrics", {}))
         rest = prompts.select(batch_keys=[k for k in prompts.batch.keys() if k not in ROLLOUT_REPLACES])
         rest = rest.repeat(n, interleave=True)
@@ -258,16 +273,19 @@ class RayPPOTrainer:
         out.meta_info = {}
         return rest.union(out), metrics
 
-    def sampling_params(self, *, greedy: bool) -> dict[str, Any]:
+    def sampling_params(self, *, greedy: bool, step: int | None = None) -> dict[str, Any]:
         """The rollout's sampling parameters for one call (``meta_info`` of the generate call).
 
         The seed changes every step so samples differ across steps but are reproducible
-        (and identical on the ranks of one generation TP group) for a given run seed.
+        (and identical on the ranks of one generation TP group) for a given run seed;
+        ``step``: the step the samples are for (default the current one; one step off,
+        the next step's batch is requested during the current step).
         """
         r = self.cfg.rollout
         return {"temperature": 0.0 if greedy else r.temperature, "top_p": 1.0 if greedy else r.top_p,
                 "top_k": -1 if greedy else r.top_k, "response_length": r.response_length,
-                "do_sample": not greedy, "seed": self.cfg.trainer.seed * 100_003 + self.global_step}
+                "do_sample": not greedy,
+                "seed": self.cfg.trainer.seed * 100_003 + (self.global_step if step is None else step)}
 
     def add_greedy_baseline(self, prompts: DataProto, batch: DataProto) -> DataProto:
         """ReMax (Li et al. 2023): the reward of each prompt's greedy response is its baseline."""
@@ -302,11 +320,12 @@ class RayPPOTrainer:
         if getattr(tr, "val_before_train", False) and self.global_step == 0 and self.val_loader is not None:
             self._log(self.validate(), self.global_step)
         while self.global_step < total:
-            prompts = self.next_prompts()
+            prompts = self.rollout_pipeline.next_prompts(self)  # one step off: the batch already in flight
             step_start = time.perf_counter()
             metrics = self.train_step(prompts)
             self.global_step += 1
             metrics["timing_s/step"] = time.perf_counter() - step_start
+            metrics.update(self.rollout_pipeline.step_done())
             bad = non_finite_metrics(metrics, self._clip_grads())
             if bad:
                 self._log(metrics, self.global_step)
@@ -346,6 +365,10 @@ class RayPPOTrainer:
         from megaflow.workers.actor_rollout import check_synced
 
         r = self.cfg.rollout
+        if self.groups.rollout is not None:  # split placement: broadcast to the rollout pool
+            from megaflow.trainer.rollout_pipeline import sync_split_weights
+
+            return sync_split_weights(self.groups, r)
         return check_synced(self.groups.actor.sync_rollout_weights(verify=r.verify_sync,
                                                                    bucket_mb=r.weight_sync_bucket_mb))
 
@@ -391,7 +414,7 @@ class RayPPOTrainer:
             parts.append("critic")
         rng, rng_tensors = capture_rng_state()
         state = {"global_step": self.global_step, "kl_ctrl": self.kl_ctrl.state_dict(),
-                 "train_loader": self.train_loader.state_dict(), "rng": rng}
+                 "train_loader": self.rollout_pipeline.loader_state(self), "rng": rng}
         write_trainer_state(pending.path, state, rng_tensors)
         if self.config_yaml is not None:
             (pending.path / "config.yaml").write_text(self.config_yaml)

@@ -177,7 +177,8 @@ class RolloutPipeline:
 
 @dataclasses.dataclass
 class _InFlight:
-    """One batch on its way: its prompts, the pending generation and when it started."""
+    """One batch on its way: its prompts, the loader's state from before they were drawn,
+    the step they are for (its sampling seed) and the pending generation (None until started)."""
 
     prompts: DataProto
     loader_state: dict[str, Any]

@@ -104,7 +104,7 @@ def make_cfg(tmp_path, total_steps=3, resume="disable", balance_batch=False):
                    verify_sync=False, weight_sync_bucket_mb=512),
         actor=ns(optim=ns(clip_grad=1.0)),
         trainer=ns(total_steps=total_steps, test_freq=0, save_freq=1, seed=7, resume=resume,
-                   balance_batch=balance_batch))
+                   balance_batch=balance_batch, async_rollout=False, max_staleness=1))
 
 
 def run(tmp_path, total_steps, resume="disable", balance_batch=False):
