@@ -107,13 +107,13 @@ class RoleGroup(Protocol):
     def shutdown(self) -> None:
         """Stop the group's processes."""
 
+    def get_dp_info(self, mesh: str) -> list[DPInfo]:
+        """``Worker.get_dp_info`` on every rank: each rank's place in ``mesh`` (what
+        :meth:`mesh_info` caches)."""
+
 
 class MegatronRoleGroup(RoleGroup, Protocol):
     """The methods of every Megatron role (:class:`~megaflow.workers.megatron_workers.MegatronWorker`)."""
-
-    def get_dp_info(self, mesh: str) -> list[DPInfo]:
-        """``Worker.get_dp_info`` on every rank: each rank's place in ``mesh`` (what
-        :meth:`RoleGroup.mesh_info` caches)."""
 
     def init_model(self) -> list[None]:
         """``MegatronWorker.init_model`` on every rank (collective): build and load the model."""
@@ -167,6 +167,53 @@ class ActorRolloutGroup(MegatronRoleGroup, Protocol):
         (``actor/pg_loss``, ``actor/grad_norm``, ...)."""
 
 
+class SplitActorGroup(ActorRolloutGroup, Protocol):
+    """The actor of split placement, without an engine; its syncs broadcast to a
+    :class:`RolloutGroup` (:class:`~megaflow.workers.rollout_worker.SplitActorWorker`)."""
+
+    def open_weight_store(self) -> tuple[str, int]:
+        """``SplitActorWorker.open_weight_store`` on rank 0: the transport's ``TCPStore``
+        ``(host, port)``."""
+
+    def init_weight_transport(self, host: str, port: int, plan, vllm_shapes: list, backend: str) -> list[None]:
+        """``SplitActorWorker.init_weight_transport`` on every rank: join the broadcast group
+        a rank is the source of (``vllm_shapes[j]``: generation TP rank ``j``'s shard shapes)."""
+
+    @reads(PROMPT_KEYS, meta=("temperature", "top_p", "top_k", "response_length", "do_sample", "seed"))
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """``SplitActorWorker.generate_sequences``: refused (the rollout group generates)."""
+
+
+class RolloutGroup(RoleGroup, Protocol):
+    """The rollout pool of split placement: vLLM engine shards fed by the actor over a
+    transport (:class:`~megaflow.workers.rollout_worker.RolloutWorker`)."""
+
+    def init_model(self) -> list[None]:
+        """``RolloutWorker.init_model`` on every rank: join the group's world, build the engine."""
+
+    def sharded_param_shapes(self) -> list[dict[str, tuple[int, ...]]]:
+        """``RolloutWorker.sharded_param_shapes`` on every rank: vLLM name -> shard shape."""
+
+    def init_weight_transport(self, host: str, port: int, plan, backend: str) -> list[None]:
+        """``RolloutWorker.init_weight_transport`` on every rank: join its broadcast group."""
+
+    def receive_weights(self) -> list[dict[str, float]]:
+        """``RolloutWorker.receive_weights`` on every rank: one sync from the actor (collective
+        with the actor's ``sync_rollout_weights``); each rank's version metrics."""
+
+    @reads(PROMPT_KEYS, meta=("temperature", "top_p", "top_k", "response_length", "do_sample", "seed"))
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """``RolloutWorker.generate_sequences`` on the ``rollout`` mesh: the contract of
+        :meth:`ActorRolloutGroup.generate_sequences`."""
+
+    def rollout_weight_version(self) -> list[int]:
+        """``RolloutWorker.rollout_weight_version`` on every rank: engine syncs so far."""
+
+    def probe_rollout(self) -> list[DataProto]:
+        """``RolloutWorker.probe_rollout`` on every rank: its replica's greedy rollout of the
+        fixed probe (``rollout.verify_sync``)."""
+
+
 class RefGroup(MegatronRoleGroup, Protocol):
     """The frozen reference policy (:class:`~megaflow.workers.megatron_workers.RefWorker`)."""
 
@@ -202,5 +249,5 @@ class RewardModelGroup(MegatronRoleGroup, Protocol):
 #: Members of :class:`RoleGroup`: the group's own methods, not a worker's.
 GROUP_MEMBERS = ("world_size", "mesh_info", "shutdown")
 
-__all__ = ["ActorRolloutGroup", "RefGroup", "CriticGroup", "RewardModelGroup", "MegatronRoleGroup", "RoleGroup",
+__all__ = ["ActorRolloutGroup", "SplitActorGroup", "RolloutGroup", "RefGroup", "CriticGroup", "RewardModelGroup", "MegatronRoleGroup", "RoleGroup",
            "Reads", "reads", "declared_reads", "inputs_for", "FORWARD_KEYS", "PROMPT_KEYS", "GROUP_MEMBERS"]

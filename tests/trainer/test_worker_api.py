@@ -15,8 +15,10 @@ from megaflow.trainer import worker_api as api
 def _worker_classes():
     from megaflow.workers.actor_rollout import ActorRolloutWorker
     from megaflow.workers.megatron_workers import CriticWorker, RefWorker, RewardModelWorker
+    from megaflow.workers.rollout_worker import RolloutWorker, SplitActorWorker
 
-    return {api.ActorRolloutGroup: ActorRolloutWorker, api.RefGroup: RefWorker, api.CriticGroup: CriticWorker,
+    return {api.ActorRolloutGroup: ActorRolloutWorker, api.SplitActorGroup: SplitActorWorker,
+            api.RolloutGroup: RolloutWorker, api.RefGroup: RefWorker, api.CriticGroup: CriticWorker,
             api.RewardModelGroup: RewardModelWorker}
 
 
