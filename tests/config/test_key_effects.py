@@ -546,6 +546,7 @@ def _advantages_of_a_step(cfg, seq_scores, values=None):
         rollout_pipeline=SimpleNamespace(sync=lambda tr: {}, generate=lambda tr, p: (batch, {}),
                                          correction=lambda c: c.algorithm.rollout_correction),
         _generate=lambda p, n, greedy: (batch, {}),  # the step's generation with or without a pipeline
+        sync_rollout_weights=lambda: {},
         score=lambda data: data.union(DataProto.from_dict({"token_level_scores": scores})))
     RayPPOTrainer.train_step(trainer, batch)
     return seen
