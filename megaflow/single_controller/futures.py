@@ -204,6 +204,31 @@ class GroupFuture:
     def __repr__(self) -> str:
         return f"GroupFuture({self.method}, ranks={len(self.refs)})"
 
+    @staticmethod
+    def get_together(futures: Sequence["GroupFuture"]) -> list[Any]:
+        """Wait for calls that depend on each other (e.g. the two sides of a collective
+        spanning two groups) as one: the first rank to fail, in any of them, raises at once
+        instead of leaving the others blocked in the collective.
+
+        Returns:
+            Each future's value (as :meth:`get`), in order.
+
+        Raises:
+            WorkerError: a rank of any of the calls raised or died.
+        """
+        refs = [r for f in futures for r in f.refs]
+        where = [w for f in futures for w in f.where]
+        processes = None
+        if all(f.processes is not None for f in futures):
+            processes = [p for f in futures for p in f.processes]
+        values = get_all(refs, where, " + ".join(f.method for f in futures), processes=processes)
+        out, start = [], 0
+        for f in futures:
+            chunk = values[start:start + len(f.refs)]
+            out.append(chunk[0] if f.single else chunk)
+            start += len(f.refs)
+        return out
+
 
 @dataclass(frozen=True)
 class FutureChunk:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from megaflow.protocol import DataProto
+from megaflow.single_controller.futures import GroupFuture
 
 
 def is_split(cfg) -> bool:
@@ -66,10 +67,8 @@ def connect_split(actor, rollout, actor_layout, *, backend: str):
     per_rank = rollout.sharded_param_shapes()
     shapes = [per_rank[g.receivers[0]] for g in plan.groups]
     host, port = actor.open_weight_store()
-    joined = [actor.submit("init_weight_transport", host, port, plan, shapes, backend),
-              rollout.submit("init_weight_transport", host, port, plan, backend)]
-    for future in joined:
-        future.get()
+    GroupFuture.get_together([actor.submit("init_weight_transport", host, port, plan, shapes, backend),
+                              rollout.submit("init_weight_transport", host, port, plan, backend)])
     return plan
 
 
@@ -88,9 +87,9 @@ def sync_split_weights(groups, rollout_cfg) -> dict[str, float]:
     """
     from megaflow.workers.rollout_worker import check_split_synced
 
-    sent = groups.actor.submit("sync_rollout_weights", verify=False, bucket_mb=rollout_cfg.weight_sync_bucket_mb)
-    received = groups.rollout.submit("receive_weights")
-    per_actor, per_rollout = sent.get(), received.get()
+    per_actor, per_rollout = GroupFuture.get_together([
+        groups.actor.submit("sync_rollout_weights", verify=False, bucket_mb=rollout_cfg.weight_sync_bucket_mb),
+        groups.rollout.submit("receive_weights")])  # a failure on either side raises at once
     metrics = check_split_synced(per_actor, per_rollout)
     metrics["rollout/actor_version"] = per_actor[0]["rollout/actor_version"]
     if rollout_cfg.verify_sync:

@@ -7,7 +7,7 @@ import torch
 from megaflow.protocol import DataProto
 from megaflow.single_controller import ClassWithInitArgs, DataProtoFuture, RayWorkerGroup, ResourcePool
 from megaflow.single_controller.futures import GroupFuture
-from single_controller_workers import ScaleWorker
+from single_controller_workers import MeshWorker, ScaleWorker
 
 pytestmark = pytest.mark.slow
 
@@ -44,3 +44,28 @@ def test_submit_returns_futures_whose_values_equal_the_blocking_calls(scale_grou
 def test_submit_refuses_an_unregistered_method(scale_group):
     with pytest.raises(AttributeError, match="no registered method 'nope'"):
         scale_group.submit("nope")
+
+
+@pytest.fixture
+def mesh_pair(sc_ray):
+    pool = ResourcePool([2], num_cpus_per_process=0.5, name_prefix="sc_together")
+    group = RayWorkerGroup(pool, ClassWithInitArgs(MeshWorker, tp=1), name_prefix="pair")
+    group.init()
+    yield group
+    group.shutdown()
+    pool.remove()
+
+
+def test_calls_waited_together_fail_at_the_first_failing_rank(scale_group, mesh_pair):
+    import time
+
+    from megaflow.single_controller import WorkerError
+
+    first, second = GroupFuture.get_together([scale_group.submit("world"), mesh_pair.submit("calls")])
+    assert [r[:2] for r in first] == [(0, 2), (1, 2)] and len(second) == 2
+    # rank 0 of the pair then waits in an all-reduce that rank 1 never joins: the failure of
+    # rank 1 surfaces at once, also though the other call of the two has long finished
+    start = time.perf_counter()
+    with pytest.raises(WorkerError, match=r"(?s)rank 1.*injected failure on rank 1"):
+        GroupFuture.get_together([scale_group.submit("world"), mesh_pair.submit("fail_on", 1, True)])
+    assert time.perf_counter() - start < 30
