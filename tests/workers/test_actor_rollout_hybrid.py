@@ -174,7 +174,9 @@ def hybrid(request, ray_session, model_dir):
     with open(f"{model_dir}/config.json") as f:
         tied = bool(json.load(f)["tie_word_embeddings"])
     # 3 prompts x n=2 = 6 samples: one mini-batch of the 6 rows, micro-batches of 3; the KV cache
-    # sized from the step; Adam's first step moves every weight by ~lr.
+    # sized from the step; Adam's first step moves every weight by ~lr. Plain DDP at d=1: the
+    # parameters own their storage, so the resharder aliases them (the distributed optimizer's
+    # contiguous buffer would make it copy them).
     spec = role_spec("actor", [
         f"actor.tp={T}", f"actor.pp={P}", f"resources.procs_per_node={WORLD}", f"rollout.tp={gen_tp}",
         f"data.max_prompt_length={PROMPT_LEN}", f"rollout.response_length={RESPONSE_LEN}", "rollout.n=2",
@@ -182,7 +184,8 @@ def hybrid(request, ray_session, model_dir):
         "actor.log_prob_micro_batch_size_per_gpu=3", "actor.optim.lr=2e-5", "actor.optim.weight_decay=0.0",
         "actor.optim.lr_warmup_steps=0", f"rollout.temperature={SAMPLE_TEMPERATURE}", "trainer.seed=3",
         "actor.param_offload=true", "actor.grad_offload=true", "actor.optimizer_offload=true",
-        "rollout.cpu_kv_cache_auto=true"], sections={"model": {"path": model_dir, "hf_config": None}})
+        "rollout.cpu_kv_cache_auto=true", "actor.use_distributed_optimizer=false"],
+        sections={"model": {"path": model_dir, "hf_config": None}})
     pool = ResourcePool([WORLD], num_cpus_per_process=0.5, name_prefix=f"mf_hybrid_tg{gen_tp}_{int(tied)}")
     group = None
     try:
