@@ -1,6 +1,8 @@
 """``RayWorkerGroup.submit``: any registered method started without waiting, and its futures."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -12,14 +14,23 @@ from single_controller_workers import MeshWorker, ScaleWorker
 pytestmark = pytest.mark.slow
 
 
+@contextlib.contextmanager
+def _group(name: str, cls: type, *args, **kwargs):
+    """A 2-rank group of ``cls`` with its world initialised; removed on exit."""
+    pool = ResourcePool([2], num_cpus_per_process=0.5, name_prefix=f"sc_{name}")
+    group = RayWorkerGroup(pool, ClassWithInitArgs(cls, *args, **kwargs), name_prefix=name)
+    try:
+        group.init()
+        yield group
+    finally:
+        group.shutdown()
+        pool.remove()
+
+
 @pytest.fixture(scope="module")
 def scale_group(sc_ray):
-    pool = ResourcePool([2], num_cpus_per_process=0.5, name_prefix="sc_submit")
-    group = RayWorkerGroup(pool, ClassWithInitArgs(ScaleWorker, 3.0), name_prefix="scale")
-    group.init()
-    yield group
-    group.shutdown()
-    pool.remove()
+    with _group("submit", ScaleWorker, 3.0) as group:
+        yield group
 
 
 def test_submit_returns_futures_whose_values_equal_the_blocking_calls(scale_group):
@@ -48,12 +59,8 @@ def test_submit_refuses_an_unregistered_method(scale_group):
 
 @pytest.fixture
 def mesh_pair(sc_ray):
-    pool = ResourcePool([2], num_cpus_per_process=0.5, name_prefix="sc_together")
-    group = RayWorkerGroup(pool, ClassWithInitArgs(MeshWorker, tp=1), name_prefix="pair")
-    group.init()
-    yield group
-    group.shutdown()
-    pool.remove()
+    with _group("pair", MeshWorker, tp=1) as group:
+        yield group
 
 
 def test_calls_waited_together_fail_at_the_first_failing_rank(scale_group, mesh_pair):
