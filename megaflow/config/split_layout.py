@@ -26,10 +26,8 @@ class TransportGroup:
     source: int
     receivers: tuple[int, ...]
 
-    def rank_of_actor(self, actor_rank: int) -> int | None:
-        return 0 if actor_rank == self.source else None
-
     def rank_of_rollout(self, rollout_rank: int) -> int | None:
+        """``rollout_rank``'s rank in this group (the source is rank 0), None if not a member."""
         return 1 + self.receivers.index(rollout_rank) if rollout_rank in self.receivers else None
 
 
@@ -40,9 +38,11 @@ class TransportPlan:
     groups: tuple[TransportGroup, ...] = field(default_factory=tuple)
 
     def group_of_actor(self, actor_rank: int) -> TransportGroup | None:
+        """The group ``actor_rank`` is the source of (None: it sends nothing)."""
         return next((g for g in self.groups if g.source == actor_rank), None)
 
     def group_of_rollout(self, rollout_rank: int) -> TransportGroup:
+        """The group that feeds ``rollout_rank`` (StopIteration: not a rollout rank of the plan)."""
         return next(g for g in self.groups if rollout_rank in g.receivers)
 
 

@@ -85,6 +85,8 @@ class TransportStats:
     version: int = -1
 
     def as_metrics(self) -> dict[str, float]:
+        """``transport/bytes_sent``, ``transport/bytes_received``, ``transport/num_buckets``
+        and ``timing_s/transport`` (seconds)."""
         return {"transport/bytes_sent": float(self.bytes_sent), "transport/bytes_received": float(self.bytes_received),
                 "transport/num_buckets": float(self.num_buckets), "timing_s/transport": self.seconds}
 

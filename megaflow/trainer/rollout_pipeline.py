@@ -39,12 +39,6 @@ from megaflow.protocol import DataProto
 from megaflow.single_controller.futures import GroupFuture
 
 
-def is_split(cfg) -> bool:
-    """Whether ``resources.placement.rollout`` puts the rollout on a pool of its own."""
-    placement = cfg.resources.placement
-    return placement.rollout is not None and placement.rollout != placement.actor
-
-
 # ---------------------------------------------------------------------------- split placement
 def connect_split(actor, rollout, actor_layout, *, backend: str):
     """Build the broadcast groups between an actor group and a rollout group (once).
@@ -284,4 +278,4 @@ def build_pipeline(cfg) -> RolloutPipeline:
 
 
 __all__ = ["RolloutPipeline", "OneStepOffPipeline", "build_pipeline", "connect_split", "sync_split_weights",
-           "verify_split_sync", "staleness_metrics", "is_split"]
+           "verify_split_sync", "staleness_metrics"]
