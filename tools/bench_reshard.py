@@ -54,7 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megaflow.hybrid_engine import (MicroDPResharder, build_reshard_groups,  # noqa: E402
                                     gather_layout_to_shard, plan_hybrid_layout, reshard_cost)
 from megaflow.hybrid_engine.params import describe_local_params  # noqa: E402
-from megaflow.hybrid_engine.rollout_weights import iter_vllm_buckets, to_vllm_shard, vllm_param_name  # noqa: E402
+from megaflow.hybrid_engine.rollout_weights import (gather_rows, iter_vllm_buckets, to_vllm_shard,  # noqa: E402
+                                                     vllm_param_name)
 from megaflow.models.hf_mapping import ModelSpec  # noqa: E402
 from megaflow.utils.launch import run_distributed  # noqa: E402
 
@@ -241,12 +242,9 @@ def _vllm_shapes(resharder, spec, gen_tp: int) -> dict[str, tuple[int, ...]]:
 def _gatherer(group, counter: list):
     """The conversion's vocabulary all-gather over the generation TP group, counting bytes received."""
     def gather(shard: torch.Tensor) -> torch.Tensor:
-        if group is None:
-            return shard
-        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, shard.contiguous(), group=group)
-        counter[0] += (len(parts) - 1) * shard.numel() * shard.element_size()
-        return torch.cat(parts)
+        if group is not None:
+            counter[0] += (dist.get_world_size(group) - 1) * shard.numel() * shard.element_size()
+        return gather_rows(shard, group)
     return gather
 
 

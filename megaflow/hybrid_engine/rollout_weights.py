@@ -39,9 +39,12 @@ import math
 from typing import Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 
 from megaflow.models.hf_mapping import ModelSpec, find_mapping
 from megaflow.models.transforms import megatron_qkv_to_vllm
+
+from .reshard import _all_gather_flat
 
 #: vLLM module that packs several HF modules -> the HF modules, in packing order
 #: (vLLM 0.32 ``packed_modules_mapping`` of ``LlamaForCausalLM`` and ``Qwen2ForCausalLM``;
@@ -82,6 +85,24 @@ def vllm_param_name(megatron_name: str, spec: ModelSpec) -> Optional[str]:
             return f"{parent}.{packed}.{param}"
     raise KeyError(f"megatron parameter {megatron_name!r} fuses HF modules {modules} that vLLM does not "
                    f"pack into one parameter (known: {dict(VLLM_PACKED_MODULES)})")
+
+
+def gather_rows(shard: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """All-gather ``shard`` along dim 0 over ``group`` into one new tensor (collective).
+
+    Args:
+        shard: ``[rows, ...]``, the same shape on every rank of ``group``.
+        group: the generation TP group; None (t_g = 1): ``shard`` itself is returned.
+
+    Returns:
+        ``[group_size * rows, ...]``, rank ``i``'s rows at ``[i * rows, (i + 1) * rows)``
+        (one output buffer, no per-rank copies).
+    """
+    if group is None:
+        return shard
+    out = shard.new_empty((dist.get_world_size(group) * shard.shape[0], *shard.shape[1:]))
+    _all_gather_flat(out, shard.contiguous(), group=group)
+    return out
 
 
 def _vllm_vocab_rows(shard: torch.Tensor, vocab_size: int, rows_per_rank: int, rank: int,
@@ -196,4 +217,4 @@ def iter_vllm_buckets(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec
         yield bucket
 
 
-__all__ = ["VLLM_PACKED_MODULES", "vllm_param_name", "to_vllm_shard", "iter_vllm_buckets"]
+__all__ = ["VLLM_PACKED_MODULES", "vllm_param_name", "to_vllm_shard", "iter_vllm_buckets", "gather_rows"]

@@ -167,12 +167,9 @@ class ActorRolloutWorker(ActorWorker):
 
     def _gather_gen_tp(self, shard: torch.Tensor) -> torch.Tensor:
         """All-gather ``shard`` over the generation TP group along dim 0 (identity at t_g = 1)."""
-        group = self.reshard_groups.gen_tp
-        if group is None:
-            return shard
-        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, shard.contiguous(), group=group)
-        return torch.cat(parts, dim=0)
+        from megaflow.hybrid_engine.rollout_weights import gather_rows
+
+        return gather_rows(shard, self.reshard_groups.gen_tp)
 
     # ------------------------------------------------------------------ registered methods
     @register(Dispatch.ONE_TO_ALL)

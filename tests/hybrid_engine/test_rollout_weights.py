@@ -200,3 +200,23 @@ def test_a_bucket_size_below_one_mib_is_refused_at_load_naming_the_key(value):
     with pytest.raises(ConfigError, match=rf"rollout.weight_sync_bucket_mb: must be > 0, got {value}"):
         load_config("tiny_arith_grpo", [f"rollout.weight_sync_bucket_mb={value}"])
     assert load_config("tiny_arith_grpo", ["rollout.weight_sync_bucket_mb=3"]).rollout.weight_sync_bucket_mb == 3
+
+
+def _gather_on_rank(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    from megaflow.hybrid_engine.rollout_weights import gather_rows
+
+    group = dist.new_group(list(range(world_size)))
+    shard = torch.full((3, 2), float(rank)) + torch.arange(6.0).view(3, 2)
+    return {"gathered": gather_rows(shard, group), "alone_is_itself": gather_rows(shard, None) is shard}
+
+
+@pytest.mark.slow
+def test_gather_rows_concatenates_the_ranks_shards_in_rank_order():
+    from megaflow.utils.launch import run_distributed
+
+    results = run_distributed(_gather_on_rank, 2)
+    expected = torch.cat([torch.full((3, 2), float(r)) + torch.arange(6.0).view(3, 2) for r in range(2)])
+    for res in results:
+        assert torch.equal(res["gathered"], expected) and res["alone_is_itself"]
