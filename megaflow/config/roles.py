@@ -146,6 +146,12 @@ class ActorConfig(TrainedRoleConfig):
     null: the model's output layer over every position."""
     ppo_epochs: int = 1
     """Passes over the step's batch."""
+    on_policy_old_log_probs: bool = False
+    """When the update is provably on-policy (ppo_epochs=1 and one mini-batch holding the
+    whole step's batch), take the old log-probs as the detached log-probs of the update's
+    own forward (ratio exactly 1) and skip the separate old-log-prob forward. Refused
+    otherwise, and with use_kl_in_reward or a rollout correction, which need the old
+    log-probs before the update."""
     shuffle: bool = True
     """Reshuffle the samples into mini-batches each PPO epoch (seeded by trainer.seed)."""
     policy_loss: PolicyLoss = "ppo"

@@ -446,6 +446,36 @@ class Config(Section):
 
     def validate(self) -> None:
         validate_config(self)
+        if self.actor.on_policy_old_log_probs:
+            _check_on_policy_update(self)
+
+
+def _check_on_policy_update(cfg: Config) -> None:
+    """``actor.on_policy_old_log_probs`` needs an update that is on-policy by construction
+    (one epoch, one mini-batch of the whole step) and no stage that reads the old log-probs
+    before the update.
+
+    Raises:
+        ConfigError: at the key that breaks it.
+    """
+    key, actor, algo = "actor.on_policy_old_log_probs", cfg.actor, cfg.algorithm
+    check(actor.ppo_epochs == 1, "actor.ppo_epochs",
+          f"must be 1 with {{0}}=true (a second epoch sees updated weights), got {actor.ppo_epochs}", key)
+    check(actor.ppo_mini_batch_size == cfg.data.train_batch_size, "actor.ppo_mini_batch_size",
+          f"must equal data.train_batch_size={cfg.data.train_batch_size} with {{0}}=true (one mini-batch, "
+          f"so no optimizer step comes before a later mini-batch's forward), got {actor.ppo_mini_batch_size}", key)
+    check(not algo.use_kl_in_reward, "algorithm.use_kl_in_reward",
+          "must be false with {0}=true (the reward's KL reads the old log-probs before the update)", key)
+    rc = algo.rollout_correction
+    for sub in ("is_level", "rejection"):
+        check(getattr(rc, sub) == "none", f"algorithm.rollout_correction.{sub}",
+              "must be none with {0}=true (it reads the old log-probs before the update)", key)
+    check(rc.max_mismatch is None, "algorithm.rollout_correction.max_mismatch",
+          "must be null with {0}=true (it reads the old log-probs before the update)", key)
+    check(not rc.bypass, "algorithm.rollout_correction.bypass",
+          "excludes {0}=true: choose one source of the old log-probs", key)
+    check(not cfg.trainer.async_rollout, "trainer.async_rollout",
+          "must be false with {0}=true (one step off corrects with importance weights from the old log-probs)", key)
 
 
 __all__ = [

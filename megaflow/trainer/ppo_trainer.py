@@ -205,6 +205,8 @@ class RayPPOTrainer:
             batch, balance_metrics = balance_batch(batch, g.actor.mesh_info("actor").dp_size)
         if algo.rollout_correction.bypass:  # pi_old = pi_rollout: no old-log-prob forward
             batch = bypass_old_log_probs(batch)
+        elif self.cfg.actor.on_policy_old_log_probs:  # pi_old = the update's own detached forward
+            pass
         else:
             with _timer("old_log_prob", t):
                 batch = batch.union(g.actor.compute_log_prob(inputs_for(ActorRolloutGroup.compute_log_prob, batch)))

@@ -157,13 +157,15 @@ class ActorRolloutGroup(MegatronRoleGroup, Protocol):
         """``ActorWorker.compute_log_prob`` on the ``actor`` mesh: ``old_log_probs`` and
         ``entropys`` ``[B, R]`` (float32) at the rollout temperature."""
 
-    @reads(FORWARD_KEYS + ("response_mask", "old_log_probs", "advantages"),
-           optional=("ref_log_probs", "rollout_is_weights"), meta=("temperature",))
+    @reads(FORWARD_KEYS + ("response_mask", "advantages"),
+           optional=("old_log_probs", "ref_log_probs", "rollout_is_weights", "rollout_log_probs"),
+           meta=("temperature",))
     def update_actor(self, data: DataProto) -> DataProto:
         """``ActorRolloutWorker.update_actor`` on the ``actor`` mesh: PPO epochs over
         mini-batches. Reads ``response_mask``, ``old_log_probs``, ``advantages`` ``[B, R]``
         (+ ``ref_log_probs`` with a KL loss, ``rollout_is_weights`` with importance
-        weights). Returns a row-less DataProto with ``meta_info["metrics"]``
+        weights; without ``old_log_probs`` under ``actor.on_policy_old_log_probs``, which
+        compares the update's log-probs with ``rollout_log_probs``). Returns a row-less DataProto with ``meta_info["metrics"]``
         (``actor/pg_loss``, ``actor/grad_norm``, ...)."""
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from megaflow.algorithms import clipped_value_loss, compute_policy_loss, entropy_bonus, kl_loss
+from megaflow.algorithms import clipped_value_loss, compute_policy_loss, entropy_bonus, kl_loss, masked_mean
 from megaflow.megatron.engine_config import GlobalDenominators
 
 if TYPE_CHECKING:
@@ -41,20 +41,29 @@ def actor_loss_fn(cfg: Config) -> Callable:
     ``entropy_coeff``, ``algorithm.use_kl_loss``/``kl_loss_coef``/``kl_loss_type``, and
     ``rollout.response_length`` as the ``seq-mean-token-sum-norm`` constant. A micro-batch
     field ``rollout_is_weights`` (rollout correction) multiplies the per-token policy loss;
-    rejected tokens arrive already removed from ``response_mask``.
+    rejected tokens arrive already removed from ``response_mask``. With
+    ``actor.on_policy_old_log_probs`` the old log-probs are the detached ``outputs["log_probs"]``
+    (ratio exactly 1: approx KL and clip fraction 0), and ``training/rollout_probs_diff_mean``
+    (token mean of ``|pi_old - pi_rollout|``) is computed here from a micro-batch field
+    ``rollout_log_probs``, since the controller then has no old log-probs.
     """
     actor, algo, norm_length = cfg.actor, cfg.algorithm, cfg.rollout.response_length
     with_entropy = needs_entropy(cfg)
+    on_policy = actor.on_policy_old_log_probs
 
     def loss_fn(outputs: dict, mb: dict, den: GlobalDenominators):
         mask = mb["response_mask"]
         agg = _aggregation(actor.loss_agg_mode, norm_length, den)
+        old = outputs["log_probs"].detach() if on_policy else mb["old_log_probs"]
         pg, pg_metrics = compute_policy_loss(
-            actor.policy_loss, outputs["log_probs"], mb["old_log_probs"], mb["advantages"], mask,
+            actor.policy_loss, outputs["log_probs"], old, mb["advantages"], mask,
             clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
             clip_ratio_c=actor.clip_ratio_c, is_weights=mb.get("rollout_is_weights"), **agg)
         loss, metrics = pg, {"actor/pg_loss": pg.detach()}
         metrics.update(_shares("actor", pg_metrics, mask, den))
+        if on_policy and "rollout_log_probs" in mb:
+            metrics.update(_shares("training", {"rollout_probs_diff_mean": masked_mean(
+                (old.exp() - mb["rollout_log_probs"].exp()).abs(), mask)}, mask, den))
         if with_entropy:
             bonus, ent_metrics = entropy_bonus(outputs["entropy"], mask, **agg)
             loss = loss - actor.entropy_coeff * bonus

@@ -210,7 +210,8 @@ class ActorWorker(MegatronWorker):
     @register(nd_compute("actor"))
     def update_actor(self, data: DataProto) -> DataProto:
         """PPO epochs over mini-batches; needs ``old_log_probs``, ``advantages``,
-        ``response_mask`` (+ ``ref_log_probs`` with ``use_kl_loss``)."""
+        ``response_mask`` (+ ``ref_log_probs`` with ``use_kl_loss``; no ``old_log_probs`` with
+        ``actor.on_policy_old_log_probs``, see :func:`megaflow.workers.losses.actor_loss_fn`)."""
         loss_fn = losses.actor_loss_fn(self.config)
         return self._update(data, loss_fn, temperature=self._temperature(data),
                             with_entropy=losses.needs_entropy(self.config))

@@ -43,6 +43,7 @@ def consumed(*tests: str) -> Consumed:
 
 
 KE = "tests/config/test_key_effects.py::"
+ON_POLICY = "tests/workers/test_on_policy_old_log_probs.py::"
 HF = "tests/config/test_hf_architecture.py::"
 KNOBS = "tests/config/test_config_knobs.py::"
 TOPO = "tests/config/test_config_topology.py::"
@@ -168,6 +169,9 @@ KEYS: dict[str, Consumed | Refused] = {
     "actor.logits_chunk_tokens": consumed(KNOBS + "test_logits_chunk_tokens_reach_the_actor_and_ref_engines"),
     "actor.ppo_epochs": consumed(KE + "test_ppo_epochs_repeat_the_mini_batch_steps_of_an_update",
                                  KNOBS + "test_decay_horizon_is_the_runs_optimizer_steps"),
+    "actor.on_policy_old_log_probs": consumed(
+        ON_POLICY + "test_on_policy_ratio_is_one_and_gradient_matches_the_separate_forward",
+        ON_POLICY + "test_on_policy_old_log_probs_refuses_what_needs_the_old_log_probs_first"),
     "actor.shuffle": consumed(WORKER_KNOBS + "test_shuffle_permutes_rows_reproducibly_per_step_epoch_and_rank",
                               WORKER_KNOBS + "test_order_is_kept_without_shuffle_or_with_one_mini_batch"),
     "actor.policy_loss": consumed(E2E_RC + "test_cispo_with_tis_and_icepop_learns"),
