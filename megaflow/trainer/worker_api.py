@@ -165,8 +165,8 @@ class ActorRolloutGroup(MegatronRoleGroup, Protocol):
         mini-batches. Reads ``response_mask``, ``old_log_probs``, ``advantages`` ``[B, R]``
         (+ ``ref_log_probs`` with a KL loss, ``rollout_is_weights`` with importance
         weights; without ``old_log_probs`` under ``actor.on_policy_old_log_probs``, which
-        compares the update's log-probs with ``rollout_log_probs``). Returns a row-less DataProto with ``meta_info["metrics"]``
-        (``actor/pg_loss``, ``actor/grad_norm``, ...)."""
+        compares the update's log-probs with ``rollout_log_probs``). Returns a row-less
+        DataProto with ``meta_info["metrics"]`` (``actor/pg_loss``, ``actor/grad_norm``, ...)."""
 
 
 class SplitActorGroup(ActorRolloutGroup, Protocol):

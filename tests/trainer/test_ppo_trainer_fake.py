@@ -102,7 +102,7 @@ def make_cfg(tmp_path, total_steps=3, resume="disable", balance_batch=False):
                      rollout_correction=RolloutCorrectionConfig()),
         rollout=ns(n=3, temperature=1.0, top_p=1.0, top_k=-1, response_length=R, val_do_sample=False,
                    verify_sync=False, weight_sync_bucket_mb=512),
-        actor=ns(optim=ns(clip_grad=1.0)),
+        actor=ns(optim=ns(clip_grad=1.0), on_policy_old_log_probs=False),
         trainer=ns(total_steps=total_steps, test_freq=0, save_freq=1, seed=7, resume=resume,
                    balance_batch=balance_batch, async_rollout=False, max_staleness=1))
 
@@ -137,7 +137,7 @@ def test_step_data_flow_groups_and_grpo_advantages(tmp_path, step_batches):
     # each call gets only the fields its worker reads, not the step's whole batch
     assert actor.calls[1][2] == ["attention_mask", "input_ids", "responses"]
     assert actor.calls[2][2] == ["advantages", "attention_mask", "input_ids", "old_log_probs", "response_mask",
-                                 "responses"]
+                                 "responses", "rollout_log_probs"]
     batch = step_batches[0]
     assert torch.equal(batch.batch["advantages"], actor.updates[0].batch["advantages"])
     uids = batch.non_tensor_batch["uid"]
