@@ -149,6 +149,31 @@ def _fit_naming_lost_workers(trainer, groups, total_steps: int) -> dict[str, flo
         raise worker_lost_error(err, placements, dead=dead) from err
 
 
+class _StartupClock:
+    """Wall-clock seconds of the start-up phases, the first counted from the process's creation
+    (interpreter, imports, config and preflight checks)."""
+
+    def __init__(self) -> None:
+        import time
+
+        import psutil
+
+        self._now = time.time
+        self._last = psutil.Process().create_time()
+        self.laps = [("before Ray (interpreter, imports, config, checks)", self._now() - self._last)]
+        self._last = self._now()
+
+    def lap(self, name: str) -> None:
+        """Close the phase ``name`` at the current time."""
+        now = self._now()
+        self.laps.append((name, now - self._last))
+        self._last = now
+
+    def __str__(self) -> str:
+        total = sum(s for _, s in self.laps)
+        return f"{total:.1f} s to the workers' readiness: " + ", ".join(f"{n} {s:.1f} s" for n, s in self.laps)
+
+
 def train(cfg, inputs=None) -> dict[str, float]:
     """Run training for a loaded, validated config; returns the last step's metrics.
 
@@ -191,8 +216,12 @@ def train(cfg, inputs=None) -> dict[str, float]:
     checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.trainer.max_ckpt_to_keep)
     for stale in checkpoints.remove_partials():
         print(f"[megaflow] removed {stale} (left by an interrupted save)", flush=True)
+    startup = _StartupClock()
     init_ray(cfg)
+    startup.lap("Ray")
     groups = build_worker_groups(cfg, tokenizer, total_steps)
+    startup.lap("worker processes and models")
+    print(f"[megaflow] start-up: {startup}", flush=True)
     try:
         with Tracking(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger, log_dir=run_dir,
                       config=config_to_dict(cfg), total_steps=total_steps,

@@ -86,9 +86,13 @@ def build_worker_groups(cfg, tokenizer, total_steps: int | None = None) -> Worke
         else:
             group = RayWorkerGroup(pool, create_colocated_worker_cls(members), name_prefix=pool_name)
             views.update(group.spawn(prefix_set=set(members)))
-    for role in ("actor", "rollout", "ref", "critic", "reward_model"):
-        if role in views:
-            views[role].init_model()
+    # Every role's init_model is started before any is awaited: roles on different pools build
+    # their process groups and models at the same time; colocated roles share their processes,
+    # whose Ray actors run the calls one after another in this order.
+    pending = [views[role].submit("init_model") for role in ("actor", "rollout", "ref", "critic", "reward_model")
+               if role in views]
+    for future in pending:
+        future.get()
     if split is not None:
         from megaflow.config.topology import role_parallel
         from megaflow.hybrid_engine import plan_hybrid_layout
