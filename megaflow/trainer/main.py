@@ -140,9 +140,7 @@ def _fit_naming_lost_workers(trainer, groups, total_steps: int) -> dict[str, flo
         latest = trainer.checkpoints.latest() if trainer.checkpoints is not None else None
         raise RunInterrupted(trainer.global_step, latest) from None
     except Exception as err:  # noqa: BLE001 - re-raised unchanged unless a worker died
-        roles = {name: g for name, g in (("actor", groups.actor), ("ref", groups.ref), ("critic", groups.critic),
-                                         ("reward_model", groups.reward_model)) if g is not None}
-        placements = placements_of(roles)
+        placements = placements_of(groups.named())
         dead = find_dead_ranks(err, placements)  # whoever raised, blame the rank that is actually dead
         if not dead and not is_worker_death(err):
             raise

@@ -65,6 +65,12 @@ class WorkerGroups:
     resource_pools: list[ResourcePool] = field(default_factory=list)
     rollout: RolloutGroup | None = None
 
+    def named(self) -> dict[str, Any]:
+        """``{role: group}`` of the configured groups (actor, rollout, ref, critic,
+        reward_model), for shutdown and for naming a dead rank."""
+        return {name: group for name in ("actor", "rollout", "ref", "critic", "reward_model")
+                if (group := getattr(self, name)) is not None}
+
 
 @contextmanager
 def _timer(name: str, timings: dict[str, float]) -> Iterator[None]:

@@ -107,12 +107,11 @@ def build_worker_groups(cfg, tokenizer, total_steps: int | None = None) -> Worke
 
 def shutdown_worker_groups(groups: WorkerGroups) -> None:
     """Stop every worker process and release the placement groups (idempotent)."""
-    for g in (groups.actor, groups.ref, groups.critic, groups.reward_model):
-        if g is not None:
-            try:
-                g.shutdown()
-            except Exception:  # noqa: BLE001 - best effort at exit; colocated views share one core
-                pass
+    for g in groups.named().values():
+        try:
+            g.shutdown()
+        except Exception:  # noqa: BLE001 - best effort at exit; colocated views share one core
+            pass
     for pool in groups.resource_pools:
         pool.remove()
     groups.resource_pools.clear()
