@@ -171,7 +171,8 @@ KEYS: dict[str, Consumed | Refused] = {
                                  KNOBS + "test_decay_horizon_is_the_runs_optimizer_steps"),
     "actor.on_policy_old_log_probs": consumed(
         ON_POLICY + "test_on_policy_ratio_is_one_and_gradient_matches_the_separate_forward",
-        ON_POLICY + "test_on_policy_old_log_probs_refuses_what_needs_the_old_log_probs_first"),
+        ON_POLICY + "test_on_policy_old_log_probs_refuses_what_needs_the_old_log_probs_first",
+        "tests/trainer/test_on_policy_step.py::test_on_policy_step_skips_the_old_log_prob_call"),
     "actor.shuffle": consumed(WORKER_KNOBS + "test_shuffle_permutes_rows_reproducibly_per_step_epoch_and_rank",
                               WORKER_KNOBS + "test_order_is_kept_without_shuffle_or_with_one_mini_batch"),
     "actor.policy_loss": consumed(E2E_RC + "test_cispo_with_tis_and_icepop_learns"),
