@@ -49,21 +49,22 @@ def load_buckets(engine, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> t
     closes it; a failure aborts the update (the engine then refuses to generate).
 
     Returns:
-        ``(buckets loaded, bytes loaded)``.
+        ``(buckets loaded, bytes loaded, bytes of the largest bucket)``.
     """
-    count = nbytes = 0
+    count = nbytes = largest = 0
     engine.begin_weight_update()
     try:
         for bucket in buckets:
             engine.load_weight_bucket(bucket)
             count += 1
-            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            size = sum(t.numel() * t.element_size() for _, t in bucket)
+            nbytes, largest = nbytes + size, max(largest, size)
             del bucket
     except BaseException:
         engine.abort_weight_update()
         raise
     engine.finish_weight_update()
-    return count, nbytes
+    return count, nbytes, largest
 
 
 # ---------------------------------------------------------------------------- transports
@@ -120,7 +121,7 @@ class ColocatedTransport(WeightTransport):
     def send(self, buckets, version):
         start = time.perf_counter()
         stats = TransportStats(version=version)
-        stats.num_buckets, stats.bytes_sent = load_buckets(self.engine, buckets)
+        stats.num_buckets, stats.bytes_sent, _ = load_buckets(self.engine, buckets)
         stats.seconds = time.perf_counter() - start
         return stats
 

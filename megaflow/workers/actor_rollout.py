@@ -139,26 +139,17 @@ class ActorRolloutWorker(ActorWorker):
         if self._synced_version == self._actor_version:
             return
         from megaflow.hybrid_engine.rollout_weights import iter_vllm_buckets
+        from megaflow.hybrid_engine.transport import load_buckets
 
         self._before_phase(("params",))  # the sync reads parameters only: grads/optimizer stay offloaded
-        num_buckets = largest = 0
         try:
             with self.resharder.generation() as stats:
                 buckets = iter_vllm_buckets(
                     self.resharder.named_generation_tensors(), self.spec, gen_tp=self.layout.gen_tp,
                     gen_tp_rank=self._gen_tp_rank, vllm_shapes=self.rollout.sharded_param_shapes(),
                     gather_vocab=self._gather_gen_tp, bucket_bytes=bucket_bytes)
-                self.rollout.begin_weight_update()
-                try:
-                    for bucket in buckets:
-                        self.rollout.load_weight_bucket(bucket)
-                        num_buckets += 1
-                        largest = max(largest, sum(t.numel() * t.element_size() for _, t in bucket))
-                        del bucket  # before the next bucket is built
-                except BaseException:
-                    self.rollout.abort_weight_update()  # the engine refuses to generate until a complete sync
-                    raise
-                self.rollout.finish_weight_update()
+                # a failure aborts the update: the engine refuses to generate until a complete sync
+                num_buckets, _, largest = load_buckets(self.rollout, buckets)
         finally:
             self._after_phase()  # the training state goes back off the device while the engine generates
         self.last_reshard_stats = stats
