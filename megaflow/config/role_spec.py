@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from megaflow.config.schema import Config
 
 #: config section -> model head of megaflow.megatron.model.build_gpt_model and the engine
-ROLE_HEADS = {"actor": "actor", "ref": "actor", "critic": "critic", "reward_model": "reward"}
+ROLE_HEADS = {"actor": "lm", "ref": "lm", "critic": "value", "reward_model": "reward"}
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,8 @@ class RoleSpec:
 
     @property
     def head(self) -> str:
-        """Model head: ``"actor"`` (LM head: actor, ref), ``"critic"`` or ``"reward"`` (scalar head)."""
+        """Model head: ``"lm"`` (LM head: actor, ref), ``"value"`` (critic) or ``"reward"`` (reward
+        model); the last two are scalar heads (:data:`megaflow.megatron.model.HEADS`)."""
         return ROLE_HEADS[self.role]
 
     @property

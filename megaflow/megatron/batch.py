@@ -1,4 +1,4 @@
-"""Validation and left-aligned packing of verl-layout batches for Megatron (pure, no processes).
+"""Validation and left alignment of verl-layout padded batches for Megatron (pure, no processes).
 
 Input layout (same as verl; ``S = P + R``):
 
@@ -12,7 +12,7 @@ Megatron's GPTModel applies RoPE at positions ``0..L-1`` of its input, ignoring
 the batch is trimmed to the longest row. With a causal mask, trailing padding can never be
 attended to by a real token, so results do not depend on padding or on which rows share a
 micro-batch. The log-prob of response token ``t`` comes from the logits at ``t - 1``;
-:attr:`PackedBatch.response_index` holds, per response position, the packed index of
+:attr:`LeftAlignedBatch.response_index` holds, per response position, the aligned index of
 those logits.
 """
 from __future__ import annotations
@@ -26,13 +26,15 @@ REQUIRED_KEYS = ("input_ids", "attention_mask", "responses")
 
 
 @dataclasses.dataclass
-class PackedBatch:
-    """A batch in Megatron's left-aligned layout (see module docstring).
+class LeftAlignedBatch:
+    """Padded rows in Megatron's left-aligned layout (see module docstring): each row's real
+    tokens first, then zero padding to the longest row. Rows are not packed together; every
+    sequence keeps its own row.
 
     Attributes:
         input_ids: ``[batch, L]`` real tokens first, then zeros; ``L`` = longest row.
         lengths: ``[batch]`` real tokens per row.
-        response_index: ``[batch, R]`` packed position of the logits that predict response
+        response_index: ``[batch, R]`` aligned position of the logits that predict response
             token ``r`` (clamped into range where the response token is padding).
         response_valid: ``[batch, R]`` bool, True where the response token is real.
         fields: the other ``[batch, ...]`` tensors of the input (e.g. ``response_mask``,
@@ -53,26 +55,26 @@ class PackedBatch:
     def seq_len(self) -> int:
         return self.input_ids.shape[1]
 
-    def rows(self, start: int, stop: int) -> "PackedBatch":
+    def rows(self, start: int, stop: int) -> "LeftAlignedBatch":
         """Rows ``[start, stop)`` (views)."""
-        return PackedBatch(self.input_ids[start:stop], self.lengths[start:stop],
+        return LeftAlignedBatch(self.input_ids[start:stop], self.lengths[start:stop],
                            self.response_index[start:stop], self.response_valid[start:stop],
                            {k: v[start:stop] for k, v in self.fields.items()})
 
-    def select(self, index: torch.Tensor, width: int) -> "PackedBatch":
+    def select(self, index: torch.Tensor, width: int) -> "LeftAlignedBatch":
         """Rows ``index`` (int64 ``[k]``), cut to the first ``width`` positions.
 
         ``width`` must cover the selected rows' real tokens; response positions past it
-        (response padding) are clamped into the cut like :func:`pack_batch` does.
+        (response padding) are clamped into the cut like :func:`left_align_batch` does.
         """
         if int(self.lengths[index].max()) > width:
             raise ValueError(f"width {width} is shorter than the longest selected row "
                              f"({int(self.lengths[index].max())} tokens)")
-        return PackedBatch(self.input_ids[index, :width], self.lengths[index],
+        return LeftAlignedBatch(self.input_ids[index, :width], self.lengths[index],
                            self.response_index[index].clamp_max(width - 1), self.response_valid[index],
                            {k: v[index] for k, v in self.fields.items()})
 
-    def pad_rows(self, multiple: int, zero_keys: tuple[str, ...] = ()) -> tuple["PackedBatch", int]:
+    def pad_rows(self, multiple: int, zero_keys: tuple[str, ...] = ()) -> tuple["LeftAlignedBatch", int]:
         """Append copies of row 0 until the row count divides ``multiple``.
 
         The copies' ``fields[k]`` for ``k`` in ``zero_keys`` (loss masks) are zeroed so they
@@ -86,7 +88,7 @@ class PackedBatch:
             extra = t[:1].expand(num_pad, *t.shape[1:])
             return torch.cat([t, torch.zeros_like(extra) if zero else extra])
 
-        return PackedBatch(extend(self.input_ids), extend(self.lengths),
+        return LeftAlignedBatch(extend(self.input_ids), extend(self.lengths),
                            extend(self.response_index), extend(self.response_valid),
                            {k: extend(v, k in zero_keys) for k, v in self.fields.items()}), num_pad
 
@@ -125,16 +127,16 @@ def _check_mask(mask: torch.Tensor, first: torch.Tensor, lengths: torch.Tensor, 
                          f"{prompt_len - 1}; every row needs >= 1 real prompt token")
 
 
-def pack_batch(batch: Mapping[str, torch.Tensor], *, max_seq_len: int,
-               vocab_size: Optional[int] = None, width_multiple: int = 1) -> PackedBatch:
+def left_align_batch(batch: Mapping[str, torch.Tensor], *, max_seq_len: int,
+               vocab_size: Optional[int] = None, width_multiple: int = 1) -> LeftAlignedBatch:
     """Validate a verl-layout batch (module docstring) and left-align it for Megatron.
 
     Args:
         batch: ``input_ids``, ``attention_mask``, ``responses`` (+ optional ``position_ids``
-            and any row-aligned fields, passed through in :attr:`PackedBatch.fields`).
+            and any row-aligned fields, passed through in :attr:`LeftAlignedBatch.fields`).
         max_seq_len: the longest allowed sequence (real tokens per row).
         vocab_size: when given, real token ids must lie in ``[0, vocab_size)``.
-        width_multiple: the packed width (longest sequence) is rounded up to a multiple of
+        width_multiple: the aligned width (longest sequence) is rounded up to a multiple of
             this with trailing padding (sequence parallelism splits positions over TP ranks);
             causal attention keeps padding after a sequence from changing it.
 
@@ -169,12 +171,12 @@ def pack_batch(batch: Mapping[str, torch.Tensor], *, max_seq_len: int,
     width = -(-int(lengths.max()) // width_multiple) * width_multiple
     index = (first[:, None] + torch.arange(width)).clamp_max(seq - 1)
     inside = torch.arange(width) < lengths[:, None]
-    packed = torch.where(inside, input_ids.gather(1, index), torch.zeros_like(index))
+    aligned = torch.where(inside, input_ids.gather(1, index), torch.zeros_like(index))
     response_index = (seq - resp_len - 1 + torch.arange(resp_len)) - first[:, None]
     response_index = response_index.clamp(0, width - 1)
     skip = set(REQUIRED_KEYS) | {"position_ids"}
     fields = {k: v for k, v in batch.items() if k not in skip and torch.is_tensor(v)}
-    return PackedBatch(packed, lengths, response_index, resp_real, fields)
+    return LeftAlignedBatch(aligned, lengths, response_index, resp_real, fields)
 
 
 def token_budget_groups(lengths: torch.Tensor, max_tokens: int, *, width_multiple: int = 1
@@ -189,7 +191,7 @@ def token_budget_groups(lengths: torch.Tensor, max_tokens: int, *, width_multipl
     Args:
         lengths: ``[rows]`` real tokens per row.
         max_tokens: the budget (padded tokens per micro-batch).
-        width_multiple: the packed width's multiple (TP size with sequence parallelism).
+        width_multiple: the aligned width's multiple (TP size with sequence parallelism).
 
     Returns:
         ``[(row index int64 [k], width)]`` covering every row exactly once, in order of
@@ -212,4 +214,4 @@ def token_budget_groups(lengths: torch.Tensor, max_tokens: int, *, width_multipl
     return groups
 
 
-__all__ = ["PackedBatch", "pack_batch", "token_budget_groups", "REQUIRED_KEYS"]
+__all__ = ["LeftAlignedBatch", "left_align_batch", "token_budget_groups", "REQUIRED_KEYS"]

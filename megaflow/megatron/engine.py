@@ -2,7 +2,7 @@
 
 All model passes go through ``get_forward_backward_func`` in micro-batches using Megatron's
 ``forward_step(data_iterator, model) -> (output, loss_func)`` contract. The engine owns the
-plumbing (packing, micro-batches, heads -> log-probs/values, DDP, optimizer, LR schedule,
+plumbing (left alignment, micro-batches, heads -> log-probs/values, DDP, optimizer, LR schedule,
 offload); the RL loss is a callback (:data:`LossFn`) so PPO math never lives here.
 
 Loss scaling. Megatron divides each micro-batch loss by the number of micro-batches and
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megaflow.config.role_spec import RoleSpec
-from megaflow.megatron.batch import PackedBatch, pack_batch, token_budget_groups
+from megaflow.megatron.batch import LeftAlignedBatch, left_align_batch, token_budget_groups
 from megaflow.megatron.engine_config import GlobalDenominators
 from megaflow.megatron.logprobs import chunked_vocab_parallel_log_probs, vocab_parallel_log_probs
 from megaflow.megatron.parallel import ParallelInfo
@@ -107,9 +107,9 @@ class MegatronEngine:
     def __init__(self, model: torch.nn.Module, info: ParallelInfo, spec: RoleSpec, *, vocab_size: int) -> None:
         if info.cp_size > 1 or info.vpp_size is not None:
             raise NotImplementedError("MegatronEngine supports cp=1 and no virtual pipeline")
-        self.info, self.spec, self.role = info, spec, spec.head
+        self.info, self.spec, self.head = info, spec, spec.head
         self.sizes = spec.micro_batches
-        self.logits_chunk_tokens = spec.section.logits_chunk_tokens if spec.head == "actor" else None
+        self.logits_chunk_tokens = spec.section.logits_chunk_tokens if spec.head == "lm" else None
         self.vocab_size = vocab_size
         self.model = model
         self.optimizer = self.scheduler = None
@@ -158,9 +158,9 @@ class MegatronEngine:
         return None if self.optimizer is None else self.optimizer.param_groups[0]["lr"]
 
     # ------------------------------------------------------------------ micro-batches
-    def _micro_batches(self, packed: PackedBatch, micro_batch_size: int, max_tokens: Optional[int] = None
-                       ) -> tuple[list[PackedBatch], Optional[torch.Tensor]]:
-        """Cut ``packed`` into micro-batches: ``micro_batch_size`` rows each (the last one
+    def _micro_batches(self, aligned: LeftAlignedBatch, micro_batch_size: int, max_tokens: Optional[int] = None
+                       ) -> tuple[list[LeftAlignedBatch], Optional[torch.Tensor]]:
+        """Cut ``aligned`` into micro-batches: ``micro_batch_size`` rows each (the last one
         padded with zero-loss copies), or with ``max_tokens`` groups of rows of at most that
         many padded tokens, each cut to its own width (:func:`token_budget_groups`).
 
@@ -169,29 +169,29 @@ class MegatronEngine:
             chunks (None for the fixed split, whose chunks keep the row order).
         """
         if max_tokens is None:
-            padded, _ = packed.pad_rows(micro_batch_size, zero_keys=(LOSS_MASK_KEY,))
+            padded, _ = aligned.pad_rows(micro_batch_size, zero_keys=(LOSS_MASK_KEY,))
             return [padded.rows(i, i + micro_batch_size) for i in range(0, padded.num_rows, micro_batch_size)], None
         multiple = self.info.tp_size if self.module.config.sequence_parallel else 1
-        groups = token_budget_groups(packed.lengths, max_tokens, width_multiple=multiple)
+        groups = token_budget_groups(aligned.lengths, max_tokens, width_multiple=multiple)
         if self.info.pp_size > 1:  # stages exchange activations of per-micro-batch shapes
             self.module.config.variable_seq_lengths = True
-        return [packed.select(index, width) for index, width in groups], torch.cat([i for i, _ in groups])
+        return [aligned.select(index, width) for index, width in groups], torch.cat([i for i, _ in groups])
 
     def _forward_step(self, head: Callable, data_iterator, model):
-        mb: PackedBatch = next(data_iterator)
+        mb: LeftAlignedBatch = next(data_iterator)
         ids = mb.input_ids.to(self.device, non_blocking=True)
         positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
         output = model(ids, positions, causal_attention_mask(ids.shape[1], self.device))
         return output, partial(head, mb)
 
-    def _head_outputs(self, mb: PackedBatch, output: torch.Tensor, temperature: float,
+    def _head_outputs(self, mb: LeftAlignedBatch, output: torch.Tensor, temperature: float,
                       with_entropy: bool) -> dict[str, torch.Tensor]:
-        """Model output on packed positions -> per-response-token tensors ``[mb, R]``."""
+        """Model output on aligned positions -> per-response-token tensors ``[mb, R]``."""
         index = mb.response_index.to(self.device)
         valid = mb.response_valid.to(self.device)
-        if self.role == "critic":  # value of the state before response token t: head(h_{t-1})
+        if self.head == "value":  # value of the state before response token t: head(h_{t-1})
             return {"values": output.squeeze(-1).gather(1, index).float() * valid}
-        if self.role == "reward":  # score after reading token t: head(h_t)
+        if self.head == "reward":  # score after reading token t: head(h_t)
             at_token = (index + 1).clamp_max(mb.seq_len - 1)
             return {"scores": output.squeeze(-1).gather(1, at_token).float() * valid}
         at_response = output.gather(1, index.unsqueeze(-1).expand(-1, -1, output.shape[-1]))
@@ -226,15 +226,15 @@ class MegatronEngine:
             data_iterator=iter(chunks), model=self.model, num_microbatches=len(chunks),
             seq_length=seq_len, micro_batch_size=micro_batch_size, forward_only=forward_only)
 
-    def _pack(self, batch: Mapping[str, torch.Tensor]) -> PackedBatch:
-        """Validate and pack; every rank raises if any rank's batch is invalid.
+    def _left_align(self, batch: Mapping[str, torch.Tensor]) -> LeftAlignedBatch:
+        """Validate and left-align; every rank raises if any rank's batch is invalid.
 
         The ranks agree (one all-reduce of a flag) before any collective of the pass, so a
         bad batch on one DP rank is an error everywhere instead of a hang.
         """
         error: Optional[ValueError] = None
         try:
-            packed = pack_batch(batch, max_seq_len=self.sizes.max_seq_len, vocab_size=self.vocab_size,
+            aligned = left_align_batch(batch, max_seq_len=self.sizes.max_seq_len, vocab_size=self.vocab_size,
                                 width_multiple=self.info.tp_size if self.module.config.sequence_parallel else 1)
         except ValueError as exc:
             error = exc
@@ -245,7 +245,7 @@ class MegatronEngine:
             raise error
         if flag.item():
             raise ValueError("another rank rejected its part of the batch (see its error)")
-        return packed
+        return aligned
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
@@ -272,17 +272,17 @@ class MegatronEngine:
             other stages.
 
         Raises:
-            ValueError: invalid batch (see :func:`megaflow.megatron.batch.pack_batch`),
+            ValueError: invalid batch (see :func:`megaflow.megatron.batch.left_align_batch`),
                 e.g. a sequence longer than ``data.max_prompt_length + rollout.response_length``.
         """
         self._require_loaded("params")
         mbs = micro_batch_size or self.sizes.forward_micro_batch_size
-        packed = self._pack(batch)
+        aligned = self._left_align(batch)
         budget = None if micro_batch_size else self.sizes.forward_max_tokens
-        chunks, order = self._micro_batches(packed, mbs, budget)
+        chunks, order = self._micro_batches(aligned, mbs, budget)
         head = partial(self._forward_head, temperature, with_entropy)
         self.model.eval()
-        store = self._run(chunks, True, head, packed.seq_len, mbs)
+        store = self._run(chunks, True, head, aligned.seq_len, mbs)
         if not self.info.is_last_pp_stage:
             return None
         outputs = {k: torch.cat([d[k] for d in store]) for k in store[0]}
@@ -291,7 +291,7 @@ class MegatronEngine:
             for k, v in outputs.items():
                 restored[k][order.to(v.device)] = v
             outputs = restored
-        return {k: v[: packed.num_rows].cpu() for k, v in outputs.items()}
+        return {k: v[: aligned.num_rows].cpu() for k, v in outputs.items()}
 
     def _forward_head(self, temperature, with_entropy, mb, output):
         outputs = self._head_outputs(mb, output, temperature, with_entropy)
@@ -340,17 +340,17 @@ class MegatronEngine:
             raise RuntimeError(f"train_step: role {self.spec.role!r} has no optimizer (only actor and critic train)")
         self._require_loaded("params", "grads", "optimizer")
         mbs = micro_batch_size or self.sizes.update_micro_batch_size
-        packed = self._pack(batch)
+        aligned = self._left_align(batch)
         denominators = self.global_denominators(batch)
         budget = None if micro_batch_size else self.sizes.update_max_tokens
-        chunks, _ = self._micro_batches(packed, mbs, budget)
+        chunks, _ = self._micro_batches(aligned, mbs, budget)
         scale = len(chunks) * self.info.dp_size
         head = partial(self._loss_head, loss_fn, denominators, scale, temperature, with_entropy)
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.scheduler.step(1)  # the k-th update uses the LR of step k (warm-up starts > 0)
-        store = self._run(chunks, False, head, packed.seq_len, mbs)
+        store = self._run(chunks, False, head, aligned.seq_len, mbs)
         update_successful, grad_norm, _ = self.optimizer.step()
         metrics = self._reduce_metrics(store)
         metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),

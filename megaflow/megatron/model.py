@@ -3,7 +3,8 @@
 :func:`transformer_config_from_hf` maps an HF ``config.json``, read by the one
 architecture reader :func:`megaflow.config.model_spec.model_spec` (which refuses features
 megaflow cannot reproduce exactly), to a megatron-core ``TransformerConfig``;
-:func:`build_gpt_model` builds this rank's TP shard / PP stage of a ``GPTModel`` for a role.
+:func:`build_gpt_model` builds this rank's TP shard / PP stage of a ``GPTModel`` with an LM
+head (actor, reference) or a scalar value/reward head (critic, reward model).
 
 Parameter names of the built model (PP stage-local layer numbers, 0-based):
 
@@ -16,10 +17,10 @@ Parameter names of the built model (PP stage-local layer numbers, 0-based):
   per TP shard), ``...mlp.linear_fc2.weight``, ``...pre_mlp_layernorm.weight`` (local spec)
   or ``...mlp.linear_fc1.layer_norm_weight`` (TE spec);
 * ``decoder.final_layernorm.weight`` (last stage);
-* actor: ``output_layer.weight`` ``[padded_vocab / tp, hidden]`` (last stage; absent when
+* LM head (``head="lm"``): ``output_layer.weight`` ``[padded_vocab / tp, hidden]`` (last stage; absent when
   embeddings are tied and pp == 1, and a synchronised copy of the embedding when tied
   and pp > 1);
-* critic / reward: ``output_layer.weight`` ``[1, hidden]``, a :class:`ScalarHead`
+* value / reward head (``head="value"`` / ``"reward"``): ``output_layer.weight`` ``[1, hidden]``, a :class:`ScalarHead`
   replicated on every TP rank of the last stage. It corresponds to HF
   ``*ForSequenceClassification``'s ``score.weight`` (``[num_labels=1, hidden]``, no bias).
 """
@@ -33,7 +34,8 @@ import torch.nn.functional as F
 from megaflow.config.model_spec import SUPPORTED_MODEL_TYPES, ModelSpec, model_spec, padded_vocab_size
 from megaflow.megatron import parallel
 
-ROLES = ("actor", "critic", "reward")
+#: Model heads: the LM head (actor, reference), the critic's value head, the reward model's head.
+HEADS = ("lm", "value", "reward")
 #: The architecture reader is megaflow.config.model_spec's (shared with the planner and the
 #: weight mapping); this name stays for the workers' call site.
 read_hf_architecture = model_spec
@@ -139,7 +141,7 @@ class ScalarHead(torch.nn.Module):
         return F.linear(hidden_states, self.weight), None
 
 
-def build_gpt_model(hf_config: Any, *, role: str = "actor", dtype: torch.dtype = torch.float32,
+def build_gpt_model(hf_config: Any, *, head: str = "lm", dtype: torch.dtype = torch.float32,
                     max_sequence_length: Optional[int] = None, head_seed: int = 0,
                     **config_overrides: Any):
     """Build this rank's TP shard and PP stage of a megatron-core ``GPTModel``.
@@ -152,15 +154,15 @@ def build_gpt_model(hf_config: Any, *, role: str = "actor", dtype: torch.dtype =
 
     Args:
         hf_config: ``transformers.PretrainedConfig`` or dict of ``config.json``.
-        role: ``"actor"`` (LM head, logits ``[b, s, padded_vocab / tp]``), ``"critic"`` or
-            ``"reward"`` (scalar head, ``[b, s, 1]``).
+        head: ``"lm"`` (LM head, logits ``[b, s, padded_vocab / tp]``), ``"value"`` (critic) or
+            ``"reward"`` (reward model): a scalar head, ``[b, s, 1]``.
         dtype: parameter dtype.
         max_sequence_length: RoPE table length; default HF ``max_position_embeddings``.
         head_seed: seed of the scalar head's initialisation (same on every rank).
         **config_overrides: extra ``TransformerConfig`` fields.
 
     Raises:
-        ValueError: unknown role, unsupported config, tp not dividing heads / KV heads,
+        ValueError: unknown head, unsupported config, tp not dividing heads / KV heads,
             layers not divisible by pp.
         NotImplementedError: virtual pipeline parallelism (vpp > 1) or cp > 1.
     """
@@ -168,8 +170,8 @@ def build_gpt_model(hf_config: Any, *, role: str = "actor", dtype: torch.dtype =
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    if head not in HEADS:
+        raise ValueError(f"head must be one of {HEADS}, got {head!r}")
     info = parallel.current_parallel_info()
     if info.vpp_size is not None:
         raise NotImplementedError("virtual pipeline parallelism (vpp > 1) is validated but "
@@ -188,7 +190,7 @@ def build_gpt_model(hf_config: Any, *, role: str = "actor", dtype: torch.dtype =
                          "sequence parallelism")
     spec = (get_gpt_layer_with_transformer_engine_spec() if use_te
             else get_gpt_layer_local_spec(normalization="RMSNorm"))
-    tie = arch.tie_word_embeddings and role == "actor"
+    tie = arch.tie_word_embeddings and head == "lm"
     model = GPTModel(
         config=config, transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(arch.vocab_size, info.tp_size),
@@ -199,7 +201,7 @@ def build_gpt_model(hf_config: Any, *, role: str = "actor", dtype: torch.dtype =
         rope_scaling=arch.rope_scaling_factor is not None,
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
         seq_len_interpolation_factor=arch.rope_interpolation_factor)
-    if role != "actor" and info.is_last_pp_stage:
+    if head != "lm" and info.is_last_pp_stage:
         device = next(model.parameters()).device
         model.output_layer = ScalarHead(arch.hidden_size, init_std=config.init_method_std,
                                         dtype=dtype, device=device, seed=head_seed,
@@ -211,4 +213,4 @@ def build_gpt_model(hf_config: Any, *, role: str = "actor", dtype: torch.dtype =
 
 __all__ = ["ScalarHead", "build_gpt_model", "check_tp_divides_heads",
            "padded_vocab_size", "read_hf_architecture", "transformer_config_from_hf",
-           "SUPPORTED_MODEL_TYPES", "ROLES"]
+           "SUPPORTED_MODEL_TYPES", "HEADS"]

@@ -104,9 +104,9 @@ def validate_layout(hf_config: dict, tp: int, pp: int, dtype: torch.dtype) -> No
                                pipeline_model_parallel_size=pp)
 
 
-def _role(hf_config: dict) -> str:
-    """``reward`` (scalar head) for sequence-classification checkpoints, else ``actor``."""
-    return "reward" if ModelSpec.from_hf_config(hf_config).head == "score" else "actor"
+def _head(hf_config: dict) -> str:
+    """``"reward"`` (scalar head) for sequence-classification checkpoints, else ``"lm"``."""
+    return "reward" if ModelSpec.from_hf_config(hf_config).head == "score" else "lm"
 
 
 def _run_in_tmp(final: Path, fn, world_size: int, *args: Any, timeout_s: float,
@@ -158,7 +158,7 @@ def _hf_to_megatron_rank(rank: int, world_size: int, tmp: str, hf_dir: str, hf_c
 
     info = initialize_parallel(tp=tp, pp=pp)
     try:
-        model = build_gpt_model(hf_config, role=_role(hf_config), dtype=dtype)
+        model = build_gpt_model(hf_config, head=_head(hf_config), dtype=dtype)
         load_hf_weights(model, hf_dir, hf_config, info, progress=progress and rank == 0)
         save_checkpoint(model, tmp, hf_config, info, hf_files_from=hf_dir, atomic=False,
                         extra_metadata={"source_hf_dir": hf_dir})
@@ -204,7 +204,7 @@ def _megatron_to_hf_rank(rank: int, world_size: int, tmp: str, ckpt_dir: str, hf
 
     info = initialize_parallel(tp=tp, pp=pp)
     try:
-        model = build_gpt_model(hf_config, role=_role(hf_config), dtype=ckpt_dtype)
+        model = build_gpt_model(hf_config, head=_head(hf_config), dtype=ckpt_dtype)
         load_checkpoint(model, ckpt_dir)
         export_hf_dir(model, hf_config, info, tmp, dtype=out_dtype,
                       hf_files_from=Path(ckpt_dir) / HF_SUBDIR, atomic=False,

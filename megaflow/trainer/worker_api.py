@@ -26,9 +26,9 @@ from megaflow.single_controller.worker import DPInfo
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: The tensors every Megatron forward reads (:func:`megaflow.megatron.batch.pack_batch`):
+#: The tensors every Megatron forward reads (:func:`megaflow.megatron.batch.left_align_batch`):
 #: ``input_ids``/``attention_mask`` ``[B, S]``, ``responses`` ``[B, R]``. ``position_ids``
-#: are not sent: Megatron's RoPE uses the packed positions, and the controller checks them
+#: are not sent: Megatron's RoPE uses the left-aligned positions, and the controller checks them
 #: once per step (:func:`megaflow.trainer.stages.check_rollout_batch`).
 FORWARD_KEYS = ("input_ids", "attention_mask", "responses")
 #: The prompt tensors the rollout reads, ``[B, P]`` (left-padded; the engine takes each

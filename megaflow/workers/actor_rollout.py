@@ -190,9 +190,9 @@ class ActorRolloutWorker(ActorWorker):
         """
         if bucket_mb <= 0:
             raise ValueError(f"rollout.weight_sync_bucket_mb must be > 0, got {bucket_mb}")
-        synced = self._synced_version != self._actor_version
+        stale = self._synced_version != self._actor_version  # the engines serve an older actor version
         self._sync_rollout_weights(int(bucket_mb) << 20)
-        metrics = self._sync_metrics(synced)
+        metrics = self._sync_metrics(stale)
         if verify:
             metrics["rollout/verify_sync_max_diff"] = self._verify_sync()
         return metrics
@@ -248,11 +248,12 @@ class ActorRolloutWorker(ActorWorker):
                                f"{worst} (tolerance {VERIFY_SYNC_ATOL:g}); per rank: {diffs}")
         return float(diffs[worst])
 
-    def _sync_metrics(self, synced: bool) -> dict[str, float]:
+    def _sync_metrics(self, stale: bool) -> dict[str, float]:
+        """Version metrics; with ``stale`` (this call moved the weights) also the reshard's."""
         metrics = {"rollout/weight_version": float(self.rollout.weight_version),
                    "rollout/synced_actor_version": float(self._synced_version),
                    "rollout/actor_version": float(self._actor_version)}
-        if synced and self.last_reshard_stats is not None:
+        if stale and self.last_reshard_stats is not None:
             s = self.last_reshard_stats
             metrics.update({"timing_s/reshard": s.seconds, "reshard/bytes_received": float(s.bytes_received),
                             "reshard/bytes_sent": float(s.bytes_sent),

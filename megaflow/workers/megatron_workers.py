@@ -90,7 +90,7 @@ class MegatronWorker(Worker):
                                f"{par.pool!r} gives dp={par.dp} ({par.world_size} ranks / tp*pp*cp)")
         hf_config = spec.hf_config()
         model_parallel_manual_seed(seed)
-        model = build_gpt_model(hf_config, role=spec.head, dtype=TORCH_DTYPES[self.config.model.dtype],
+        model = build_gpt_model(hf_config, head=spec.head, dtype=TORCH_DTYPES[self.config.model.dtype],
                                 **spec.model_overrides)
         self._load_weights(model, hf_config)
         self.engine = MegatronEngine(model, self.info, spec, vocab_size=read_hf_architecture(hf_config).vocab_size)
@@ -143,7 +143,7 @@ class MegatronWorker(Worker):
                     steps.append(self.engine.train_step(mini, loss_fn, **kwargs))
         finally:
             self._after_phase()
-        return DataProto.from_dict(meta_info={"metrics": losses.mean_metrics(steps, self.role_spec.head)})
+        return DataProto.from_dict(meta_info={"metrics": losses.mean_metrics(steps, self.role_spec.role)})
 
     def _mini_batch_order(self, rows: int, per_rank: int, epoch: int) -> Optional[torch.Tensor]:
         """Row order of one PPO epoch ``[rows]`` (int64) with ``actor.shuffle``; None: in order.

@@ -237,11 +237,12 @@ class SplitActorWorker(ActorRolloutWorker):
         self._synced_version = self._actor_version
         self._num_sends += 1
 
-    def _sync_metrics(self, synced: bool) -> dict[str, float]:
+    def _sync_metrics(self, stale: bool) -> dict[str, float]:
+        """Version metrics; with ``stale`` (this call sent new weights) also the reshard's and transport's."""
         metrics = {"rollout/weight_version": float(self._num_sends),
                    "rollout/synced_actor_version": float(self._synced_version),
                    "rollout/actor_version": float(self._actor_version)}
-        if synced and self.last_reshard_stats is not None:
+        if stale and self.last_reshard_stats is not None:
             s = self.last_reshard_stats
             metrics.update({"timing_s/reshard": s.seconds, "reshard/bytes_received": float(s.bytes_received),
                             "reshard/bytes_sent": float(s.bytes_sent)})

@@ -21,7 +21,7 @@ SMALL = dict(data={"train_batch_size": 4, "max_prompt_length": 24},
 
 def test_actor_sizes_follow_the_config(tiny):
     spec = RoleSpec(config_from_dict(tiny(**SMALL)), "actor", 5)
-    assert spec.section is spec.config.actor and spec.head == "actor" and spec.trains
+    assert spec.section is spec.config.actor and spec.head == "lm" and spec.trains
     sizes = spec.micro_batches
     assert (sizes.max_seq_len, sizes.update_micro_batch_size, sizes.forward_micro_batch_size) == (24 + 8, 1, 3)
     assert (sizes.update_max_tokens, sizes.forward_max_tokens) == (None, None)
@@ -35,7 +35,7 @@ def test_forward_only_roles_have_no_update_sizes(tiny):
     cfg = config_from_dict(tiny(ref={"enabled": True, "log_prob_micro_batch_size_per_gpu": 5, "param_offload": True},
                                 algorithm={"use_kl_loss": True}))
     ref = RoleSpec(cfg, "ref", 3)
-    assert ref.head == "actor" and not ref.trains
+    assert ref.head == "lm" and not ref.trains
     assert (ref.micro_batches.update_micro_batch_size, ref.micro_batches.forward_micro_batch_size) == (None, 5)
     assert ref.offload == {"params": True, "grads": False, "optimizer": False}
     assert ref.model_overrides == {"sequence_parallel": False}
@@ -54,6 +54,7 @@ def test_model_sources_of_the_roles(tiny, tmp_path):
     with pytest.raises(ConfigError) as err:
         RoleSpec(cfg, "critic", 1).hf_config()  # no config.json there
     assert err.value.key == "critic.path"
+    assert RoleSpec(cfg, "critic", 1).head == "value"
     rm_hf = dict(tiny()["model"]["hf_config"], hidden_size=32)
     cfg = config_from_dict(tiny(reward_model={"enabled": True, "hf_config": rm_hf}))
     assert RoleSpec(cfg, "reward_model", 1).hf_config()["hidden_size"] == 32

@@ -62,7 +62,7 @@ def _pad_rows(weight, padded):
 
 
 def hf_to_megatron_shard(hf_state: dict, config, *, tp_rank: int, tp: int, pp_rank: int, pp: int,
-                         role: str = "actor", score_weight=None) -> dict:
+                         head: str = "lm", score_weight=None) -> dict:
     """Full HF state dict -> the megatron-core (local spec) state dict of one TP/PP shard."""
     from megaflow.megatron.model import padded_vocab_size
 
@@ -96,7 +96,7 @@ def hf_to_megatron_shard(hf_state: dict, config, *, tp_rank: int, tp: int, pp_ra
         out[dst + "mlp.linear_fc2.weight"] = chunk(hf_state[src + "mlp.down_proj.weight"], 1)
     if pp_rank == pp - 1:
         out["decoder.final_layernorm.weight"] = hf_state["model.norm.weight"].clone()
-        if role != "actor":
+        if head != "lm":
             out["output_layer.weight"] = score_weight.clone()
         elif not config.tie_word_embeddings:
             out["output_layer.weight"] = chunk(_pad_rows(hf_state["lm_head.weight"], padded), 0)

@@ -1,14 +1,14 @@
-"""pack_batch: left alignment, response indices and validation errors (no processes)."""
+"""left_align_batch: left alignment, response indices and validation errors (no processes)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megaflow.megatron.batch import pack_batch
+from megaflow.megatron.batch import left_align_batch
 from megatron_testlib import make_batch
 
 
-def _slow_pack(batch):
+def _slow_left_align(batch):
     """Per-row loop reference: real tokens moved left; index of logits predicting response t."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
     seq, resp_len = ids.shape[1], batch["responses"].shape[1]
@@ -21,31 +21,31 @@ def _slow_pack(batch):
     return rows, indices
 
 
-def test_packing_matches_loop_reference():
+def test_left_alignment_matches_loop_reference():
     batch = make_batch(3, batch=5, prompt_len=6, response_len=5)
-    packed = pack_batch(batch, max_seq_len=64, vocab_size=200)
-    rows, indices = _slow_pack(batch)
-    assert packed.seq_len == max(len(r) for r in rows)
+    aligned = left_align_batch(batch, max_seq_len=64, vocab_size=200)
+    rows, indices = _slow_left_align(batch)
+    assert aligned.seq_len == max(len(r) for r in rows)
     for b, real in enumerate(rows):
-        assert packed.input_ids[b, : len(real)].tolist() == real
-        assert torch.all(packed.input_ids[b, len(real):] == 0)
+        assert aligned.input_ids[b, : len(real)].tolist() == real
+        assert torch.all(aligned.input_ids[b, len(real):] == 0)
         resp_valid = batch["attention_mask"][b, -5:].bool()
-        assert packed.response_valid[b].tolist() == resp_valid.tolist()
+        assert aligned.response_valid[b].tolist() == resp_valid.tolist()
         for r in range(5):
             if resp_valid[r]:  # the logits at that index predict the response token
                 i = indices[b][r]
-                assert packed.response_index[b, r] == i
-                assert packed.input_ids[b, i + 1] == batch["responses"][b, r]
-    assert set(packed.fields) == {"response_mask"}
+                assert aligned.response_index[b, r] == i
+                assert aligned.input_ids[b, i + 1] == batch["responses"][b, r]
+    assert set(aligned.fields) == {"response_mask"}
 
 
 def test_pad_rows_zeroes_loss_masks():
-    packed = pack_batch(make_batch(0, batch=3), max_seq_len=64)
-    padded, num_pad = packed.pad_rows(4, zero_keys=("response_mask",))
+    aligned = left_align_batch(make_batch(0, batch=3), max_seq_len=64)
+    padded, num_pad = aligned.pad_rows(4, zero_keys=("response_mask",))
     assert num_pad == 1 and padded.num_rows == 4
-    assert torch.equal(padded.input_ids[3], packed.input_ids[0])
+    assert torch.equal(padded.input_ids[3], aligned.input_ids[0])
     assert padded.fields["response_mask"][3].sum() == 0
-    assert packed.pad_rows(3)[1] == 0
+    assert aligned.pad_rows(3)[1] == 0
 
 
 def _broken(change):
@@ -68,9 +68,9 @@ def _broken(change):
 ])
 def test_invalid_batches_raise_clear_errors(change, message):
     with pytest.raises(ValueError, match=message):
-        pack_batch(_broken(change), max_seq_len=64, vocab_size=200)
+        left_align_batch(_broken(change), max_seq_len=64, vocab_size=200)
 
 
 def test_too_long_sequence_names_row_and_limit():
     with pytest.raises(ValueError, match="sequence 0 has 13 tokens.*max_seq_len=12"):
-        pack_batch(make_batch(0), max_seq_len=12)
+        left_align_batch(make_batch(0), max_seq_len=12)

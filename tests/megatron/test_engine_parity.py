@@ -103,8 +103,8 @@ def _layout(cfg, hf_state, tp, pp, errors_case):
     ref_engine.reload()
     res["after_reload"] = ref_engine.forward(batch, micro_batch_size=4, **kwargs)
 
-    critic = M.build_gpt_model(cfg, role="critic")
-    load_shard(critic, hf_to_megatron_shard(hf_state, cfg, role="critic", score_weight=score_weight(), **shard))
+    critic = M.build_gpt_model(cfg, head="value")
+    load_shard(critic, hf_to_megatron_shard(hf_state, cfg, head="value", score_weight=score_weight(), **shard))
     res["values"] = MegatronEngine(critic, info, _spec("critic", cfg, tp, pp, world),
                                    vocab_size=VOCAB).forward(batch, micro_batch_size=4)
 

@@ -123,7 +123,7 @@ def _build_and_run(rank, world, tp):
             logits = _gather_vocab(model(ids, pos, causal), info.tp_group)
             ref = hf(input_ids=ids).logits
         results[name] = (logits[..., :VOCAB] - ref).abs().max().item()
-    critic = M.build_gpt_model(tiny_llama_config(), role="critic")
+    critic = M.build_gpt_model(tiny_llama_config(), head="value")
     head = critic.output_layer.weight
     results["critic_head"] = (tuple(head.shape), head.tensor_model_parallel, float(head.sum()))
     with torch.no_grad():
@@ -132,7 +132,7 @@ def _build_and_run(rank, world, tp):
     for key, fn in {
         "kv_heads": lambda: M.build_gpt_model(tiny_llama_config(num_key_value_heads=1)),
         "world": lambda: parallel.initialize_parallel(tp=tp, pp=2),
-        "role": lambda: M.build_gpt_model(tiny_llama_config(), role="policy"),
+        "head": lambda: M.build_gpt_model(tiny_llama_config(), head="policy"),
     }.items():
         try:
             fn()
@@ -158,4 +158,4 @@ def test_built_model_matches_transformers(tp):
     if tp == 2:
         assert "ValueError" in errors["kv_heads"] and "num_key_value_heads=1" in errors["kv_heads"]
     assert "ValueError" in errors["world"] and "not divisible by tp*pp*cp" in errors["world"]
-    assert "ValueError" in errors["role"] and "policy" in errors["role"]
+    assert "ValueError" in errors["head"] and "policy" in errors["head"]

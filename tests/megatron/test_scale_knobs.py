@@ -44,11 +44,11 @@ def _batch():
 
 def _saved_bytes_in_forward(module, batch) -> int:
     """Bytes of the tensors autograd saves for backward during one training-mode forward."""
-    from megaflow.megatron.batch import pack_batch
+    from megaflow.megatron.batch import left_align_batch
     from megaflow.megatron.engine import causal_attention_mask
 
-    packed = pack_batch(batch, max_seq_len=32)
-    ids = packed.input_ids
+    aligned = left_align_batch(batch, max_seq_len=32)
+    ids = aligned.input_ids
     positions = torch.arange(ids.shape[1]).expand_as(ids)
     total = 0
 

@@ -105,5 +105,5 @@ def test_a_worker_refuses_the_spec_of_another_role():
     with pytest.raises(TypeError, match="spec must be a megaflow.config.role_spec.RoleSpec, got dict"):
         CriticWorker({"role": "critic"})
     worker = ActorRolloutWorker(role_spec("actor", ["rollout.ignore_eos=true"]), (0, 5), 0)
-    assert worker.eos_token_ids == () and worker.role_spec.head == "actor"
+    assert worker.eos_token_ids == () and worker.role_spec.head == "lm"
     assert ActorRolloutWorker(actor, [0, 5], 0).eos_token_ids == (0, 5)

@@ -58,13 +58,13 @@ def _critic_round_trip(hf_dir, cfg, info, out_dir) -> list[str] | None:
     from megaflow.models.hf_io import HFWeights
     from megaflow.models.weights import gather_hf_state_dict, load_hf_weights
 
-    critic = build_gpt_model(cfg, role="critic", head_seed=0)
+    critic = build_gpt_model(cfg, head="value", head_seed=0)
     load_hf_weights(critic, hf_dir, cfg, info)
     first = gather_hf_state_dict(critic, cfg, info)
     export_hf_dir(critic, cfg, info, out_dir)
     dist.barrier()
     seq_cls_cfg = AutoConfig.from_pretrained(out_dir)
-    reward = build_gpt_model(seq_cls_cfg, role="reward", head_seed=5)
+    reward = build_gpt_model(seq_cls_cfg, head="reward", head_seed=5)
     load_hf_weights(reward, out_dir, seq_cls_cfg, info)
     second = gather_hf_state_dict(reward, seq_cls_cfg, info)
     if first is None:
