@@ -36,9 +36,6 @@ from megaflow.megatron import parallel
 
 #: Model heads: the LM head (actor, reference), the critic's value head, the reward model's head.
 HEADS = ("lm", "value", "reward")
-#: The architecture reader is megaflow.config.model_spec's (shared with the planner and the
-#: weight mapping); this name stays for the workers' call site.
-read_hf_architecture = model_spec
 
 
 def check_tp_divides_heads(arch: ModelSpec, tp: int) -> None:
@@ -212,5 +209,5 @@ def build_gpt_model(hf_config: Any, *, head: str = "lm", dtype: torch.dtype = to
 
 
 __all__ = ["ScalarHead", "build_gpt_model", "check_tp_divides_heads",
-           "padded_vocab_size", "read_hf_architecture", "transformer_config_from_hf",
+           "padded_vocab_size", "transformer_config_from_hf",
            "SUPPORTED_MODEL_TYPES", "HEADS"]

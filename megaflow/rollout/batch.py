@@ -144,13 +144,12 @@ def assemble_rollout_batch(
     return out
 
 
-def rollout_output(prompts: DataProto, tensors: dict[str, torch.Tensor], n: int,
-                   meta_info: dict) -> DataProto:
-    """Wrap rollout tensors in a DataProto carrying the prompts' per-row objects repeated ``n``
-    times (interleaved, like the tensors) and ``meta_info`` (the input's plus ``meta_info``)."""
+def rollout_output(prompts: DataProto, tensors: dict[str, torch.Tensor], n: int) -> DataProto:
+    """Wrap rollout tensors (``[batch * n, ...]``) in a DataProto carrying the prompts' per-row
+    objects repeated ``n`` times (interleaved, like the tensors) and the prompts' ``meta_info``."""
     index = torch.arange(len(prompts)).repeat_interleave(n).numpy()
     non_tensors = {k: v[index] for k, v in prompts.non_tensor_batch.items()}
-    return DataProto.from_dict(tensors, non_tensors, {**prompts.meta_info, **meta_info})
+    return DataProto.from_dict(tensors, non_tensors, dict(prompts.meta_info))
 
 
 def read_prompts(prompts: DataProto) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,6 @@ scope, so it is reproducible for a given seed but draws different samples than v
 """
 from __future__ import annotations
 
-import time
 
 import torch
 
@@ -66,12 +65,10 @@ class HFRollout:
         seed = request_seeds(self.seed if sampling.seed is None else sampling.seed, 1,
                              stream=self._num_calls + 1 if sampling.seed is None else 0)[0]
         self._num_calls += 1
-        start = time.perf_counter()
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)
             out = self.model.generate(input_ids=ids, attention_mask=mask,
                                       generation_config=_generation_config(sampling))
-        elapsed = time.perf_counter() - start
         generated = out.sequences[:, input_ids.shape[1]:].cpu()
         scores = torch.stack(out.scores, dim=1).float().cpu()  # [batch*n, steps, vocab]
         log_probs = torch.log_softmax(scores, dim=-1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)
@@ -84,8 +81,7 @@ class HFRollout:
         tensors = assemble_rollout_batch(input_ids, attention_mask, responses, response_log_probs, n=n,
                                          response_length=sampling.response_length,
                                          pad_token_id=sampling.pad_token_id)
-        meta = {"rollout_num_tokens": int(sum(lengths)), "rollout_time_s": elapsed}
-        return rollout_output(prompts, tensors, n, meta)
+        return rollout_output(prompts, tensors, n)
 
 
 def _generation_config(sampling: SamplingConfig):

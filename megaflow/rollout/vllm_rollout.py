@@ -59,7 +59,6 @@ import contextlib
 import dataclasses
 import os
 import random
-import time
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -275,8 +274,7 @@ class VLLMRollout:
             ``input_ids``, ``attention_mask``, ``position_ids``
             ``[batch*n, prompt_len+response_length]``, ``response_mask`` (1 up to and
             including the first EOS) and ``rollout_log_probs`` (float32, 0 where masked);
-            ``meta_info`` gains ``rollout_weight_version``, ``rollout_num_tokens``
-            (generated tokens) and ``rollout_time_s``.
+            ``meta_info`` is the prompts'.
 
         Raises:
             ValueError: missing fields, prompts that are not left-padded, bad sampling
@@ -295,19 +293,15 @@ class VLLMRollout:
                                f"first")
         requests, params = self._requests(token_lists, sampling)
         self.wake_up()
-        start = time.perf_counter()
         with preserve_rng_state():
             outputs = self._llm.generate(requests, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
         self.sleep()
         completions = [o.outputs[0] for o in outputs]
         responses = [list(c.token_ids) for c in completions]
         tensors = assemble_rollout_batch(
             input_ids, attention_mask, responses, [_sampled_log_probs(c) for c in completions],
             n=sampling.n, response_length=sampling.response_length, pad_token_id=sampling.pad_token_id)
-        meta = {"rollout_weight_version": self._weight_version,
-                "rollout_num_tokens": int(sum(len(r) for r in responses)), "rollout_time_s": elapsed}
-        return rollout_output(prompts, tensors, sampling.n, meta)
+        return rollout_output(prompts, tensors, sampling.n)
 
     def _requests(self, token_lists: Sequence[Sequence[int]], sampling: SamplingConfig) -> tuple[list, list]:
         """One vLLM request per output row, each with its own seed (identical on all TP ranks)."""

@@ -78,8 +78,9 @@ class MegatronWorker(Worker):
             RuntimeError: the process group's DP size differs from the config's (the group
                 was spawned on another world size than the role's pool).
         """
+        from megaflow.config.model_spec import model_spec
         from megaflow.megatron.cpu_compat import model_parallel_manual_seed
-        from megaflow.megatron.model import build_gpt_model, read_hf_architecture
+        from megaflow.megatron.model import build_gpt_model
 
         spec, seed = self.role_spec, self.config.trainer.seed
         par = spec.parallel
@@ -93,7 +94,7 @@ class MegatronWorker(Worker):
         model = build_gpt_model(hf_config, head=spec.head, dtype=TORCH_DTYPES[self.config.model.dtype],
                                 **spec.model_overrides)
         self._load_weights(model, hf_config)
-        self.engine = MegatronEngine(model, self.info, spec, vocab_size=read_hf_architecture(hf_config).vocab_size)
+        self.engine = MegatronEngine(model, self.info, spec, vocab_size=model_spec(hf_config).vocab_size)
         dp_rank, is_collect = nd_dispatch_info(self.info)
         self.register_dp_info(self.mesh, dp_rank=dp_rank, is_collect=is_collect)
         self._after_phase()

@@ -121,12 +121,12 @@ def test_position_ids_continue_after_the_prompt():
     assert pos.tolist() == [[0, 0, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6]]
 
 
-def test_rollout_output_repeats_non_tensors_interleaved_and_merges_meta():
+def test_rollout_output_repeats_non_tensors_interleaved_and_keeps_the_prompts_meta():
     prompts = DataProto.from_dict({"input_ids": torch.zeros(2, 1, dtype=torch.long)},
                                   {"uid": ["a", "b"]}, {"temperature": 1.0})
-    out = rollout_output(prompts, {"responses": torch.zeros(6, 2, dtype=torch.long)}, 3, {"x": 1})
+    out = rollout_output(prompts, {"responses": torch.zeros(6, 2, dtype=torch.long)}, 3)
     assert list(out.non_tensor_batch["uid"]) == ["a", "a", "a", "b", "b", "b"]
-    assert out.meta_info == {"temperature": 1.0, "x": 1}
+    assert out.meta_info == {"temperature": 1.0} and out.meta_info is not prompts.meta_info
     assert isinstance(out.non_tensor_batch["uid"], np.ndarray)
 
 

@@ -216,7 +216,6 @@ def test_generation_through_the_controller_keeps_input_order_and_equals_transfor
     assert out.batch["responses"].tolist() == ref.batch["responses"].tolist()
     assert torch.equal(out.batch["response_mask"], ref.batch["response_mask"])
     assert torch.equal(out.batch["input_ids"], ref.batch["input_ids"])
-    assert out.meta_info["rollout_weight_version"] == 1
     assert hybrid.group.rollout_weight_version() == [1] * WORLD
 
 
@@ -272,7 +271,7 @@ def test_rollout_log_probs_equal_the_trainers_position_by_position(hybrid):
     again = check_synced(group.sync_rollout_weights())  # no update since: nothing moves
     assert "reshard/bytes_received" not in again and again["rollout/weight_version"] == 1
     sampled = group.generate_sequences(_prompts(SAMPLED))
-    assert sampled.meta_info["rollout_weight_version"] == 1
+    assert group.rollout_weight_version() == [1] * WORLD
     rollout, mask = sampled.batch["rollout_log_probs"], sampled.batch["response_mask"]
     trainer = _old_log_probs(group, sampled, temperature=SAMPLE_TEMPERATURE)
     _assert_log_probs_match(rollout, trainer, mask)
@@ -316,7 +315,6 @@ def test_after_update_the_rollout_serves_the_new_weights(hybrid, tmp_path):
     assert 0 < sync["rollout/weight_sync_bucket_bytes"] <= 1 << 20
     assert sync["reshard/bytes_received"] == hybrid.first_sync["reshard/bytes_received"]
     after = group.generate_sequences(_prompts(GREEDY))
-    assert after.meta_info["rollout_weight_version"] == 2
     assert group.rollout_weight_version() == [2] * WORLD
     # The transition leaves the training parameters as they were (bit for bit).
     assert torch.equal(_old_log_probs(group, before, temperature=1.0), trained_before_sync)
