@@ -19,7 +19,7 @@ about 40 MB in fp32), it measures one weight sync, train -> generate -> train, t
 
 Both push the same tensors into the engine (checked bit for bit). Per rank it reports:
 
-* bytes moved: received by the reshard (measured, and the DESIGN.md formulas) plus the
+* bytes moved: received by the reshard (measured, and ``reshard_cost``'s formulas) plus the
   vocabulary all-gather of the conversion at t_g > 1;
 * peak extra memory during the sync, measured by :class:`TensorAllocationTracker`, a
   tracemalloc for tensors: a ``TorchDispatchMode`` sees every aten op the sync runs; an

@@ -3,7 +3,7 @@
 The actor trains in layout p-t-d (pipeline, tensor, data parallel sizes) and generates in
 layout p_g-t_g-d_g-d, where ``d_g = (p*t) / (p_g*t_g)`` is the micro data-parallel size:
 every training replica becomes ``d_g`` generation replicas (HybridFlow, Sheng et al. 2024,
-section 5 and Table 2; megaflow DESIGN.md section 5).
+section 5 and Table 2).
 
 Rank order. Global ranks follow megatron-core 0.16.1's default order ``"tp-cp-ep-dp-pp"``
 with cp = ep = 1, i.e. ``rank = tp_rank + t * (dp_rank + d * pp_rank)``: a *training TP
@@ -26,7 +26,8 @@ shard sit inside its generation shard with zero redundancy). With ``m = t / t_g`
   same ``tp_rank`` across the folded stages, broadcast of each stage's buffers);
 * generation replica (the generation mesh's dp rank): ``dp_rank * d_g + micro_dp_rank``;
   ``is_collect`` on the generation mesh: ``gen_tp_rank == 0 and gen_pp_rank == p_g - 1``
-  (DESIGN.md section 4; the pp condition only matters when p_g > 1).
+  (:func:`megaflow.single_controller.decorator.nd_compute`; the pp condition only matters
+  when p_g > 1).
 
 vLLM. vLLM builds its TP groups from *consecutive* ranks (layout ExternalDP x DP x PP x TP,
 TP fastest), whereas the generation TP groups above are strided. The training side cannot
@@ -244,7 +245,7 @@ class ReshardCost:
 
 
 def reshard_cost(layout: HybridLayout, model_bytes: int) -> ReshardCost:
-    """Closed-form per-rank costs of DESIGN.md section 5 for a model of ``model_bytes``.
+    """Closed-form per-rank costs of the reshard (HybridFlow section 5) for a model of ``model_bytes``.
 
     Exact when every parameter is TP-partitioned and the stages are equal; replicated
     parameters (norms) and uneven stages make the real figures differ slightly

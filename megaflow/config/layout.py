@@ -2,8 +2,8 @@
 
 Pure functions on plain numbers; no processes. The generation layout of the
 3D-HybridEngine is planned by :func:`megaflow.config.hybrid_layout.plan_hybrid_layout`
-(re-exported here as :func:`generation_layout`) so that the dry run prints exactly the
-groups the workers build.
+(wrapped here by :func:`generation_layout`, which counts CP replicas as DP) so that the dry
+run prints exactly the groups the workers build.
 """
 from __future__ import annotations
 

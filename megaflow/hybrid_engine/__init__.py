@@ -1,6 +1,6 @@
 """3D-HybridEngine: layout planning (pure) and micro-DP all-gather resharding (execution).
 
-See DESIGN.md section 5. :mod:`megaflow.config.hybrid_layout` computes the generation
+:mod:`megaflow.config.hybrid_layout` computes the generation
 layout, rank groups and the cost model without processes; ``reshard`` executes the
 train <-> generate transitions with explicit process groups (the slicing rule lives there
 once: the all-gather's slot layout and :func:`gather_layout_to_shard`);

@@ -1,7 +1,7 @@
 """3D-HybridEngine execution: micro-DP all-gather resharding between training and generation.
 
-Train -> generate (:meth:`MicroDPResharder.to_generation`), HybridFlow section 5 and
-DESIGN.md section 5, with ``m = t/t_g`` and ``k = p/p_g``:
+Train -> generate (:meth:`MicroDPResharder.to_generation`), HybridFlow section 5 (the
+layout and its cost: :mod:`megaflow.config.hybrid_layout`), with ``m = t/t_g`` and ``k = p/p_g``:
 
 1. For each TP-partitioned parameter of the rank's own stage, a flat generation buffer of
    ``m`` slots is allocated; slot ``micro_tp`` receives the training shard and the
@@ -97,8 +97,8 @@ class ReshardStats:
     """What one train -> generate transition cost this rank (bytes, seconds).
 
     ``bytes_received``: data this rank did not hold before (all-gather slots of its peers,
-    broadcast buffers of folded stages); equals DESIGN.md's
-    ``(t*p - t_g*p_g)/(t_g*p_g*t*p) * M`` when every parameter is TP-partitioned and the
+    broadcast buffers of folded stages); equals
+    :func:`~megaflow.config.hybrid_layout.reshard_cost`'s ``(t*p - t_g*p_g)/(t_g*p_g*t*p) * M`` when every parameter is TP-partitioned and the
     stages are equal. ``bytes_sent``: this rank's data counted once per receiving peer
     (summed over ranks it equals the total received). ``generation_bytes``: weights held
     in the generation layout (the paper's peak weight memory ``M/(t_g*p_g)``).

@@ -291,7 +291,7 @@ def model_parallel_manual_seed(seed: int) -> None:
     """Seed Megatron's model-parallel RNG (``model_parallel_cuda_manual_seed``) on any device.
 
     On CUDA this is ``model_parallel_cuda_manual_seed(seed)``: per-TP-rank CUDA RNG
-    streams. On CPU (accommodation 3 in the module docstring): ``torch.manual_seed(seed)``
+    streams. On CPU (accommodation 4 in the module docstring): ``torch.manual_seed(seed)``
     and Megatron's pass-through RNG tracker, so ``get_cuda_rng_tracker().fork()`` is a no-op.
 
     Args:

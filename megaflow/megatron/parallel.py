@@ -200,7 +200,7 @@ def destroy_parallel() -> None:
 
 
 def nd_dispatch_info(info: ParallelInfo) -> tuple[int, bool]:
-    """ND-compute dispatch registration for a training mesh (DESIGN.md section 4).
+    """ND-compute dispatch registration for a training mesh (:func:`megaflow.single_controller.decorator.nd_compute`).
 
     Returns:
         ``(dp_rank, is_collect)``: the Megatron DP rank (without CP) and whether this rank's

@@ -51,7 +51,7 @@ def model_spec_for(chunks: Sequence[torch.nn.Module], spec: ModelSpec) -> ModelS
 
     Only the last pipeline stage holds the head: on other stages this answers
     ``lm_head``, which is harmless for loading (their parameters do not depend on it);
-    export agrees on the head over the PP group instead (:func:`_export_plan`).
+    export agrees on the head over the PP group instead (:func:`plan_export`).
     """
     scalar = any(_has_scalar_head(c, spec) for c in chunks)
     return dataclasses.replace(spec, head="score" if scalar else "lm_head",

@@ -14,7 +14,7 @@ Output (``batch * n`` rows, the ``n`` samples of a prompt adjacent, as
 
 The response mask is built from each response's *length* (the engine's count of
 generated tokens, which includes the EOS that stopped it), i.e. by position, never by
-comparing ids with the pad id (DESIGN.md section 6; pad == eos for many tokenizers).
+comparing ids with the pad id (pad == eos for many tokenizers).
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ vLLM's own (dtype default, KV-cache sizing, sleep mode), chosen from vLLM's
   sampled token under the distribution it was sampled from, i.e. after temperature and
   top-k/top-p (masked tokens removed, the rest renormalised). With top-k and top-p off
   this is exactly ``log_softmax(logits / temperature)``, the trainer's recomputation
-  (DESIGN.md section 6); with top-k/top-p on, it differs from the trainer's value by the
+  (:mod:`megaflow.megatron.logprobs`); with top-k/top-p on, it differs from the trainer's value by the
   log of the kept probability mass. Greedy rows use temperature 1 (``log_softmax(logits)``).
   ``"raw_logprobs"`` gives ``log_softmax(logits)`` whatever the temperature.
 * weights: the weight sync streams this rank's already-sharded vLLM tensors in buckets

@@ -2,7 +2,7 @@
 
 The controller (the Ray driver) calls methods of :class:`RayWorkerGroup`; each call is
 ``collect(execute(dispatch(args)))`` as declared on the worker method with
-:func:`register` (DESIGN.md section 4).
+:func:`register` (dispatch rules: :mod:`megaflow.single_controller.dispatch`).
 """
 from megaflow.single_controller.decorator import (Dispatch, Execute, MethodSpec, NDCompute, nd_compute, register,
                                                   registered_methods)

@@ -53,7 +53,7 @@ class Execute(enum.Enum):
 
 @dataclass(frozen=True)
 class NDCompute:
-    """The Megatron dispatch rule for a named mesh (DESIGN.md section 4); see :func:`nd_compute`."""
+    """The Megatron dispatch rule for a named mesh; see :func:`nd_compute`."""
 
     mesh: str
 

@@ -12,8 +12,8 @@ pure halves:
 Object-store placement is injected: ``put`` is ``ray.put`` in a worker group and the
 identity in tests, so a test can count how often a chunk is put.
 
-Proto modes (``Dispatch.DP_COMPUTE_PROTO`` and ``nd_compute(mesh)``) follow DESIGN.md
-section 4: pad to a multiple of ``dp_size``, one chunk per dp rank in row order, one
+Proto modes (``Dispatch.DP_COMPUTE_PROTO`` and ``nd_compute(mesh)``) follow one
+rule: pad to a multiple of ``dp_size``, one chunk per dp rank in row order, one
 ``put`` per chunk shared by every rank of that dp rank, outputs from collect ranks only,
 ordered by dp rank, concatenated, unpadded. When the input is a
 :class:`~megaflow.single_controller.futures.DataProtoFuture`, chunking happens on the
@@ -184,7 +184,7 @@ def _chunk_concrete(items: list[tuple[int | str, Any]], dp_size: int, put: Calla
 
 def plan_proto(mesh: MeshInfo, args: tuple, kwargs: dict, put: Callable[[Any], Any] = _identity,
                method: str = "method") -> DispatchPlan:
-    """Split DataProto arguments by dp rank (DESIGN.md section 4).
+    """Split DataProto arguments by dp rank (the proto-mode rule in the module docstring).
 
     Args:
         mesh: the dispatch layout (:meth:`MeshInfo.data_parallel` for ``DP_COMPUTE_PROTO``).

@@ -1,6 +1,6 @@
 """The PPO/GRPO controller: one training step as a short program over worker groups.
 
-``RayPPOTrainer.train_step`` is the data flow of DESIGN.md section 2, stage by stage::
+``RayPPOTrainer.train_step`` is this data flow, stage by stage::
 
     prompts -> repeat n -> rollout -> reward -> old log-probs -> ref log-probs -> values
             -> KL (in reward or not) -> advantages -> critic update -> actor update

@@ -1,7 +1,7 @@
 """The controller's light math on a step's batch: layout check, KL in the reward, advantages,
 batch balancing, rollout correction, batch metrics.
 
-These run on the controller between worker-group calls (DESIGN.md section 2). Each is a
+These run on the controller between worker-group calls (the step in :mod:`megaflow.trainer.ppo_trainer`). Each is a
 function of a :class:`~megaflow.protocol.DataProto` and plain settings, so the trainer's
 step reads as a list of stages and each stage is tested on its own.
 """
