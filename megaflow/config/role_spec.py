@@ -1,12 +1,15 @@
 """What one worker role reads: the run's frozen :class:`~megaflow.config.schema.Config` and
 the role's name, with the role's derived sizes computed from them on demand.
 
-Workers, the Megatron engine, the losses and the rollout receive a :class:`RoleSpec` and read
-the config sections directly (``spec.section``, ``spec.config.algorithm``, ...); sizes that
+The workers and the Megatron engine receive a :class:`RoleSpec` and read the config sections
+directly (``spec.section``, ``spec.config.algorithm``, ...; the loss adapters get
+``spec.config`` itself, the vLLM engine a ``VLLMRolloutConfig`` its worker builds from the
+``rollout`` section); sizes that
 are not stored in the config (micro-batches, mini-batch rows per DP rank, the LR decay
 horizon, the model source) come from the pure functions of :mod:`megaflow.config.topology`.
 No setting has a default here: every default lives in the config schema. The object pickles
-through Ray (``ray.cloudpickle``; the config's frozen mappings need it).
+as its plain config tree (:meth:`RoleSpec.__reduce__`), so Ray and ``multiprocessing`` ship it
+with their standard picklers and the receiver re-validates it.
 """
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """megaflow's configuration: typed, frozen sections.
 
 ``Config`` is the root; every field of the config tree has its default here or in
-:mod:`megaflow.config.roles`, and nowhere else: the workers, the Megatron engine, the losses
-and the rollout receive this frozen tree (with the role's name, as a
-:class:`megaflow.config.role_spec.RoleSpec`) and read their sections as they are. A
+:mod:`megaflow.config.roles`, and nowhere else: the workers and the Megatron engine receive
+this frozen tree with the role's name (a :class:`megaflow.config.role_spec.RoleSpec`), the
+loss adapters the tree itself, and they read their sections as they are (the vLLM engine gets
+a ``VLLMRolloutConfig`` that its worker fills from ``rollout``). A
 recipe (YAML in ``recipes/``) and command-line ``key.sub=value`` overrides are layered
 over these defaults by :func:`megaflow.config.load_config`. Each section validates its own
 fields on construction; :class:`Config` then validates what spans sections (algorithm vs

@@ -2,7 +2,7 @@
 
 Nothing here is stored in the config: each size is a small frozen object computed by a
 pure function of the config, so the trainer and the workers read the same numbers and
-nobody rescales a config in place (STYLE.md, "Config"). The same functions validate: a
+nobody rescales a config in place. The same functions validate: a
 layout that does not divide raises :class:`ConfigError` naming the dotted key.
 
 Vocabulary: a *sample* is one (prompt, response) pair; a step has

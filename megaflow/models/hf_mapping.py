@@ -8,7 +8,9 @@ Engine spec fuses them into ``linear_qkv.layer_norm_weight`` / ``linear_fc1.laye
 its HF source tensors, the named transform that joins them and the tensor-parallel
 partition dimension. :func:`hf_to_megatron_shard` and :func:`megatron_shards_to_hf` apply a
 row in either direction for one TP rank / all TP ranks; they are pure and used by the
-weight loader, the exporter, the conversion tools and the HybridEngine. The architecture
+weight loader and the exporter (:mod:`megaflow.models.weights`, and through it the
+conversion tools); the HybridEngine reads the rows themselves (:func:`find_mapping`) to
+name the vLLM tensors. The architecture
 they take (:class:`ModelSpec`, :data:`SUPPORTED_ARCHITECTURES`, :class:`UnsupportedModelError`)
 is megaflow's one HF-config reader, :mod:`megaflow.config.model_spec`, re-exported here.
 
