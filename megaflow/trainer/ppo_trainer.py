@@ -79,8 +79,10 @@ def _timer(name: str, timings: dict[str, float]) -> Iterator[None]:
     timings[f"timing_s/{name}"] = time.perf_counter() - start
 
 
-def _worker_metrics(out: DataProto) -> dict[str, float]:
-    return {k: float(v) for k, v in out.meta_info.get("metrics", {}).items()}
+def _update_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """An update's metrics from its per-DP-rank results (DP rank 0's; the engine reduces them
+    over DP, so every rank returns the same values)."""
+    return {k: float(v) for k, v in per_rank[0].items()}
 
 
 def capture_rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -228,13 +230,13 @@ class RayPPOTrainer:
                                    norm_adv_by_std=algo.norm_adv_by_std)
         if g.critic is not None:
             with _timer("update_critic", t):
-                out = g.critic.update_critic(inputs_for(CriticGroup.update_critic, batch))
-                metrics.update(_worker_metrics(out))
+                metrics.update(_update_metrics(g.critic.update_critic(inputs_for(CriticGroup.update_critic,
+                                                                                 batch))))
         actor_batch, correction_metrics = rollout_correction(batch, self.rollout_pipeline.correction(self.cfg),
                                                              step=self.global_step)
         metrics.update(correction_metrics)
         with _timer("update_actor", t):
-            metrics.update(_worker_metrics(g.actor.update_actor(inputs_for(ActorRolloutGroup.update_actor,
+            metrics.update(_update_metrics(g.actor.update_actor(inputs_for(ActorRolloutGroup.update_actor,
                                                                            actor_batch))))
         metrics.update(compute_data_metrics(batch, self.cfg.rollout.response_length))
         metrics.update(rollout_metrics)

@@ -160,13 +160,14 @@ class ActorRolloutGroup(MegatronRoleGroup, Protocol):
     @reads(FORWARD_KEYS + ("response_mask", "advantages"),
            optional=("old_log_probs", "ref_log_probs", "rollout_is_weights", "rollout_log_probs"),
            meta=("temperature",))
-    def update_actor(self, data: DataProto) -> DataProto:
+    def update_actor(self, data: DataProto) -> list[dict[str, float]]:
         """``ActorRolloutWorker.update_actor`` on the ``actor`` mesh: PPO epochs over
         mini-batches. Reads ``response_mask``, ``old_log_probs``, ``advantages`` ``[B, R]``
         (+ ``ref_log_probs`` with a KL loss, ``rollout_is_weights`` with importance
         weights; without ``old_log_probs`` under ``actor.on_policy_old_log_probs``, which
-        compares the update's log-probs with ``rollout_log_probs``). Returns a row-less
-        DataProto with ``meta_info["metrics"]`` (``actor/pg_loss``, ``actor/grad_norm``, ...)."""
+        compares the update's log-probs with ``rollout_log_probs``). Returns the update's
+        metrics per DP rank, in DP order (``actor/pg_loss``, ``actor/grad_norm``, ...; the
+        same on every rank)."""
 
 
 class SplitActorGroup(ActorRolloutGroup, Protocol):
@@ -233,10 +234,11 @@ class CriticGroup(MegatronRoleGroup, Protocol):
         of the state before each response token."""
 
     @reads(FORWARD_KEYS + ("response_mask", "values", "returns"))
-    def update_critic(self, data: DataProto) -> DataProto:
+    def update_critic(self, data: DataProto) -> list[dict[str, float]]:
         """``CriticWorker.update_critic`` on the ``critic`` mesh: clipped value regression
         of ``values`` (old, ``[B, R]``) towards ``returns`` ``[B, R]`` on ``response_mask``.
-        Returns a row-less DataProto with ``meta_info["metrics"]`` (``critic/vf_loss``, ...)."""
+        Returns the update's metrics per DP rank, in DP order (``critic/vf_loss``, ...; the
+        same on every rank)."""
 
 
 class RewardModelGroup(MegatronRoleGroup, Protocol):

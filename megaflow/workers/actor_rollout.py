@@ -288,11 +288,11 @@ class ActorRolloutWorker(ActorWorker):
         return out
 
     @register(nd_compute("actor"))
-    def update_actor(self, data: DataProto) -> DataProto:
+    def update_actor(self, data: DataProto) -> dict[str, float]:
         """PPO update (see :class:`ActorWorker`); the rollout re-syncs before its next use."""
-        out = super().update_actor(data)
+        metrics = super().update_actor(data)
         self._actor_version += 1
-        return out
+        return metrics
 
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:

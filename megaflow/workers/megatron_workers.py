@@ -11,7 +11,8 @@ Outputs (``[B, R]``, DataProto field names of :mod:`megaflow.protocol`):
 ``compute_log_prob`` -> ``old_log_probs``, ``entropys``; ``compute_ref_log_prob`` ->
 ``ref_log_probs``; ``compute_values`` -> ``values``; ``compute_rm_score`` -> ``rm_scores``
 (the reward model's score on the last real response token, 0 elsewhere);
-``update_actor``/``update_critic`` -> a row-less DataProto with ``meta_info["metrics"]``.
+``update_actor``/``update_critic`` -> the update's metrics, ``dict[str, float]`` (``actor/pg_loss``,
+``critic/vf_loss``, ``actor/grad_norm``, ...; the same on every DP rank).
 """
 from __future__ import annotations
 
@@ -128,8 +129,11 @@ class MegatronWorker(Worker):
     def _temperature(self, data: DataProto) -> float:
         return float(data.meta_info.get("temperature", self.config.rollout.temperature))
 
-    def _update(self, data: DataProto, loss_fn, **kwargs) -> DataProto:
-        """PPO epochs x mini-batches over this rank's rows; one optimizer step each."""
+    def _update(self, data: DataProto, loss_fn, **kwargs) -> dict[str, float]:
+        """PPO epochs x mini-batches over this rank's rows; one optimizer step each.
+
+        Returns the per-step engine metrics averaged over the steps (:func:`losses.mean_metrics`;
+        DP-reduced by the engine, so every rank of the last stage returns the same values)."""
         rows = len(data)
         per_rank = self.role_spec.mini_batch_size_per_dp_rank
         tensors = _tensors(data)
@@ -144,7 +148,7 @@ class MegatronWorker(Worker):
                     steps.append(self.engine.train_step(mini, loss_fn, **kwargs))
         finally:
             self._after_phase()
-        return DataProto.from_dict(meta_info={"metrics": losses.mean_metrics(steps, self.role_spec.role)})
+        return losses.mean_metrics(steps, self.role_spec.role)
 
     def _mini_batch_order(self, rows: int, per_rank: int, epoch: int) -> Optional[torch.Tensor]:
         """Row order of one PPO epoch ``[rows]`` (int64) with ``actor.shuffle``; None: in order.
@@ -209,8 +213,8 @@ class ActorWorker(MegatronWorker):
         return DataProto.from_dict({"old_log_probs": out["log_probs"], "entropys": out["entropy"]})
 
     @register(nd_compute("actor"))
-    def update_actor(self, data: DataProto) -> DataProto:
-        """PPO epochs over mini-batches; needs ``old_log_probs``, ``advantages``,
+    def update_actor(self, data: DataProto) -> dict[str, float]:
+        """PPO epochs over mini-batches (returns the update's metrics); needs ``old_log_probs``, ``advantages``,
         ``response_mask`` (+ ``ref_log_probs`` with ``use_kl_loss``; no ``old_log_probs`` with
         ``actor.on_policy_old_log_probs``, see :func:`megaflow.workers.losses.actor_loss_fn`)."""
         loss_fn = losses.actor_loss_fn(self.config)
@@ -242,8 +246,8 @@ class CriticWorker(MegatronWorker):
         return None if out is None else DataProto.from_dict({"values": out["values"]})
 
     @register(nd_compute("critic"))
-    def update_critic(self, data: DataProto) -> DataProto:
-        """Clipped value regression on ``returns``; needs ``values`` (old), ``returns``,
+    def update_critic(self, data: DataProto) -> dict[str, float]:
+        """Clipped value regression on ``returns`` (returns the update's metrics); needs ``values`` (old), ``returns``,
         ``response_mask``."""
         return self._update(data, losses.critic_loss_fn(self.config))
 

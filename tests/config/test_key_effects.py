@@ -529,11 +529,11 @@ def _advantages_of_a_step(cfg, seq_scores, values=None):
 
     def update(data):
         seen.update(advantages=data.batch["advantages"].tolist())
-        return DataProto(meta_info={"metrics": {}})
+        return [{}]
 
     def update_critic(data):
         seen.update(returns=data.batch["returns"].tolist())
-        return DataProto(meta_info={"metrics": {}})
+        return [{}]
 
     synced = [{"rollout/weight_version": 0.0, "rollout/synced_actor_version": 0.0, "rollout/actor_version": 0.0}]
     actor = SimpleNamespace(compute_log_prob=lambda data: DataProto.from_dict({"old_log_probs": torch.zeros(b, r)}),

@@ -120,13 +120,14 @@ def _update_batch(groups):
 def test_updates_and_checkpoint_round_trip(groups, tmp_path):
     data = _update_batch(groups)
     before = data.batch["old_log_probs"].clone()
-    out = groups["actor"].update_actor(data)
-    metrics = out.meta_info["metrics"]
+    per_rank = groups["actor"].update_actor(data)  # one dict per DP rank, DP-reduced by the engine
+    assert len(per_rank) >= 1 and all(m == per_rank[0] for m in per_rank), per_rank
+    metrics = per_rank[0]
     # two mini-batches of 4 rows: the first is on-policy (ratio 1), the second is not
     assert metrics["actor/grad_norm"] > 0 and metrics["actor/lr"] == pytest.approx(5e-3)
     assert 0 <= metrics["actor/clip_fraction"] < 0.5
     assert set(metrics) >= {"actor/pg_loss", "actor/approx_kl", "actor/entropy"}
-    critic = groups["critic"].update_critic(data).meta_info["metrics"]
+    critic = groups["critic"].update_critic(data)[0]
     assert critic["critic/vf_loss"] > 0 and critic["critic/grad_norm"] > 0
 
     trained = groups["actor"].compute_log_prob(data).batch["old_log_probs"]

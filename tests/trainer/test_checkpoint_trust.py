@@ -254,7 +254,7 @@ def test_fit_stops_at_the_step_with_a_nan_loss_before_saving_it(tmp_path, monkey
     def update_actor(self, batch):  # step 2's update diverges
         FakeActor_update(self, batch)
         loss = float("nan") if self.version == 2 else 0.5
-        return DataProto(meta_info={"metrics": {"actor/pg_loss": loss}})
+        return [{"actor/pg_loss": loss}]
 
     FakeActor_update = FakeActor.update_actor
     monkeypatch.setattr(FakeActor, "update_actor", update_actor)

@@ -49,7 +49,7 @@ class FakeActor:
         self.calls.append(("update", len(batch), sorted(batch.keys())))
         self.updates.append(batch)
         self.version += 1
-        return DataProto(meta_info={"metrics": {"actor/pg_loss": float(self.version)}})
+        return [{"actor/pg_loss": float(self.version)}]
 
     def save_checkpoint(self, path):
         import os

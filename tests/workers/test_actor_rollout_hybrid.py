@@ -298,7 +298,7 @@ def test_after_update_the_rollout_serves_the_new_weights(hybrid, tmp_path):
     gen = torch.Generator().manual_seed(9)
     batch.batch["advantages"] = (torch.rand(sampled.batch["responses"].shape, generator=gen) + 0.5) \
         * torch.where(torch.arange(len(batch)) % 2 == 0, 1.0, -1.0).unsqueeze(-1)
-    metrics = group.update_actor(batch).meta_info["metrics"]
+    metrics = group.update_actor(batch)[0]
     assert metrics["actor/clip_fraction"] == 0.0  # on-policy: ratio 1
 
     trained_before_sync = _old_log_probs(group, before, temperature=1.0)
