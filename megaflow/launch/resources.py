@@ -148,9 +148,9 @@ class NodeResources:
 def launch_requirements(cfg: "Config") -> LaunchRequirements:
     """The cluster that ``cfg``'s resource pools need.
 
-    Only pools that host an enabled role count; their node indices come from
-    :func:`megaflow.config.layout.pack_pools`, so a node shared by two small pools needs
-    the sum of their ranks.
+    Only pools that host an enabled role (or the rollout under split placement) count;
+    their node indices come from :func:`megaflow.config.layout.pack_pools`, so a node
+    shared by two small pools needs the sum of their ranks.
 
     Args:
         cfg: a validated :class:`megaflow.config.Config` (``load_config(...)``).
@@ -160,12 +160,16 @@ def launch_requirements(cfg: "Config") -> LaunchRequirements:
     """
     from megaflow.config import enabled_roles
     from megaflow.config.layout import pack_pools
+    from megaflow.config.topology import split_rollout_pool
 
     res = cfg.resources
     gpus_per_proc = 1 if res.use_gpu else 0
     roles_of: dict[str, list[str]] = {}
     for role in enabled_roles(cfg):
         roles_of.setdefault(getattr(res.placement, role), []).append(role)
+    rollout_pool = split_rollout_pool(cfg)
+    if rollout_pool is not None:  # split placement: the engines' own pool
+        roles_of.setdefault(rollout_pool, []).append("rollout")
     pools = tuple(
         PoolRequirement(name=name, roles=tuple(roles_of[name]), nodes=placement.nodes,
                         procs_per_node=placement.procs_per_node, cpus_per_proc=res.num_cpus_per_proc,

@@ -186,7 +186,39 @@ class EngineShm:
                 removed.append(name)
             except FileNotFoundError:
                 pass
-        return removed
+        return removed + release_message_queues()
+
+
+def release_message_queues() -> list[str]:
+    """Unlink the names of the ring buffers this process created for vLLM's group
+    broadcasters (``MessageQueue``: ``/dev/shm/psm_<hex>``, one per group of more than one
+    rank, created by the group's first rank). Call once the engine has started: every
+    reader has then attached (vLLM's handshake in ``MessageQueue.create_from_process_group``).
+
+    vLLM unlinks such a buffer only in ``ShmRingBuffer.__del__``, which does not run when
+    the process ends through ``os._exit`` (Ray workers), a signal or ``kill -9``; the
+    mappings stay valid after the unlink, as for the communicator segments above.
+
+    Returns:
+        The buffer names unlinked (none when vLLM has no such group in this process).
+    """
+    try:
+        from vllm.distributed import parallel_state
+    except ImportError:  # pragma: no cover - vLLM is a core dependency
+        return []
+    removed = []
+    for ref in list(getattr(parallel_state, "_groups", {}).values()):
+        group = ref()
+        buffer = getattr(getattr(group, "mq_broadcaster", None), "buffer", None)
+        if buffer is None or not getattr(buffer, "is_creator", False):
+            continue
+        try:
+            buffer.shared_memory.unlink()  # also unregisters it from the resource tracker
+            removed.append(buffer.shared_memory.name)
+        except FileNotFoundError:
+            pass
+        buffer.is_creator = False  # its __del__ would unlink the name a second time
+    return removed
 
 
 def prepare_engine_shm(shm_dir: str = SHM_DIR) -> EngineShm:
@@ -215,4 +247,4 @@ def prepare_engine_shm(shm_dir: str = SHM_DIR) -> EngineShm:
     return EngineShm(identity)
 
 
-__all__ = ["EngineShm", "prepare_engine_shm", "remove_stale_segments", "SHM_DIR"]
+__all__ = ["EngineShm", "prepare_engine_shm", "release_message_queues", "remove_stale_segments", "SHM_DIR"]

@@ -99,8 +99,13 @@ def _engine_rank(rank, world_size, model_dir, prompts, marker_dir=None):
                          SamplingConfig(eos_token_ids=(), pad_token_id=2, response_length=RESPONSE_LEN))
     identity = vllm_shm._state["identity"]
     torch.distributed.barrier()  # every rank has released its segment
+    from vllm.distributed import parallel_state
+
+    ring_buffers = [g().mq_broadcaster.buffer.shared_memory.name for g in parallel_state._groups.values()
+                    if g() is not None and getattr(g().mq_broadcaster, "buffer", None) is not None]
     res = {"identity": identity, "pid": os.getpid(), "segments_after_start": _segments(identity),
-           "own": sorted(vllm_shm._state["own"]),
+           "own": sorted(vllm_shm._state["own"]), "ring_buffers": ring_buffers,
+           "ring_buffers_after_start": [n for n in ring_buffers if os.path.exists(os.path.join(vllm_shm.SHM_DIR, n))],
            "greedy": engine.generate_sequences(with_meta(prompts, do_sample=False)).batch["responses"]}
     if marker_dir is not None:
         with open(os.path.join(marker_dir, f"rank{rank}.tmp"), "w") as f:
@@ -130,6 +135,10 @@ def _check_run(results, greedy_reference):
     assert [len(r["own"]) for r in results] == [1, 1]
     assert [r["own"][0].rsplit("_", 1)[1] for r in results] == ["0", "1"]
     assert [r["segments_after_start"] for r in results] == [[], []]
+    # vLLM's TP-group broadcaster ring buffer (psm_<hex>, created by the group's first rank)
+    # exists (both ranks map the same one) and its name is gone after the start-up too.
+    assert results[0]["ring_buffers"] and results[0]["ring_buffers"] == results[1]["ring_buffers"]
+    assert [r["ring_buffers_after_start"] for r in results] == [[], []]
     for r in results:  # generation through the (unlinked, still mapped) segments works
         assert torch.equal(r["greedy"], greedy_reference)
     return identity

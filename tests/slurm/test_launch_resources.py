@@ -53,6 +53,19 @@ def test_tiny_cpu_recipe_needs_one_node_of_two_cpus():
     assert more.cpus_per_node == 2 * 3
 
 
+def test_a_split_rollout_pool_counts_its_ranks():
+    # Actor (and the other roles) on a 2-rank pool, the vLLM engines on their own 2-rank pool:
+    # 4 ranks of 1 CPU each on the one node, the rollout pool listed with its role.
+    split = ["resources.procs_per_node=4", "resources.pools.train.procs_per_node=2",
+             "resources.pools.gen.procs_per_node=2", "resources.placement.actor=train",
+             "resources.placement.ref=train", "resources.placement.critic=train",
+             "resources.placement.reward_model=train", "resources.placement.rollout=gen"]
+    req = launch_requirements(load_config("tiny_arith_grpo", split))
+    pools = {p.name: p for p in req.pools}
+    assert set(pools) == {"train", "gen"} and pools["gen"].roles == ("rollout",)
+    assert (req.num_nodes, req.cpus_per_node, req.total_cpus) == (1, 2 + 2, 4)
+
+
 def test_pools_sharing_a_node_add_up():
     # Pool a: 2 nodes x 2 ranks (actor, TP=2, DP=2); pool b: 1 node x 2 ranks (ref). First fit puts
     # b on node 0 next to a, so node 0 hosts 4 ranks and node 1 hosts 2.
