@@ -95,6 +95,12 @@ def _parallel(role: str) -> dict:
     return rows
 
 
+def _offload(role: str, parts: tuple[str, ...] = ("param", "grad", "optimizer")) -> dict:
+    """The role's offload flags (forward-only roles have parameters only)."""
+    test = WORKER_KNOBS + "test_each_offload_flag_offloads_exactly_its_part"
+    return {f"{role}.{part}_offload": consumed(test) for part in parts}
+
+
 def _optim(role: str) -> dict:
     schedule = (KNOBS + "test_decay_horizon_is_the_runs_optimizer_steps",
                 KNOBS + "test_warmup_as_long_as_the_run_is_refused_for_a_decaying_schedule")
@@ -151,9 +157,7 @@ KEYS: dict[str, Consumed | Refused] = {
     "algorithm.rollout_correction.max_mismatch": consumed(E2E_RC + "test_cispo_with_tis_and_icepop_learns"),
     # ------------------------------------------------------------------ actor
     **_parallel("actor"),
-    "actor.param_offload": consumed(WORKER_KNOBS + "test_each_offload_flag_offloads_exactly_its_part"),
-    "actor.grad_offload": consumed(WORKER_KNOBS + "test_each_offload_flag_offloads_exactly_its_part"),
-    "actor.optimizer_offload": consumed(WORKER_KNOBS + "test_each_offload_flag_offloads_exactly_its_part"),
+    **_offload("actor"),
     "actor.recompute_granularity": consumed(WORKER_KNOBS + "test_recipe_knobs_reach_the_worker_config"),
     "actor.recompute_method": consumed(WORKER_KNOBS + "test_recipe_knobs_reach_the_worker_config"),
     "actor.recompute_num_layers": consumed(WORKER_KNOBS + "test_recipe_knobs_reach_the_worker_config"),
@@ -201,22 +205,20 @@ KEYS: dict[str, Consumed | Refused] = {
     **_parallel("ref"),
     "ref.enabled": consumed(E2E_ALGO + "test_rloo_with_kl_loss"),
     "ref.logits_chunk_tokens": consumed(KNOBS + "test_logits_chunk_tokens_reach_the_actor_and_ref_engines"),
-    "ref.param_offload": consumed(WORKER_KNOBS + "test_each_offload_flag_offloads_exactly_its_part"),
+    **_offload("ref", ("param",)),
     # ------------------------------------------------------------------ critic
     **_parallel("critic"),
     "critic.path": consumed("tests/trainer/test_e2e_smollm2.py::test_smollm2_gsm8k_grpo_runs_one_step"),
     "critic.ppo_mini_batch_size": consumed(E2E_ALGO + "test_ppo_gae_critic_with_kl_in_reward"),
     "critic.cliprange_value": consumed(KE + "test_critic_loss_keys_change_the_worker_value_loss"),
     "critic.loss_agg_mode": consumed(KE + "test_critic_loss_keys_change_the_worker_value_loss"),
-    "critic.param_offload": consumed(WORKER_KNOBS + "test_each_offload_flag_offloads_exactly_its_part"),
-    "critic.grad_offload": consumed(WORKER_KNOBS + "test_each_offload_flag_offloads_exactly_its_part"),
-    "critic.optimizer_offload": consumed(WORKER_KNOBS + "test_each_offload_flag_offloads_exactly_its_part"),
+    **_offload("critic"),
     **_optim("critic"),
     # ------------------------------------------------------------------ reward model
     **_parallel("reward_model"),
     "reward_model.hf_config": consumed(TOPO + "test_reward_model_architecture_is_its_own"),
     "reward_model.enabled": consumed(TOPO + "test_reward_model_architecture_is_its_own"),
-    "reward_model.param_offload": consumed(WORKER_KNOBS + "test_each_offload_flag_offloads_exactly_its_part"),
+    **_offload("reward_model", ("param",)),
     # ------------------------------------------------------------------ reward
     "reward.reward_kwargs": consumed("tests/rewards/test_reward_manager.py::test_verl_reward_model_field_and_mixed_sources"),
     "reward.functions": consumed(KE + "test_reward_keys_shape_the_runs_reward_table"),
