@@ -332,11 +332,11 @@ class PlacementConfig(Section):
     actor: str = "global"
     """Pool of the actor (and its rollout)."""
     ref: str = "global"
-    """Pool of the reference policy."""
+    """Pool of the reference policy (read only when ref.enabled)."""
     critic: str = "global"
-    """Pool of the critic."""
+    """Pool of the critic (read only when critic.enabled)."""
     reward_model: str = "global"
-    """Pool of the reward model."""
+    """Pool of the reward model (read only when reward_model.enabled)."""
     rollout: str | None = None
     """Pool of the rollout engines; null: the actor's pool (colocated). Another pool: split
     placement, the pool's ranks hold only engines (TP = rollout.tp, ranks a multiple of it)
@@ -372,10 +372,8 @@ class ResourcesConfig(Section):
     def validate(self) -> None:
         check_positive(self, "nodes", "procs_per_node", "num_cpus_per_proc", "gpu_memory_gib", "cpu_memory_gib")
         check(len(self.pools) > 0, "pools", "at least one pool is needed")
-        for role in ROLES:
-            name = getattr(self.placement, role)
-            check(name in self.pools, f"placement.{role}",
-                  f"unknown pool {name!r}; pools: {', '.join(self.pools)}")
+        # The roles' pools are checked with the config (topology.validate_config): a disabled
+        # role's placement is never read, so it need not name a pool.
         rollout = self.placement.rollout
         check(rollout is None or rollout in self.pools, "placement.rollout",
               f"unknown pool {rollout!r}; pools: {', '.join(self.pools)} (null: the actor's pool)")

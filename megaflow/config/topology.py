@@ -32,6 +32,19 @@ def enabled_roles(cfg: Config) -> tuple[str, ...]:
     return tuple(role for role in ROLES if role == "actor" or getattr(cfg, role).enabled)
 
 
+def pools_in_use(cfg: Config) -> dict[str, tuple[str, ...]]:
+    """Pools that host processes, in placement order: pool -> the enabled roles placed on
+    it, plus ``"rollout"`` on the rollout's own pool under split placement. A disabled
+    role's ``resources.placement`` entry is not read."""
+    placement, by_pool = cfg.resources.placement, {}
+    for role in enabled_roles(cfg):
+        by_pool.setdefault(getattr(placement, role), []).append(role)
+    split = split_rollout_pool(cfg)
+    if split is not None:
+        by_pool.setdefault(split, []).append("rollout")
+    return {pool: tuple(roles) for pool, roles in by_pool.items()}
+
+
 def role_model_spec(cfg: Config, role: str) -> ModelSpec:
     """Architecture of ``role``: the reward model's own, the policy's for the others."""
     if role == "reward_model":
@@ -392,10 +405,12 @@ class ClusterRequirements:
 
 
 def cluster_requirements(cfg: Config) -> ClusterRequirements:
-    """Nodes and per-node resources the run needs (pools packed on resources.nodes)."""
+    """Nodes and per-node resources the run needs: the nodes of the pools in use
+    (:func:`pools_in_use`), as packed on resources.nodes."""
     res = cfg.resources
 
-    used_nodes = {node for pool in pack_pools(res).values() for node in pool.nodes}
+    in_use = pools_in_use(cfg)
+    used_nodes = {node for name, pool in pack_pools(res).items() if name in in_use for node in pool.nodes}
     procs = res.procs_per_node
     return ClusterRequirements(nodes=len(used_nodes), procs_per_node=procs,
                                gpus_per_node=procs if res.use_gpu else 0,
@@ -422,6 +437,15 @@ def _check_roles(cfg: Config) -> None:
         check(cfg.rollout.n >= 2, "rollout.n",
               f"adv_estimator {algo.adv_estimator!r} compares the samples of a prompt: needs n >= 2, "
               f"got {cfg.rollout.n}")
+
+
+def _check_placement(cfg: Config) -> None:
+    """Every enabled role names a pool of ``resources.pools``; a disabled role's entry is not read."""
+    res = cfg.resources
+    for role in enabled_roles(cfg):
+        pool = getattr(res.placement, role)
+        check(pool in res.pools, f"resources.placement.{role}",
+              f"unknown pool {pool!r}; pools: {', '.join(res.pools)}")
 
 
 def _check_inputs(cfg: Config) -> None:
@@ -465,8 +489,8 @@ def _check_colocated_meshes(cfg: Config) -> None:
 def validate_config(cfg: Config) -> None:
     """Checks across sections, called by ``Config.__post_init__``.
 
-    Inputs set (model, tokenizer, training data); algorithm vs enabled roles; for every
-    enabled role: world size = tp*pp*cp*dp on its pool, tp dividing the heads, KV heads
+    Inputs set (model, tokenizer, training data); algorithm vs enabled roles; every
+    enabled role placed on a known pool; for every enabled role: world size = tp*pp*cp*dp on its pool, tp dividing the heads, KV heads
     and FFN size, pp (x vpp) dividing the layers; the rollout's t_g | t and p_g | p (hence
     t_g dividing the heads too); roles colocated on one pool with equal tp/pp/cp/vpp;
     batch sizes divisible by mini-batches, DP and micro-batches.
@@ -476,6 +500,7 @@ def validate_config(cfg: Config) -> None:
     """
     _check_inputs(cfg)
     _check_roles(cfg)
+    _check_placement(cfg)
     for role in enabled_roles(cfg):
         _check_model_parallel(role_model_spec(cfg, role), role, role_parallel(cfg, role))
         check(cfg.resources.use_gpu or not getattr(cfg, role).sequence_parallel, f"{role}.sequence_parallel",
@@ -493,7 +518,7 @@ def validate_config(cfg: Config) -> None:
 
 
 __all__ = [
-    "RoleParallel", "GenerationSizes", "TrainBatchSizes", "ClusterRequirements", "enabled_roles",
+    "RoleParallel", "GenerationSizes", "TrainBatchSizes", "ClusterRequirements", "enabled_roles", "pools_in_use",
     "role_model_spec", "role_parallel", "generation_sizes", "train_batch_sizes", "num_samples_per_step",
     "max_seq_len", "run_dir_of", "num_training_steps", "lr_schedule_steps", "token_budgets", "TOKEN_BUDGET_KEYS",
     "cluster_requirements", "validate_config", "TRAINED_ROLES",

@@ -158,20 +158,14 @@ def launch_requirements(cfg: "Config") -> LaunchRequirements:
     Returns:
         The :class:`LaunchRequirements`; ``nodes`` are ordered by cluster node index.
     """
-    from megaflow.config import enabled_roles
     from megaflow.config.layout import pack_pools
-    from megaflow.config.topology import split_rollout_pool
+    from megaflow.config.topology import pools_in_use
 
     res = cfg.resources
     gpus_per_proc = 1 if res.use_gpu else 0
-    roles_of: dict[str, list[str]] = {}
-    for role in enabled_roles(cfg):
-        roles_of.setdefault(getattr(res.placement, role), []).append(role)
-    rollout_pool = split_rollout_pool(cfg)
-    if rollout_pool is not None:  # split placement: the engines' own pool
-        roles_of.setdefault(rollout_pool, []).append("rollout")
+    roles_of = pools_in_use(cfg)  # enabled roles, and the rollout's own pool under split placement
     pools = tuple(
-        PoolRequirement(name=name, roles=tuple(roles_of[name]), nodes=placement.nodes,
+        PoolRequirement(name=name, roles=roles_of[name], nodes=placement.nodes,
                         procs_per_node=placement.procs_per_node, cpus_per_proc=res.num_cpus_per_proc,
                         gpus_per_proc=gpus_per_proc)
         for name, placement in pack_pools(res).items() if name in roles_of)

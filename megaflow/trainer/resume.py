@@ -100,12 +100,12 @@ def layout_differences(checkpoint: Path, cfg) -> list[str]:
     """Per trained role, the model-parallel sizes (tp, pp, cp, vpp) that differ between the
     checkpoint's ``<role>/layout.json`` and the run's plan, as ``"actor: tp 2 -> 1 (dp 1 -> 2)"``
     (a DP change alone reshards and is not listed)."""
-    from megaflow.config import role_parallel
+    from megaflow.config import enabled_roles, role_parallel
 
     out = []
     for role in _TRAINED_ROLES:
         path = checkpoint / role / "layout.json"
-        if not path.is_file():
+        if role not in enabled_roles(cfg) or not path.is_file():  # a disabled role has no mesh (nor pool)
             continue
         saved = json.loads(path.read_text())
         now = role_parallel(cfg, role)

@@ -55,18 +55,13 @@ def build_worker_groups(cfg, tokenizer, total_steps: int | None = None) -> Worke
     Raises:
         WorkerError: a rank failed to start, naming the role and rank.
     """
-    from megaflow.config import enabled_roles
-    from megaflow.config.topology import split_rollout_pool
+    from megaflow.config.topology import pools_in_use, split_rollout_pool
     from megaflow.single_controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool, create_colocated_worker_cls
     from megaflow.workers.rollout_worker import RolloutWorker, SplitActorWorker
 
     res = cfg.resources
     split = split_rollout_pool(cfg)
-    by_pool: dict[str, list[str]] = {}
-    for role in enabled_roles(cfg):
-        by_pool.setdefault(getattr(res.placement, role), []).append(role)
-    if split is not None:
-        by_pool[split] = ["rollout"]
+    by_pool = pools_in_use(cfg)  # split placement: ("rollout",) alone on its pool (validated)
     views: dict[str, Any] = {}
     pools = []
     for pool_name, roles in by_pool.items():

@@ -3,14 +3,17 @@ import json
 
 import pytest
 
-from megaflow.config import ConfigError, config_from_dict
+from megaflow.config import ConfigError, build_plan, config_from_dict, format_plan
 from megaflow.config.topology import (
     cluster_requirements,
+    enabled_roles,
     generation_sizes,
     num_training_steps,
+    pools_in_use,
     role_parallel,
     train_batch_sizes,
 )
+from megaflow.launch.resources import launch_requirements
 
 
 def test_tp_must_divide_the_attention_heads(tiny):
@@ -131,7 +134,41 @@ def test_pools_and_placement(tiny):
     del res["pools"]["extra"]
     res["placement"]["critic"] = "scoring"
     with pytest.raises(ConfigError, match=r"^resources\.placement\.critic: unknown pool 'scoring'; pools: train, score"):
-        config_from_dict(tiny(resources=res, reward_model=rm))
+        config_from_dict(tiny(resources=res, reward_model=rm, critic={"enabled": True},
+                              algorithm={"adv_estimator": "gae"}))
+
+
+@pytest.mark.parametrize("role, enable", [
+    ("ref", {"ref": {"enabled": True}, "algorithm": {"use_kl_loss": True}}),
+    ("critic", {"critic": {"enabled": True}, "algorithm": {"adv_estimator": "gae"}}),
+    ("reward_model", {"reward_model": {"enabled": True}}),
+])
+def test_a_disabled_roles_placement_is_not_read(tiny, role, enable):
+    # Disabled (the defaults: GRPO without KL, no critic, no reward model), the role may name a
+    # pool that does not exist; the run is laid out as if the entry were absent.
+    res = {"use_gpu": False, "placement": {role: "nowhere"}}
+    cfg = config_from_dict(tiny(resources=res))
+    assert enabled_roles(cfg) == ("actor",)
+    assert pools_in_use(cfg) == {"global": ("actor",)}
+    assert cluster_requirements(cfg).nodes == 1
+    assert [p.name for p in launch_requirements(cfg).pools] == ["global"]
+    assert "nowhere" not in format_plan(build_plan(cfg))
+    # Enabled, the same entry is refused at its dotted key, listing the pools there are.
+    if role == "reward_model":
+        enable["reward_model"]["hf_config"] = tiny()["model"]["hf_config"]
+    with pytest.raises(ConfigError, match=rf"^resources\.placement\.{role}: unknown pool 'nowhere'; pools: global$"):
+        config_from_dict(tiny(resources=res, **enable))
+
+
+def test_an_idle_pool_named_only_by_a_disabled_role_is_not_needed(tiny):
+    # The critic (disabled) names pool "spare" on node 1: neither the dry run's summary nor the
+    # launch check asks for that node.
+    res = {"use_gpu": False, "nodes": 2, "procs_per_node": 2,
+           "pools": {"global": {"nodes": 1}, "spare": {"nodes": 1}}, "placement": {"critic": "spare"}}
+    cfg = config_from_dict(tiny(resources=res))
+    assert cluster_requirements(cfg).nodes == 1
+    assert launch_requirements(cfg).num_nodes == 1
+    assert pools_in_use(cfg) == {"global": ("actor",)}
 
 
 def test_num_training_steps(tiny):
