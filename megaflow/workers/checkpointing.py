@@ -8,9 +8,12 @@ Layout of ``path``::
     scheduler.json   OptimizerParamScheduler.state_dict() (identical on every rank), JSON
     layout.json      the engine's parallel sizes {tp, pp, cp, dp, vpp, world_size}
 
-The optimizer state is tied to the parallel layout it was saved with (resume uses the
-same layout, checked against ``layout.json`` before any process starts); the model part
-is not. Atomicity and the manifest are the caller's (the trainer's checkpoint manager
+The optimizer state is saved in megatron-core's ``dp_reshardable`` format: each rank
+writes its DP shard of the distributed optimizer's buckets, and a load at another DP size
+reshards them (``tests/megatron/test_dist_optimizer_resize.py``: written at DP=2, resumed
+exactly at DP=1). The buckets follow the model-parallel shard, so the optimizer state
+only loads at the tp, pp, cp and vpp sizes it was saved with (the trainer checks them
+against ``layout.json`` before any process starts); the model part loads at any layout. Atomicity and the manifest are the caller's (the trainer's checkpoint manager
 writes into a temporary directory, seals it and renames it). No file is unpickled
 without the restricted readers of :mod:`megaflow.utils.integrity`.
 """
@@ -24,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 MODEL_DIR, OPTIMIZER_DIR, SCHEDULER_FILE, LAYOUT_FILE = "model", "optimizer", "scheduler.json", "layout.json"
-# The distributed optimizer's state saved per DP shard (resume at the same layout).
+# The distributed optimizer's state saved per DP shard; it loads at any DP size and the
+# saved model-parallel sizes.
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
