@@ -160,3 +160,25 @@ def test_bad_input_row(command, note, expected, tmp_path, model_dir, capsys, mon
 def test_make_still_forwards_good_words():
     rc, _, args = _run_make(["train", "RECIPE=tiny_arith_ppo", "trainer.total_steps=3", "DRY_RUN=1"], Path("."))
     assert rc == 0 and args == ["--recipe", "tiny_arith_ppo", "--dry-run", "trainer.total_steps=3"]
+
+
+def test_the_empty_value_hint_works_when_typed_through_make(capsys, monkeypatch):
+    # `make train trainer.total_steps=` is refused with a suggestion; that suggestion, typed
+    # into a shell as `make train <it>` (one shell strips quotes, make's recipe shell again),
+    # must reach the trainer as written and load as null.
+    from megaflow.config import load_config
+    from megaflow.trainer.main import main
+
+    monkeypatch.delenv("MEGAFLOW_DEBUG", raising=False)
+    rc, _, args = _run_make(["train", "trainer.total_steps="], Path("."))
+    assert rc == 0 and args[-1] == "trainer.total_steps="
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    suggested = re.findall(r"write (\S+) for null", err)
+    assert suggested == ["trainer.total_steps=null"] and "''" not in err, err
+    proc = subprocess.run(["bash", "-c", f"make -n --no-print-directory train {suggested[0]}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    line = [ln for ln in proc.stdout.splitlines() if "megaflow.trainer.main" in ln][-1]
+    forwarded = shlex.split(line.split("megaflow.trainer.main", 1)[1])
+    assert proc.returncode == 0 and forwarded[-1] == suggested[0]
+    assert load_config("tiny_arith_grpo", forwarded[2:]).trainer.total_steps is None

@@ -9,7 +9,8 @@ YAML scalars (``3`` int, ``1e-6``/``0.1`` float, ``true`` bool, ``null``, ``[a, 
 ``{k: v}`` mapping, anything else a string).
 
 Refused as :class:`ConfigError` naming the key: an override without a value
-(``trainer.total_steps=``: write ``=null`` for null, ``=''`` for an empty string) and a key
+(``trainer.total_steps=``, most often a shell variable that expanded to nothing: null is
+written ``=null``, which passes ``make train`` and the shell unchanged) and a key
 given twice in one mapping of a recipe file (the file and both lines are named), since
 YAML would otherwise keep the second silently.
 """
@@ -120,15 +121,17 @@ def parse_override(item: str) -> tuple[str, Any]:
 
     Raises:
         ConfigError: no ``=``, a malformed key, an empty value (``key=``: null is written
-            ``key=null``, an empty string ``key=''``) or a value that is not valid YAML.
+            ``key=null``; the shell strips quotes, so a typed ``key=''`` arrives as ``key=``
+            too) or a value that is not valid YAML.
     """
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not _KEY.match(key):
         raise ConfigError("", f"override {item!r}: expected key.sub=value (e.g. trainer.total_steps=10)")
     if not raw.strip():
-        raise ConfigError(key, f"override {item!r} has no value; write {key}=null for null or {key}='' "
-                               "for an empty string")
+        raise ConfigError(key, f"override {item!r} has no value; write {key}=null for null, or the value "
+                               "itself (an empty value is refused: it is most often a shell variable that "
+                               "expanded to nothing)")
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError as err:
