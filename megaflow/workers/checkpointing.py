@@ -13,9 +13,10 @@ writes its DP shard of the distributed optimizer's buckets, and a load at anothe
 reshards them (``tests/megatron/test_dist_optimizer_resize.py``: written at DP=2, resumed
 exactly at DP=1). The buckets follow the model-parallel shard, so the optimizer state
 only loads at the tp, pp, cp and vpp sizes it was saved with (the trainer checks them
-against ``layout.json`` before any process starts); the model part loads at any layout. Atomicity and the manifest are the caller's (the trainer's checkpoint manager
-writes into a temporary directory, seals it and renames it). No file is unpickled
-without the restricted readers of :mod:`megaflow.utils.integrity`.
+against ``layout.json`` before any process starts); the model part loads at any layout.
+Atomicity and the manifest are the caller's (the trainer's checkpoint manager writes into
+a temporary directory, seals it and renames it). No file is unpickled without the
+restricted readers of :mod:`megaflow.utils.integrity`.
 """
 from __future__ import annotations
 
