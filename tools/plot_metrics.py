@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -21,6 +22,7 @@ from typing import Any, Sequence
 from megaflow.utils.tracking import METRICS_FILE, read_metrics_jsonl
 
 DEFAULT_EXCLUDE = ("timing_s/*",)
+TITLE_FONTSIZE = 9
 #: Drawn first when present (in this order); the other metrics follow alphabetically.
 PRIORITY = ("critic/score/mean", "reward/acc/mean", "val/*", "response_length/mean", "actor/entropy")
 
@@ -52,9 +54,35 @@ def select_keys(records: Sequence[dict[str, Any]], patterns: Sequence[str] | Non
     return keys[:max_plots]
 
 
-def plot_metrics(records: Sequence[dict[str, Any]], keys: Sequence[str], out: Path, *,
-                 title: str = "", ncols: int = 3) -> Path:
-    """Write one subplot per key (value vs step; missing/null values skipped) to ``out``."""
+def wrap_title(key: str, fits) -> str:
+    """``key`` broken into lines that each satisfy ``fits(line)`` (a width test): after a
+    ``/`` or ``_`` where possible, inside a name only when one part alone is too wide.
+    Joining the lines gives ``key`` back."""
+    parts = [p for p in re.split(r"(?<=[/_])", key) if p]
+    lines: list[str] = []
+    for part in parts:
+        if lines and fits(lines[-1] + part):
+            lines[-1] += part
+            continue
+        while len(part) > 1 and not fits(part):  # a part wider than the axes: cut it
+            cut = next((i for i in range(len(part) - 1, 0, -1) if fits(part[:i])), 1)
+            lines.append(part[:cut])
+            part = part[cut:]
+        lines.append(part)
+    return "\n".join(lines)
+
+
+def draw_metrics(records: Sequence[dict[str, Any]], keys: Sequence[str], *, title: str = "",
+                 ncols: int = 3):
+    """A figure with one subplot per key (value vs step; missing/null values skipped).
+
+    The layout is matplotlib's constrained layout (room for every title, tick label and the
+    figure title); a subplot title wider than its axes is wrapped at ``/`` and ``_`` so that
+    titles of neighbouring subplots never overlap.
+
+    Raises:
+        ValueError: ``keys`` is empty.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -64,11 +92,11 @@ def plot_metrics(records: Sequence[dict[str, Any]], keys: Sequence[str], out: Pa
         raise ValueError("no metrics to plot")
     ncols = min(ncols, len(keys))
     nrows = math.ceil(len(keys) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.0 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.0 * nrows), squeeze=False, layout="constrained")
     for ax, key in zip(axes.flat, keys):
         points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 50 else None)
-        ax.set_title(key, fontsize=9)
+        ax.set_title(key, fontsize=TITLE_FONTSIZE)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
@@ -76,7 +104,28 @@ def plot_metrics(records: Sequence[dict[str, Any]], keys: Sequence[str], out: Pa
         ax.set_visible(False)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    # Lay out once with the full titles' heights, then wrap each title to its axes' width
+    # and lay out again (wrapping only adds lines above the axes, it does not widen them).
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax, key in zip(axes.flat, keys):
+        width = ax.get_window_extent(renderer).width
+        prop = ax.title.get_fontproperties()
+
+        def fits(text: str, width: float = width, prop=prop) -> bool:
+            return renderer.get_text_width_height_descent(text, prop, ismath=False)[0] <= width
+
+        ax.set_title(wrap_title(key, fits), fontsize=TITLE_FONTSIZE)
+    fig.canvas.draw()
+    return fig
+
+
+def plot_metrics(records: Sequence[dict[str, Any]], keys: Sequence[str], out: Path, *,
+                 title: str = "", ncols: int = 3) -> Path:
+    """Write :func:`draw_metrics`' figure of ``keys`` to the PNG ``out``; returns ``out``."""
+    fig = draw_metrics(records, keys, title=title, ncols=ncols)  # selects the Agg backend first
+    import matplotlib.pyplot as plt
+
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -51,3 +51,64 @@ def test_png_written(run_dir, tmp_path, capsys):
     assert plot_metrics.main(["--run", str(run_dir), "--out", str(out), "--keys", "critic/score/*"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "2 metrics, 5 steps" in capsys.readouterr().out
+
+
+LONG_KEYS = ["training/rollout_probs_diff_mean", "rollout_corr/token_mult_prob_error_before_rejection_sampling",
+             "perf/throughput_tokens_per_s_per_rank_including_weight_sync",
+             "x/" + "averyveryverylongmetricnamewithoutanyseparatorsthatisfartoowideforonesubplot", "a/b"]
+
+
+def _title_overlaps(fig) -> list[tuple[str, str]]:
+    """Pairs of drawn texts (subplot titles, the figure title, other subplots' areas) whose
+    boxes intersect, and ``(text, "figure edge")`` for a title cut off by the figure's edge."""
+    renderer = fig.canvas.get_renderer()
+    axes = [ax for ax in fig.axes if ax.get_visible()]
+    boxes = [(f"title {ax.get_title()!r}", ax.title.get_window_extent(renderer), ax) for ax in axes]
+    if fig._suptitle is not None:
+        boxes.append(("suptitle", fig._suptitle.get_window_extent(renderer), None))
+    areas = [(f"axes of {ax.get_title()!r}", ax.get_window_extent(renderer), ax) for ax in axes]
+    hits = [(a, b) for i, (a, box_a, _) in enumerate(boxes) for b, box_b, _ in boxes[i + 1:] if box_a.overlaps(box_b)]
+    hits += [(a, b) for a, box_a, own in boxes for b, box_b, ax in areas if ax is not own and box_a.overlaps(box_b)]
+    edge = fig.bbox
+    hits += [(a, "figure edge") for a, box, _ in boxes
+             if box.x0 < edge.x0 or box.x1 > edge.x1 or box.y0 < edge.y0 or box.y1 > edge.y1]
+    return hits
+
+
+def test_long_titles_are_wrapped_and_do_not_overlap():
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    records = [{"step": s, **{k: float(s) for k in LONG_KEYS}} for s in range(1, 4)]
+    fig = plot_metrics.draw_metrics(records, LONG_KEYS, title="/a/run/directory/of/some/length")
+    try:
+        assert _title_overlaps(fig) == []
+        titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
+        assert [t.replace("\n", "") for t in titles] == LONG_KEYS  # every name is shown whole
+        assert titles[-1] == "a/b" and titles[3].startswith("x/\n")  # breaks after '/' first
+        renderer = fig.canvas.get_renderer()
+        for ax in fig.axes[:len(LONG_KEYS)]:
+            assert ax.title.get_window_extent(renderer).width <= ax.get_window_extent(renderer).width
+    finally:
+        plt.close(fig)
+    # The former layout (full titles, tight_layout, then a figure title) collides: the check
+    # above can fail.
+    fig, axes = plt.subplots(1, 3, figsize=(3 * 4.2, 3.0), squeeze=False)
+    for ax, key in zip(axes.flat, LONG_KEYS[2:]):
+        ax.set_title(key, fontsize=9)
+    fig.suptitle("/a/run/directory/of/some/length", fontsize=10)
+    fig.tight_layout()
+    fig.canvas.draw()
+    try:
+        assert _title_overlaps(fig)
+    finally:
+        plt.close(fig)
+
+
+def test_wrap_title_breaks_after_separators_then_inside_names():
+    def fits(text):
+        return len(text) <= 8
+
+    assert plot_metrics.wrap_title("actor/lr", fits) == "actor/lr"
+    assert plot_metrics.wrap_title("critic/score/mean", fits) == "critic/\nscore/\nmean"
+    assert plot_metrics.wrap_title("a/abcdefghijkl_xy", fits) == "a/\nabcdefgh\nijkl_xy"
