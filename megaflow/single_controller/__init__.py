@@ -6,7 +6,7 @@ The controller (the Ray driver) calls methods of :class:`RayWorkerGroup`; each c
 """
 from megaflow.single_controller.decorator import (Dispatch, Execute, MethodSpec, NDCompute, nd_compute, register,
                                                   registered_methods)
-from megaflow.single_controller.collect import ChunkOutput
+from megaflow.single_controller.collect import ChunkOutput, GroupProtoResult, ProtoResult
 from megaflow.single_controller.dispatch import DispatchPlan, DPInfo, MeshInfo, collect, make_plan
 from megaflow.single_controller.errors import WorkerError
 from megaflow.single_controller.futures import DataProtoFuture, FutureChunk
@@ -17,7 +17,7 @@ from megaflow.single_controller.worker_group import (ClassWithInitArgs, Colocate
 
 __all__ = [
     "Dispatch", "Execute", "MethodSpec", "NDCompute", "nd_compute", "register", "registered_methods",
-    "DPInfo", "MeshInfo", "DispatchPlan", "ChunkOutput", "make_plan", "collect",
+    "DPInfo", "MeshInfo", "DispatchPlan", "ChunkOutput", "ProtoResult", "GroupProtoResult", "make_plan", "collect",
     "WorkerError", "DataProtoFuture", "FutureChunk",
     "ResourcePool", "Worker", "WorkerMetadata",
     "RayWorkerGroup", "ClassWithInitArgs", "ColocatedClassWithInitArgs", "create_colocated_worker_cls",

@@ -153,7 +153,8 @@ class DataProtoFuture:
         return len(self.collect_index)
 
     def get(self) -> Any:
-        """Wait for all ranks and return the collected value (DataProto, or per-dp-rank list).
+        """Wait for all ranks and return the collected value (DataProto, GroupProtoResult, or
+        per-dp-rank list; see :func:`~megaflow.single_controller.collect.collect_proto`).
 
         Raises:
             WorkerError: a rank of the producing call failed.

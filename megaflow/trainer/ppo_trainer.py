@@ -41,7 +41,7 @@ from megaflow.trainer.worker_api import (ActorRolloutGroup, CriticGroup, RefGrou
 
 if TYPE_CHECKING:
     from megaflow.config import Config
-    from megaflow.single_controller import ResourcePool
+    from megaflow.single_controller import GroupProtoResult, ResourcePool
 
 #: The prompt tensors the rollout's outputs replace (its ``input_ids``, ``attention_mask``
 #: and ``position_ids`` cover prompt and response).
@@ -83,6 +83,18 @@ def _update_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """An update's metrics from its per-DP-rank results (DP rank 0's; the engine reduces them
     over DP, so every rank returns the same values)."""
     return {k: float(v) for k, v in per_rank[0].items()}
+
+
+def _rollout_metrics(per_replica: list[dict[str, float]]) -> dict[str, float]:
+    """A generate call's metrics from its per-replica results: generation replica 0's
+    (the sync checked that every engine serves the same weight version), with
+    ``timeline/gen_start_unix`` / ``timeline/gen_end_unix`` spanning all replicas (the
+    earliest start, the latest end) when the replicas report them."""
+    metrics = {k: float(v) for k, v in per_replica[0].items()}
+    if "timeline/gen_start_unix" in metrics:
+        metrics["timeline/gen_start_unix"] = min(m["timeline/gen_start_unix"] for m in per_replica)
+        metrics["timeline/gen_end_unix"] = max(m["timeline/gen_end_unix"] for m in per_replica)
+    return metrics
 
 
 def capture_rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -273,15 +285,16 @@ class RayPPOTrainer:
         gen_in.meta_info.update(self.sampling_params(greedy=greedy, step=step))
         return prompts, gen_in
 
-    def _join_rollout(self, prompts: DataProto, out: DataProto, n: int) -> tuple[DataProto, dict[str, float]]:
-        """The prompts' other fields joined with the rollout's outputs, and the rollout's metrics."""
-        metrics = dict(out.meta_info.get("metrics", {}))
+    def _join_rollout(self, prompts: DataProto, out: GroupProtoResult,
+                      n: int) -> tuple[DataProto, dict[str, float]]:
+        """The prompts' other fields joined with the rollout's rows (``meta_info`` dropped:
+        the sampling parameters stay with the call), and the rollout's metrics."""
         rest = prompts.select(batch_keys=[k for k in prompts.batch.keys() if k not in ROLLOUT_REPLACES])
         rest = rest.repeat(n, interleave=True)
         if rest.batch is not None and len(rest.batch.keys()) == 0:
             rest.batch = None
-        out.meta_info = {}
-        return rest.union(out), metrics
+        rows = DataProto(out.batch.batch, out.batch.non_tensor_batch, {})
+        return rest.union(rows), _rollout_metrics(out.metrics)
 
     def sampling_params(self, *, greedy: bool, step: int | None = None) -> dict[str, Any]:
         """The rollout's sampling parameters for one call (``meta_info`` of the generate call).

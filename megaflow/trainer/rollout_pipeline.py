@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from megaflow.protocol import DataProto
+from megaflow.single_controller.collect import GroupProtoResult
 from megaflow.single_controller.futures import GroupFuture
 
 
@@ -149,9 +150,10 @@ class RolloutPipeline:
             metrics[key.removesuffix("_unix")] = metrics.pop(key) - self.origin
         return metrics
 
-    def generate_sequences(self, trainer, gen_in: DataProto) -> DataProto:
+    def generate_sequences(self, trainer, gen_in: DataProto) -> GroupProtoResult:
         """One generate call on the engines' group (the actor's, or the rollout group's
-        under split placement); the caller has synced."""
+        under split placement); the caller has synced. Returns the rows and each
+        generation replica's metrics."""
         g = trainer.groups
         return (g.actor if g.rollout is None else g.rollout).generate_sequences(gen_in)
 

@@ -5,7 +5,9 @@ method of its worker class as a group method (bound when the group is built). Th
 protocols below are the typed face of those groups: one per role, one method per
 registered worker method, with the same parameters and the *group's* return value
 (``Dispatch.ONE_TO_ALL``: the list of per-rank returns, index = rank; ``nd_compute``: the
-collected :class:`~megaflow.protocol.DataProto` of all rows). Each method's docstring
+collected :class:`~megaflow.protocol.DataProto` of all rows, or a
+:class:`~megaflow.single_controller.GroupProtoResult` of the rows and each DP rank's
+metrics when the worker returns a :class:`~megaflow.single_controller.ProtoResult`). Each method's docstring
 names the worker method that runs. ``tests/trainer/test_worker_api.py`` checks the
 protocols against the worker classes' registered methods, so the two cannot drift.
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol, TypeVar
 
 from megaflow.protocol import DataProto
+from megaflow.single_controller.collect import GroupProtoResult
 from megaflow.single_controller.dispatch import MeshInfo
 from megaflow.single_controller.worker import DPInfo
 
@@ -142,14 +145,14 @@ class ActorRolloutGroup(MegatronRoleGroup, Protocol):
         """``ActorRolloutWorker.rollout_weight_version`` on every rank: engine syncs so far."""
 
     @reads(PROMPT_KEYS, meta=("temperature", "top_p", "top_k", "response_length", "do_sample", "seed"))
-    def generate_sequences(self, prompts: DataProto) -> DataProto:
+    def generate_sequences(self, prompts: DataProto) -> GroupProtoResult:
         """``ActorRolloutWorker.generate_sequences`` on the ``rollout`` mesh.
 
         Reads ``input_ids``, ``attention_mask`` ``[B, P]`` (left-padded prompts) and the
-        sampling parameters in ``meta_info``. Returns ``prompts``
-        ``[B, P]``, ``responses``, ``response_mask``, ``rollout_log_probs`` ``[B, R]``,
-        ``input_ids``, ``attention_mask``, ``position_ids`` ``[B, S]``, and the engine's
-        weight version (and reshard figures) in ``meta_info["metrics"]``.
+        sampling parameters in ``meta_info``. Returns the rows (``prompts`` ``[B, P]``,
+        ``responses``, ``response_mask``, ``rollout_log_probs`` ``[B, R]``, ``input_ids``,
+        ``attention_mask``, ``position_ids`` ``[B, S]``) and each generation replica's
+        metrics (``rollout/weight_version``), index = replica.
         """
 
     @reads(FORWARD_KEYS, meta=("temperature",))
@@ -183,7 +186,7 @@ class SplitActorGroup(ActorRolloutGroup, Protocol):
         a rank is the source of (``vllm_shapes[j]``: generation TP rank ``j``'s shard shapes)."""
 
     @reads(PROMPT_KEYS, meta=("temperature", "top_p", "top_k", "response_length", "do_sample", "seed"))
-    def generate_sequences(self, prompts: DataProto) -> DataProto:
+    def generate_sequences(self, prompts: DataProto) -> GroupProtoResult:
         """``SplitActorWorker.generate_sequences``: refused (the rollout group generates)."""
 
 
@@ -205,9 +208,10 @@ class RolloutGroup(RoleGroup, Protocol):
         with the actor's ``sync_rollout_weights``); each rank's version metrics."""
 
     @reads(PROMPT_KEYS, meta=("temperature", "top_p", "top_k", "response_length", "do_sample", "seed"))
-    def generate_sequences(self, prompts: DataProto) -> DataProto:
+    def generate_sequences(self, prompts: DataProto) -> GroupProtoResult:
         """``RolloutWorker.generate_sequences`` on the ``rollout`` mesh: the contract of
-        :meth:`ActorRolloutGroup.generate_sequences`."""
+        :meth:`ActorRolloutGroup.generate_sequences`, plus ``weight_version`` ``[B]`` and
+        ``timeline/gen_start_unix`` / ``timeline/gen_end_unix`` in each replica's metrics."""
 
     def rollout_weight_version(self) -> list[int]:
         """``RolloutWorker.rollout_weight_version`` on every rank: engine syncs so far."""

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megaflow.protocol import DataProto
-from megaflow.single_controller import Dispatch, nd_compute, register
+from megaflow.single_controller import Dispatch, ProtoResult, nd_compute, register
 from megaflow.config.role_spec import RoleSpec
 from megaflow.workers.megatron_workers import ActorWorker
 
@@ -262,13 +262,16 @@ class ActorRolloutWorker(ActorWorker):
         return metrics
 
     @register(nd_compute("rollout"))
-    def generate_sequences(self, prompts: DataProto) -> DataProto:
+    def generate_sequences(self, prompts: DataProto) -> ProtoResult:
         """Rollout on this rank's generation replica (all ranks of a replica in lockstep).
 
         ``meta_info`` carries the sampling parameters (:mod:`megaflow.rollout.sampling`);
         its ``seed`` is offset by the replica index so that replicas draw distinct samples.
-        Only generates: the caller syncs first (:meth:`sync_rollout_weights`). Adds
-        ``meta_info["metrics"]`` with the engine's weight version.
+        Only generates: the caller syncs first (:meth:`sync_rollout_weights`).
+
+        Returns:
+            The engine's rows (:meth:`megaflow.rollout.vllm_rollout.VLLMRollout.generate_sequences`)
+            and ``{"rollout/weight_version": engine syncs so far}``.
 
         Raises:
             RuntimeError: the engine serves weights older than the actor's (an update or
@@ -284,8 +287,7 @@ class ActorRolloutWorker(ActorWorker):
         if meta.get("seed") is not None:
             meta["seed"] = int(meta["seed"]) + self._gen_replica * _REPLICA_SEED_STRIDE
         out = self.rollout.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch, meta))
-        out.meta_info["metrics"] = {"rollout/weight_version": float(self.rollout.weight_version)}
-        return out
+        return ProtoResult(out, {"rollout/weight_version": float(self.rollout.weight_version)})
 
     @register(nd_compute("actor"))
     def update_actor(self, data: DataProto) -> dict[str, float]:

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from megaflow.protocol import DataProto
-from megaflow.single_controller import Dispatch, Worker, nd_compute, register
+from megaflow.single_controller import Dispatch, ProtoResult, Worker, nd_compute, register
 from megaflow.config.role_spec import RoleSpec
 from megaflow.workers.actor_rollout import _REPLICA_SEED_STRIDE, ActorRolloutWorker, check_synced, stop_token_ids
 
@@ -133,13 +133,13 @@ class RolloutWorker(Worker):
         return metrics
 
     @register(nd_compute("rollout"))
-    def generate_sequences(self, prompts: DataProto) -> DataProto:
+    def generate_sequences(self, prompts: DataProto) -> ProtoResult:
         """Rollout on this rank's replica (the ranks of a replica in lockstep).
 
         Same contract as :meth:`ActorRolloutWorker.generate_sequences` (``meta_info``
         sampling parameters, seed offset per replica), plus ``weight_version`` ``[B]``
-        (int64): the actor version of the weights that generated each row. ``meta_info
-        ["metrics"]`` holds the engine's weight version and ``timeline/gen_start_unix`` /
+        (int64): the actor version of the weights that generated each row. The metrics
+        hold the engine's weight version and ``timeline/gen_start_unix`` /
         ``timeline/gen_end_unix`` (wall clock, seconds since the epoch).
 
         Raises:
@@ -153,9 +153,8 @@ class RolloutWorker(Worker):
             meta["seed"] = int(meta["seed"]) + self._gen_replica * _REPLICA_SEED_STRIDE
         out = self.rollout.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch, meta))
         out.batch["weight_version"] = torch.full((len(out),), self._synced_actor_version, dtype=torch.int64)
-        out.meta_info["metrics"] = {"rollout/weight_version": float(self.rollout.weight_version),
-                                    "timeline/gen_start_unix": start, "timeline/gen_end_unix": time.time()}
-        return out
+        return ProtoResult(out, {"rollout/weight_version": float(self.rollout.weight_version),
+                                 "timeline/gen_start_unix": start, "timeline/gen_end_unix": time.time()})
 
     @register(Dispatch.ONE_TO_ALL)
     def rollout_weight_version(self) -> int:
@@ -254,7 +253,7 @@ class SplitActorWorker(ActorRolloutWorker):
         raise RuntimeError("split placement: the controller verifies the sync (rollout_pipeline.verify_split_sync)")
 
     @register(nd_compute("rollout"))
-    def generate_sequences(self, prompts: DataProto) -> DataProto:
+    def generate_sequences(self, prompts: DataProto) -> ProtoResult:
         """Refused: with split placement the rollout group generates."""
         raise RuntimeError("split placement (resources.placement.rollout): the actor has no engine; "
                            "call the rollout group's generate_sequences")

@@ -174,6 +174,20 @@ def test_collect_of_worker_cut_chunks_uses_their_padding_reports():
         collect_proto([ChunkOutput(make_batch(3), 2, 0), ChunkOutput(make_batch(2), 2, 1)], None, None)
 
 
+def test_collect_of_rows_with_metrics_concatenates_rows_and_keeps_each_ranks_metrics():
+    from megaflow.single_controller import GroupProtoResult, ProtoResult
+
+    # 5 rows on 2 dp ranks: padded to 6, each rank returns its 3 rows and its own metrics
+    plan = make_plan(DP, 2, (make_batch(5),), {})
+    outputs = [ProtoResult(a[0], {"rank": float(r)}) for r, a in enumerate(plan.args)]
+    out = collect(plan, outputs)
+    assert isinstance(out, GroupProtoResult)
+    assert out.batch.batch["row"].tolist() == [0, 1, 2, 3, 4]
+    assert out.metrics == [{"rank": 0.0}, {"rank": 1.0}]
+    with pytest.raises(ValueError, match="one row per input row"):
+        collect(plan, [ProtoResult(make_batch(3), {}), ProtoResult(make_batch(2), {})])
+
+
 def test_plan_proto_with_a_mixed_future_and_batch_is_refused():
     from megaflow.single_controller import DataProtoFuture
 

@@ -72,7 +72,7 @@ def test_one_step_stale_batch_has_the_version_k_policys_log_probs(ray_session, t
     groups = build_worker_groups(cfg, TOKENIZER, total_steps=10)
     try:
         assert sync_split_weights(groups, cfg.rollout)["rollout/actor_version"] == 0
-        batch0 = groups.rollout.generate_sequences(_prompts({"temperature": 1.0, "seed": 11}))
+        batch0 = groups.rollout.generate_sequences(_prompts({"temperature": 1.0, "seed": 11})).batch
         update = DataProto.from_dict({k: batch0.batch[k] for k in _SEQUENCE_KEYS}, meta_info={"temperature": 1.0})
         update.batch["old_log_probs"] = _trainer_log_probs(groups.actor, batch0, 1.0)
         update.batch["advantages"] = torch.where(torch.arange(ROWS) % 2 == 0, 1.0, -1.0)[:, None] \
@@ -80,7 +80,7 @@ def test_one_step_stale_batch_has_the_version_k_policys_log_probs(ray_session, t
         # generation of batch 1 and the actor's update run at the same time on their pools
         pending = groups.rollout.submit("generate_sequences", _prompts({"temperature": 1.0, "seed": 12}))
         updating = groups.actor.submit("update_actor", update)
-        batch1, _ = pending.get(), updating.get()
+        batch1, _ = pending.get().batch, updating.get()
         assert batch1.batch["weight_version"].tolist() == [0] * ROWS
         updated = _trainer_log_probs(groups.actor, batch1, 1.0)  # the actor is at version 1 now
         after = sync_split_weights(groups, cfg.rollout)

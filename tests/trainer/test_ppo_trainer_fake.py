@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megaflow.protocol import DataProto
+from megaflow.single_controller import GroupProtoResult
 from megaflow.trainer.checkpoint import CheckpointManager
 from megaflow.trainer.ppo_trainer import RayPPOTrainer, WorkerGroups
 
@@ -18,7 +19,7 @@ class FakeActor:
     def __init__(self):
         self.calls, self.updates, self.version = [], [], 0
 
-    def generate_sequences(self, gen: DataProto) -> DataProto:
+    def generate_sequences(self, gen: DataProto) -> GroupProtoResult:
         self.calls.append(("generate", len(gen), dict(gen.meta_info)))
         b = len(gen)
         g = torch.Generator().manual_seed(int(gen.meta_info["seed"]))
@@ -27,11 +28,12 @@ class FakeActor:
         mask = (torch.arange(R)[None] < lengths[:, None]).long()
         prompts = gen.batch["input_ids"]
         am = torch.cat([gen.batch["attention_mask"], mask], -1)
-        return DataProto.from_dict({
+        rows = DataProto.from_dict({
             "prompts": prompts, "responses": responses, "response_mask": mask,
             "input_ids": torch.cat([prompts, responses], -1), "attention_mask": am,
             "position_ids": torch.cumsum(am, -1) - 1,
-            "rollout_log_probs": -torch.ones(b, R) * 0.5})
+            "rollout_log_probs": -torch.ones(b, R) * 0.5}, meta_info=dict(gen.meta_info))
+        return GroupProtoResult(rows, [{"rollout/weight_version": float(self.version)}])
 
     def sync_rollout_weights(self, verify=False, bucket_mb=None):
         """One rank's view (ActorRolloutWorker.sync_rollout_weights): its engine serves the actor's version."""
@@ -154,6 +156,21 @@ def test_step_data_flow_groups_and_grpo_advantages(tmp_path, step_batches):
             m = mask[rows][i]
             assert torch.allclose(adv[i][m], expected[i].expand(int(m.sum())), atol=1e-5)
             assert (adv[i][~m] == 0).all()
+
+
+def test_rollout_rows_and_metrics_travel_apart(tmp_path):
+    trainer, _ = run(tmp_path, total_steps=1)
+    prompts = next(iter(Loader()))
+    rows = DataProto.from_dict({k: prompts.batch[k].repeat_interleave(2, 0)
+                                for k in ("input_ids", "attention_mask", "position_ids")},
+                               meta_info={"seed": 3, "temperature": 1.0})
+    per_replica = [{"rollout/weight_version": 2.0, "timeline/gen_start_unix": 10.0, "timeline/gen_end_unix": 14.0},
+                   {"rollout/weight_version": 2.0, "timeline/gen_start_unix": 9.0, "timeline/gen_end_unix": 13.0}]
+    batch, metrics = trainer._join_rollout(prompts, GroupProtoResult(rows, per_replica), 2)
+    assert batch.meta_info == {}
+    assert batch.non_tensor_batch["ground_truth"].tolist() == ["0", "0", "1", "1"]
+    # the generate call spans the earliest replica start to the latest replica end
+    assert metrics == {"rollout/weight_version": 2.0, "timeline/gen_start_unix": 9.0, "timeline/gen_end_unix": 14.0}
 
 
 def test_resume_continues_exactly(tmp_path, step_batches):

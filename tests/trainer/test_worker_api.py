@@ -35,7 +35,10 @@ def _protocol_methods(proto: type) -> dict[str, object]:
 def _group_return(spec, worker_return: str) -> str:
     """The return annotation a group method has for a worker method's annotation."""
     if spec.is_proto:  # DataProto: the collected rows of all DP ranks (non-collect ranks return None);
-        # anything else (an update's metrics): one value per DP rank (collect_proto)
+        # rows with metrics: the collected rows and each DP rank's metrics; anything else (an
+        # update's metrics): one value per DP rank (collect_proto)
+        if "ProtoResult" in worker_return:
+            return "GroupProtoResult"
         return "DataProto" if "DataProto" in worker_return else f"list[{worker_return}]"
     if isinstance(spec.dispatch_mode, NDCompute):  # pragma: no cover - covered by is_proto
         return "DataProto"

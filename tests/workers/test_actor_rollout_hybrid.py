@@ -160,6 +160,7 @@ class Hybrid:
     model_dir: str
     tied: bool
     first_greedy: Optional[DataProto] = None
+    first_greedy_metrics: Optional[list] = None
     first_sync: Optional[dict] = None
 
 
@@ -195,7 +196,8 @@ def hybrid(request, ray_session, model_dir):
         ready = time.perf_counter()
         state = Hybrid(gen_tp, group, model_dir, tied)
         state.first_sync = check_synced(group.sync_rollout_weights())  # the first weight sync, default buckets
-        state.first_greedy = group.generate_sequences(_prompts(GREEDY))
+        first = group.generate_sequences(_prompts(GREEDY))
+        state.first_greedy, state.first_greedy_metrics = first.batch, first.metrics
         print(f"[gen_tp={gen_tp} tied={tied}] group + init_model {ready - start:.1f} s, first rollout "
               f"{time.perf_counter() - ready:.1f} s")
         yield state
@@ -254,10 +256,12 @@ def test_reshard_bytes_equal_the_design_formula(hybrid):
     assert all(s.generation_bytes == model_bytes // (t_g * p_g) + norms[0] + norms[1] for s in stats)
     # Every gathered training shard is aliased into its generation buffer, none copied.
     assert all(s.num_copied == 0 and (s.num_aliased > 0) == (t_g < T) for s in stats)
-    # The sync's metrics (check_synced) report rank 0; generation reports the engine's version.
+    # The sync's metrics (check_synced) report rank 0; generation reports each replica's
+    # engine version beside the rows, not in their meta_info.
     assert hybrid.first_sync["reshard/bytes_received"] == expected[0]
     assert hybrid.first_sync["rollout/weight_version"] == 1
-    assert hybrid.first_greedy.meta_info["metrics"] == {"rollout/weight_version": 1.0}
+    assert hybrid.first_greedy_metrics == [{"rollout/weight_version": 1.0}] * (WORLD // t_g)
+    assert "metrics" not in hybrid.first_greedy.meta_info
 
 
 def test_rollout_log_probs_equal_the_trainers_position_by_position(hybrid):
@@ -270,7 +274,7 @@ def test_rollout_log_probs_equal_the_trainers_position_by_position(hybrid):
 
     again = check_synced(group.sync_rollout_weights())  # no update since: nothing moves
     assert "reshard/bytes_received" not in again and again["rollout/weight_version"] == 1
-    sampled = group.generate_sequences(_prompts(SAMPLED))
+    sampled = group.generate_sequences(_prompts(SAMPLED)).batch
     assert group.rollout_weight_version() == [1] * WORLD
     rollout, mask = sampled.batch["rollout_log_probs"], sampled.batch["response_mask"]
     trainer = _old_log_probs(group, sampled, temperature=SAMPLE_TEMPERATURE)
@@ -291,7 +295,7 @@ def test_after_update_the_rollout_serves_the_new_weights(hybrid, tmp_path):
     from megaflow.workers.actor_rollout import check_synced
 
     group, before = hybrid.group, hybrid.first_greedy
-    sampled = group.generate_sequences(_prompts(SAMPLED))
+    sampled = group.generate_sequences(_prompts(SAMPLED)).batch
     batch = DataProto.from_dict({k: sampled.batch[k] for k in _SEQUENCE_KEYS},
                                 meta_info={"temperature": SAMPLE_TEMPERATURE})
     batch.batch["old_log_probs"] = _old_log_probs(group, sampled, SAMPLE_TEMPERATURE)
@@ -314,7 +318,7 @@ def test_after_update_the_rollout_serves_the_new_weights(hybrid, tmp_path):
     assert sync["rollout/weight_sync_buckets"] >= -(-shard_bytes // (1 << 20)) > 1
     assert 0 < sync["rollout/weight_sync_bucket_bytes"] <= 1 << 20
     assert sync["reshard/bytes_received"] == hybrid.first_sync["reshard/bytes_received"]
-    after = group.generate_sequences(_prompts(GREEDY))
+    after = group.generate_sequences(_prompts(GREEDY)).batch
     assert group.rollout_weight_version() == [2] * WORLD
     # The transition leaves the training parameters as they were (bit for bit).
     assert torch.equal(_old_log_probs(group, before, temperature=1.0), trained_before_sync)

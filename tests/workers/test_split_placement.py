@@ -111,9 +111,9 @@ def run_layout(cfg, update_batch: DataProto | None = None) -> dict:
     try:
         engines = groups.rollout if groups.rollout is not None else groups.actor
         result = {"sync0": _sync(cfg, groups)}
-        result["greedy0"] = engines.generate_sequences(_prompts({"do_sample": False}))
+        result["greedy0"] = engines.generate_sequences(_prompts({"do_sample": False})).batch
         if update_batch is None:
-            sampled = engines.generate_sequences(_prompts({"temperature": 1.0, "seed": 11}))
+            sampled = engines.generate_sequences(_prompts({"temperature": 1.0, "seed": 11})).batch
             update_batch = DataProto.from_dict({k: sampled.batch[k] for k in _SEQUENCE_KEYS},
                                                meta_info={"temperature": 1.0})
             update_batch.batch["old_log_probs"] = _trainer_log_probs(groups.actor, sampled, 1.0)
@@ -124,7 +124,8 @@ def run_layout(cfg, update_batch: DataProto | None = None) -> dict:
         result["update_batch"] = update_batch
         groups.actor.update_actor(update_batch)
         result["sync1"] = _sync(cfg, groups)
-        result["greedy1"] = engines.generate_sequences(_prompts({"do_sample": False}))
+        greedy1 = engines.generate_sequences(_prompts({"do_sample": False}))
+        result["greedy1"], result["greedy1_metrics"] = greedy1.batch, greedy1.metrics
         result["trainer1"] = _trainer_log_probs(groups.actor, result["greedy1"], 1.0)
         result["engine_versions"] = engines.rollout_weight_version()
         if groups.rollout is not None:
@@ -170,6 +171,9 @@ def test_split_layout_equals_colocated_after_an_update(ray_session, tmp_path_fac
     assert split["engine_versions"] == [2, 2]
     assert split["sync1"]["rollout/weight_version"] == 2 and split["sync1"]["rollout/actor_version"] == 1
     assert split["no_change"]["rollout/weight_version"] == 2 and "transport/bytes_received" not in split["no_change"]
+    # Generation reports each replica's engine version and wall-clock span beside the rows.
+    assert [m["rollout/weight_version"] for m in split["greedy1_metrics"]] == [2.0] * (2 // gen_tp)
+    assert all(m["timeline/gen_start_unix"] <= m["timeline/gen_end_unix"] for m in split["greedy1_metrics"])
     # Bytes: each rollout rank received exactly its vLLM shard, in buckets of at most 1 MiB
     # (rollout.weight_sync_bucket_mb=1; at t_g = 1 the shard needs two).
     shard = _vllm_shard_bytes(gen_tp, tied)
