@@ -230,7 +230,8 @@ def megaflow_config(args, work: str):
         "trainer": {"total_steps": args.warmup + args.steps, "test_freq": 0, "save_freq": -1,
                     "logger": ["jsonl"], "output_dir": os.path.join(work, "out"), "project_name": "bench",
                     "experiment_name": "run", "seed": args.seed},
-        "resources": {"nodes": 1, "procs_per_node": args.procs, "use_gpu": False},
+        "resources": {"nodes": 1, "procs_per_node": args.procs, "num_cpus_per_proc": args.cpus_per_proc,
+                      "use_gpu": False},
     }
     return config_from_dict(tree)
 
@@ -311,6 +312,7 @@ def child(args, framework: str, size: str, out: str) -> subprocess.CompletedProc
     cmd = [py, os.path.abspath(__file__), "--_child", framework, "--_size", size, "--_out", out,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed),
            "--tp", str(args.tp), "--gen-tp", str(args.gen_tp), "--procs", str(args.procs),
+           "--cpus-per-proc", str(args.cpus_per_proc),
            "--kv-cache-gib", str(args.kv_cache_gib)]
     if args.fixed_length:
         cmd.append("--fixed-length")
@@ -332,6 +334,8 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=2, help="megaflow actor.tp (default 2)")
     p.add_argument("--gen-tp", type=int, default=1, help="megaflow rollout.tp (default 1)")
     p.add_argument("--procs", type=int, default=2, help="megaflow resources.procs_per_node (default 2)")
+    p.add_argument("--cpus-per-proc", type=int, default=1,
+                   help="megaflow resources.num_cpus_per_proc: CPUs and torch threads per process (default 1)")
     p.add_argument("--kv-cache-gib", type=int, default=0,
                    help="megaflow rollout.cpu_kv_cache_gib; 0 (default): rollout.cpu_kv_cache_auto")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run before it is killed")

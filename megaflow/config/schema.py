@@ -354,7 +354,7 @@ class ResourcesConfig(Section):
     use_gpu: bool | None = None
     """Run on GPUs; null: auto (true when nvidia-smi is on PATH), resolved on load."""
     num_cpus_per_proc: int = 1
-    """CPUs reserved per rank (Ray bundle num_cpus)."""
+    """CPUs reserved per rank (Ray bundle num_cpus), and the rank's torch intra-op threads (one per CPU)."""
     gpu_memory_gib: float = 80.0
     """Memory of one GPU, for the planner's fit check."""
     cpu_memory_gib: float | None = None

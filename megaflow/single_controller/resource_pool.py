@@ -87,6 +87,12 @@ class ResourcePool:
             share["num_gpus"] = 1.0 / self.max_colocate_count
         return share
 
+    def actor_threads(self) -> int:
+        """torch intra-op (OpenMP) threads of one actor: its whole CPUs (:meth:`actor_resources`),
+        at least 1. One thread per reserved CPU, so ranks that share a node do not oversubscribe
+        its cores (on CPU a phase of ``n`` processes x ``t`` threads wants ``n * t`` cores)."""
+        return max(1, int(self.num_cpus_per_process / self.max_colocate_count))
+
     def placement_groups(self) -> list[PlacementGroup]:
         """The placement groups, one per node (created and awaited on first use).
 

@@ -101,7 +101,7 @@ class _GroupCore:
                 pg, bundle = pool.bundle_of(rank)
                 strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
                 self.hosts.append(_RemoteHost.options(scheduling_strategy=strategy, **pool.actor_resources())
-                                  .remote(rank, world_size, local, node))
+                                  .remote(rank, world_size, local, node, pool.actor_threads()))
             self.where = [f"group {name_prefix!r} rank {r}" for r in range(world_size)]
             reports = get_all([h.metadata.remote(r == 0) for r, h in enumerate(self.hosts)], self.where, "start-up")
             self.metadata: list[WorkerMetadata] = [meta for meta, _ in reports]

@@ -90,7 +90,9 @@ def init_ray(cfg) -> None:
         return
     _started_ray = True
     r = cfg.ray
-    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    # Ray's own worker processes stay single-threaded; each rank's process sets its threads
+    # from resources.num_cpus_per_proc (megaflow.single_controller.host.WorkerHost).
+    env = {"OMP_NUM_THREADS": "1",
            # vLLM logs every engine start at INFO; keep the console to the run's own output.
            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
            # megatron-core's start-up warnings would repeat once per worker: known ones are

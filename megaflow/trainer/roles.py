@@ -41,6 +41,19 @@ def _role_init_args(cfg, role: str, tokenizer, total_steps: int | None):
     return ClassWithInitArgs(ROLE_CLASSES[role], spec)
 
 
+def resource_pool(cfg, pool_name: str):
+    """The :class:`~megaflow.single_controller.ResourcePool` of ``resources.pools.<pool_name>``:
+    its nodes and ranks per node, ``resources.num_cpus_per_proc`` CPUs per rank (each rank's
+    torch intra-op threads, :meth:`~megaflow.single_controller.ResourcePool.actor_threads`) and
+    one GPU per rank with ``resources.use_gpu``."""
+    from megaflow.single_controller import ResourcePool
+
+    res = cfg.resources
+    return ResourcePool([res.pool_procs_per_node(pool_name)] * res.pool_nodes(pool_name),
+                        max_colocate_count=1, use_gpu=bool(res.use_gpu),
+                        num_cpus_per_process=res.num_cpus_per_proc, name_prefix=f"megaflow_{pool_name}")
+
+
 def build_worker_groups(cfg, tokenizer, total_steps: int | None = None) -> WorkerGroups:
     """Create the resource pools and worker groups of every enabled role and initialise
     their models (actor first: its vLLM engines start inside the actor processes). With
@@ -56,7 +69,7 @@ def build_worker_groups(cfg, tokenizer, total_steps: int | None = None) -> Worke
         WorkerError: a rank failed to start, naming the role and rank.
     """
     from megaflow.config.topology import pools_in_use, split_rollout_pool
-    from megaflow.single_controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool, create_colocated_worker_cls
+    from megaflow.single_controller import ClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
     from megaflow.workers.rollout_worker import RolloutWorker, SplitActorWorker
 
     res = cfg.resources
@@ -65,9 +78,7 @@ def build_worker_groups(cfg, tokenizer, total_steps: int | None = None) -> Worke
     views: dict[str, Any] = {}
     pools = []
     for pool_name, roles in by_pool.items():
-        pool = ResourcePool([res.pool_procs_per_node(pool_name)] * res.pool_nodes(pool_name),
-                            max_colocate_count=1, use_gpu=bool(res.use_gpu),
-                            num_cpus_per_process=res.num_cpus_per_proc, name_prefix=f"megaflow_{pool_name}")
+        pool = resource_pool(cfg, pool_name)
         pools.append(pool)
         members = {role: _role_init_args(cfg, "actor" if role == "rollout" else role, tokenizer, total_steps)
                    for role in roles}

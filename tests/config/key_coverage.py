@@ -252,7 +252,9 @@ KEYS: dict[str, Consumed | Refused] = {
     "resources.use_gpu": consumed("tests/config/test_config_schema.py::test_use_gpu_null_means_detect",
                                   MAIN_ERR + "test_local_resources_that_ray_would_wait_for_forever"),
     "resources.num_cpus_per_proc": consumed("tests/slurm/test_launch_resources.py::test_tiny_cpu_recipe_needs_one_node_of_two_cpus",
-                                            MAIN_ERR + "test_local_resources_that_ray_would_wait_for_forever"),
+                                            MAIN_ERR + "test_local_resources_that_ray_would_wait_for_forever",
+                                            "tests/single_controller/test_worker_group.py::"
+                                            "test_each_rank_runs_one_thread_per_reserved_cpu"),
     "resources.gpu_memory_gib": consumed(PLAN + "test_impossible_memory_is_flagged_and_rejected"),
     "resources.cpu_memory_gib": consumed(PLAN + "test_host_memory_per_node_on_cpu"),
     "resources.pools.*.nodes": consumed(PLAN + "test_pools_first_fit_on_nodes", TOPO + "test_pools_and_placement"),

