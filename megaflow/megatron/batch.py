@@ -39,6 +39,8 @@ class LeftAlignedBatch:
         response_valid: ``[batch, R]`` bool, True where the response token is real.
         fields: the other ``[batch, ...]`` tensors of the input (e.g. ``response_mask``,
             ``old_log_probs``, ``advantages``), row-aligned, for the loss callback.
+        width_multiple: ``L`` is the longest row rounded up to a multiple of this
+            (``left_align_batch``'s argument; :meth:`take` keeps the rule).
     """
 
     input_ids: torch.Tensor
@@ -46,6 +48,7 @@ class LeftAlignedBatch:
     response_index: torch.Tensor
     response_valid: torch.Tensor
     fields: dict[str, torch.Tensor]
+    width_multiple: int = 1
 
     @property
     def num_rows(self) -> int:
@@ -59,7 +62,7 @@ class LeftAlignedBatch:
         """Rows ``[start, stop)`` (views)."""
         return LeftAlignedBatch(self.input_ids[start:stop], self.lengths[start:stop],
                            self.response_index[start:stop], self.response_valid[start:stop],
-                           {k: v[start:stop] for k, v in self.fields.items()})
+                           {k: v[start:stop] for k, v in self.fields.items()}, self.width_multiple)
 
     def select(self, index: torch.Tensor, width: int) -> "LeftAlignedBatch":
         """Rows ``index`` (int64 ``[k]``), cut to the first ``width`` positions.
@@ -72,7 +75,14 @@ class LeftAlignedBatch:
                              f"({int(self.lengths[index].max())} tokens)")
         return LeftAlignedBatch(self.input_ids[index, :width], self.lengths[index],
                            self.response_index[index].clamp_max(width - 1), self.response_valid[index],
-                           {k: v[index] for k, v in self.fields.items()})
+                           {k: v[index] for k, v in self.fields.items()}, self.width_multiple)
+
+    def take(self, index: torch.Tensor) -> "LeftAlignedBatch":
+        """Rows ``index`` (int64 ``[k]``) as :func:`left_align_batch` aligns them on their own:
+        cut to their longest row rounded up to :attr:`width_multiple` (the same tensors,
+        without validating and aligning the rows again)."""
+        longest = int(self.lengths[index].max())
+        return self.select(index, -(-longest // self.width_multiple) * self.width_multiple)
 
     def pad_rows(self, multiple: int, zero_keys: tuple[str, ...] = ()) -> tuple["LeftAlignedBatch", int]:
         """Append copies of row 0 until the row count divides ``multiple``.
@@ -90,7 +100,8 @@ class LeftAlignedBatch:
 
         return LeftAlignedBatch(extend(self.input_ids), extend(self.lengths),
                            extend(self.response_index), extend(self.response_valid),
-                           {k: extend(v, k in zero_keys) for k, v in self.fields.items()}), num_pad
+                           {k: extend(v, k in zero_keys) for k, v in self.fields.items()},
+                           self.width_multiple), num_pad
 
 
 def _check_shapes(batch: Mapping[str, torch.Tensor]) -> tuple[int, int, int]:
@@ -176,7 +187,7 @@ def left_align_batch(batch: Mapping[str, torch.Tensor], *, max_seq_len: int,
     response_index = response_index.clamp(0, width - 1)
     skip = set(REQUIRED_KEYS) | {"position_ids"}
     fields = {k: v for k, v in batch.items() if k not in skip and torch.is_tensor(v)}
-    return LeftAlignedBatch(aligned, lengths, response_index, resp_real, fields)
+    return LeftAlignedBatch(aligned, lengths, response_index, resp_real, fields, width_multiple)
 
 
 def token_budget_groups(lengths: torch.Tensor, max_tokens: int, *, width_multiple: int = 1

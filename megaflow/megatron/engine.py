@@ -226,11 +226,16 @@ class MegatronEngine:
             data_iterator=iter(chunks), model=self.model, num_microbatches=len(chunks),
             seq_length=seq_len, micro_batch_size=micro_batch_size, forward_only=forward_only)
 
-    def _left_align(self, batch: Mapping[str, torch.Tensor]) -> LeftAlignedBatch:
-        """Validate and left-align; every rank raises if any rank's batch is invalid.
+    def left_align(self, batch: Mapping[str, torch.Tensor]) -> LeftAlignedBatch:
+        """Validate and left-align ``batch`` (:func:`~megaflow.megatron.batch.left_align_batch`
+        at this engine's sequence limit, vocabulary and width multiple).
 
-        The ranks agree (one all-reduce of a flag) before any collective of the pass, so a
-        bad batch on one DP rank is an error everywhere instead of a hang.
+        Every rank raises if any rank's batch is invalid: the ranks agree (one all-reduce of
+        a flag) before any collective of the pass, so a bad batch on one DP rank is an
+        error everywhere instead of a hang.
+
+        Raises:
+            ValueError: this rank's batch is invalid (its error), or another rank's is.
         """
         error: Optional[ValueError] = None
         try:
@@ -277,7 +282,7 @@ class MegatronEngine:
         """
         self._require_loaded("params")
         mbs = micro_batch_size or self.sizes.forward_micro_batch_size
-        aligned = self._left_align(batch)
+        aligned = self.left_align(batch)
         budget = None if micro_batch_size else self.sizes.forward_max_tokens
         chunks, order = self._micro_batches(aligned, mbs, budget)
         head = partial(self._forward_head, temperature, with_entropy)
@@ -313,14 +318,16 @@ class MegatronEngine:
             dist.all_reduce(counts, group=self.info.dp_group)
         return GlobalDenominators(num_tokens=int(counts[0]), num_seqs=int(counts[1]))
 
-    def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *,
+    def train_step(self, batch: Mapping[str, torch.Tensor] | LeftAlignedBatch, loss_fn: LossFn, *,
                    temperature: float = 1.0, with_entropy: bool = False,
                    micro_batch_size: Optional[int] = None) -> dict[str, float]:
         """One optimizer step on this rank's part of a mini-batch (gradient accumulation).
 
         Args:
             batch: verl-layout tensors plus the loss inputs (``response_mask``,
-                ``old_log_probs``, ``advantages``, ``returns``...) ``[batch, ...]``.
+                ``old_log_probs``, ``advantages``, ``returns``...) ``[batch, ...]``, or
+                those rows already aligned (:meth:`left_align`, then
+                :meth:`~megaflow.megatron.batch.LeftAlignedBatch.take` per mini-batch).
             loss_fn: :data:`LossFn`; returns this micro-batch's share of the mini-batch loss
                 (global denominators) and additive metric shares (summed over micro-batches
                 and DP ranks to give the mini-batch value).
@@ -340,8 +347,8 @@ class MegatronEngine:
             raise RuntimeError(f"train_step: role {self.spec.role!r} has no optimizer (only actor and critic train)")
         self._require_loaded("params", "grads", "optimizer")
         mbs = micro_batch_size or self.sizes.update_micro_batch_size
-        aligned = self._left_align(batch)
-        denominators = self.global_denominators(batch)
+        aligned = batch if isinstance(batch, LeftAlignedBatch) else self.left_align(batch)
+        denominators = self.global_denominators(aligned.fields)
         budget = None if micro_batch_size else self.sizes.update_max_tokens
         chunks, _ = self._micro_batches(aligned, mbs, budget)
         scale = len(chunks) * self.info.dp_size

@@ -25,16 +25,13 @@ import torch
 from megaflow.protocol import DataProto
 
 
-def prompt_token_lists(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
-    """The unpadded token ids of each left-padded prompt.
+def check_left_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Check that prompts are left-padded; returns each prompt's real tokens ``[batch]`` (int64).
 
     Args:
         input_ids: ``[batch, prompt_len]`` integer ids.
         attention_mask: ``[batch, prompt_len]``, 1 on real tokens; every row must be
             left-padded (zeros, then ones) and hold at least one real token.
-
-    Returns:
-        ``batch`` lists of ints.
 
     Raises:
         TypeError: non-integer ``input_ids``.
@@ -54,14 +51,24 @@ def prompt_token_lists(input_ids: torch.Tensor, attention_mask: torch.Tensor) ->
     empty = (lengths == 0).nonzero().flatten().tolist()
     if empty:
         raise ValueError(f"prompt rows {empty[:8]} have no real token (attention_mask all zero)")
-    prompt_len = input_ids.shape[1]
     left_padded = (mask.to(torch.int8).diff(dim=-1) >= 0).all(dim=-1)
     bad = (~left_padded).nonzero().flatten().tolist()
     if bad:
         raise ValueError(f"prompt rows {bad[:8]} are not left-padded: 'attention_mask' must be zeros "
                          f"then ones in every row")
-    ids = input_ids.tolist()
-    return [row[prompt_len - n:] for row, n in zip(ids, lengths.tolist())]
+    return lengths
+
+
+def prompt_token_lists(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
+    """The unpadded token ids of each left-padded prompt (``batch`` lists of ints), what
+    the engine takes as requests.
+
+    Raises:
+        TypeError / ValueError: as :func:`check_left_padded`.
+    """
+    lengths = check_left_padded(input_ids, attention_mask)
+    prompt_len = input_ids.shape[1]
+    return [row[prompt_len - n:] for row, n in zip(input_ids.tolist(), lengths.tolist())]
 
 
 def position_ids_for_rollout(prompt_mask: torch.Tensor, response_len: int) -> torch.Tensor:
@@ -164,5 +171,5 @@ def read_prompts(prompts: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
     return prompts.batch["input_ids"], prompts.batch["attention_mask"]
 
 
-__all__ = ["prompt_token_lists", "position_ids_for_rollout", "assemble_rollout_batch",
+__all__ = ["check_left_padded", "prompt_token_lists", "position_ids_for_rollout", "assemble_rollout_batch",
            "rollout_output", "read_prompts"]

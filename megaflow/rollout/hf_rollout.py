@@ -23,7 +23,7 @@ import torch
 
 from megaflow.algorithms.response_mask import compute_response_mask
 from megaflow.protocol import DataProto
-from megaflow.rollout.batch import assemble_rollout_batch, prompt_token_lists, read_prompts, rollout_output
+from megaflow.rollout.batch import assemble_rollout_batch, check_left_padded, read_prompts, rollout_output
 from megaflow.rollout.sampling import SamplingConfig, request_seeds
 
 
@@ -58,7 +58,7 @@ class HFRollout:
         """Same contract as :meth:`VLLMRollout.generate_sequences` (fields, order, errors)."""
         input_ids, attention_mask = read_prompts(prompts)
         sampling = self.sampling.override(prompts.meta_info)
-        prompt_token_lists(input_ids, attention_mask)  # validates left padding
+        check_left_padded(input_ids, attention_mask)
         n, device = sampling.n, next(self.model.parameters()).device
         ids = input_ids.repeat_interleave(n, dim=0).to(device)
         mask = attention_mask.repeat_interleave(n, dim=0).to(device)

@@ -132,20 +132,23 @@ class MegatronWorker(Worker):
     def _update(self, data: DataProto, loss_fn, **kwargs) -> dict[str, float]:
         """PPO epochs x mini-batches over this rank's rows; one optimizer step each.
 
+        The rows are validated and left-aligned once; each mini-batch takes its rows of
+        that alignment (:meth:`~megaflow.megatron.batch.LeftAlignedBatch.take`).
+
         Returns the per-step engine metrics averaged over the steps (:func:`losses.mean_metrics`;
         DP-reduced by the engine, so every rank of the last stage returns the same values)."""
         rows = len(data)
         per_rank = self.role_spec.mini_batch_size_per_dp_rank
-        tensors = _tensors(data)
         steps = []
         self._before_phase()
         try:
+            aligned = self.engine.left_align(_tensors(data))
             for epoch in range(self.role_spec.section.ppo_epochs):
                 order = self._mini_batch_order(rows, per_rank, epoch)
                 for start in range(0, rows, per_rank):
-                    index = slice(start, start + per_rank) if order is None else order[start:start + per_rank]
-                    mini = {k: v[index] for k, v in tensors.items()}
-                    steps.append(self.engine.train_step(mini, loss_fn, **kwargs))
+                    index = torch.arange(start, min(start + per_rank, rows)) if order is None \
+                        else order[start:start + per_rank]
+                    steps.append(self.engine.train_step(aligned.take(index), loss_fn, **kwargs))
         finally:
             self._after_phase()
         return losses.mean_metrics(steps, self.role_spec.role)

@@ -48,6 +48,23 @@ def test_pad_rows_zeroes_loss_masks():
     assert aligned.pad_rows(3)[1] == 0
 
 
+@pytest.mark.parametrize("width_multiple", [1, 4])
+def test_take_gives_the_alignment_of_the_rows_on_their_own(width_multiple):
+    batch = make_batch(5, batch=8, prompt_len=7, response_len=6)
+    batch["advantages"] = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+    whole = left_align_batch(batch, max_seq_len=64, width_multiple=width_multiple)
+    for index in (torch.tensor([3, 6, 1]), torch.tensor([5, 2]), torch.arange(1, 8)):  # row 0 (the longest) left out
+        alone = left_align_batch({k: v[index] for k, v in batch.items()}, max_seq_len=64,
+                                 width_multiple=width_multiple)
+        taken = whole.take(index)
+        assert taken.seq_len < whole.seq_len or width_multiple > 1
+        assert taken.seq_len == alone.seq_len and taken.seq_len % width_multiple == 0
+        for name in ("input_ids", "lengths", "response_index", "response_valid"):
+            assert torch.equal(getattr(taken, name), getattr(alone, name)), name
+        assert taken.fields.keys() == alone.fields.keys()
+        assert all(torch.equal(taken.fields[k], alone.fields[k]) for k in alone.fields)
+
+
 def _broken(change):
     batch = make_batch(0, batch=3)
     change(batch)

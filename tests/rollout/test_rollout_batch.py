@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megaflow.protocol import DataProto
-from megaflow.rollout.batch import assemble_rollout_batch, position_ids_for_rollout, prompt_token_lists, rollout_output
+from megaflow.rollout.batch import (assemble_rollout_batch, check_left_padded, position_ids_for_rollout,
+                                   prompt_token_lists, rollout_output)
 from megaflow.rollout.sampling import SamplingConfig, request_seeds
 from megaflow.rollout.vllm_groups import consecutive_tp_groups, validate_tp_groups
 
@@ -67,6 +68,7 @@ def test_prompt_token_lists_strips_left_padding():
     ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10], [0, 0, 0, 11]])
     mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1]])
     assert prompt_token_lists(ids, mask) == [[5, 6], [7, 8, 9, 10], [11]]
+    assert check_left_padded(ids, mask).tolist() == [2, 4, 1]
 
 
 @pytest.mark.parametrize("mask, match", [
