@@ -158,8 +158,19 @@ def preserve_rng_state():
 
 
 def _prepare_process_env() -> str:
-    """Set the environment the in-process SPMD engine needs; return the executor backend."""
+    """Set the environment the in-process SPMD engine needs; return the executor backend.
+
+    Without CUDA, torch.compile is switched off for the process (``torch._dynamo.config.disable``):
+    the CPU engine runs eagerly (``enforce_eager``), yet vLLM's sampler still compiles
+    ``batched_count_greater_than`` (the rank of each sampled token, which megaflow does not read)
+    with inductor on the first generate: about 2 s of the first step on 2 cores, and a C++
+    compiler on the machine. Eager gives the same integer counts.
+    """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if not torch.cuda.is_available():
+        from torch import _dynamo
+
+        _dynamo.config.disable = True
     if not dist.is_initialized():
         return "uni"
     rank = str(dist.get_rank())

@@ -75,6 +75,9 @@ def _engine_checks(rank, world_size, model_dir, prompts, eos, full_path, sharded
         "bucket_without_update": _error(lambda: engine.load_weight_bucket([])),
     }
     res["version_after_errors"] = engine.weight_version
+    from torch._dynamo.utils import counters
+
+    res["compiled_frames"] = sum(counters["frames"].values())
 
     res["version1"] = engine.update_weights(torch.load(full_path).items(), format="hf_full")
     res["greedy_hf_full"] = engine.generate_sequences(greedy)
@@ -244,3 +247,11 @@ def test_routes_can_alternate(run):
     assert torch.equal(run["greedy_restored"].batch["responses"], run["greedy"].batch["responses"])
     torch.testing.assert_close(run["greedy_restored"].batch["rollout_log_probs"],
                                run["greedy"].batch["rollout_log_probs"], atol=1e-5, rtol=0)
+
+
+def test_cpu_engine_compiles_nothing(run):
+    """On CPU the engine runs eagerly: vLLM's sampler would otherwise compile a helper with
+    inductor on the first generate (seconds of the first step); dynamo saw no frame."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only behaviour")
+    assert run["compiled_frames"] == 0
