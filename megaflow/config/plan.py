@@ -35,6 +35,7 @@ from megaflow.config.topology import (
     split_rollout_pool,
     token_budgets,
     train_batch_sizes,
+    uses_distributed_optimizer,
 )
 from megaflow.config.hybrid_layout import HybridLayout, ReshardCost, reshard_cost
 from megaflow.config.split_layout import TransportPlan, plan_split_transport, split_sync_bytes
@@ -168,7 +169,7 @@ def _role_plan(cfg: Config, role: str) -> RolePlan:
         micro_batch=micro, num_micro_batches=num_micro, seq=max_seq_len(cfg))
     offload = tuple(getattr(section, f"{kind}_offload", False) for kind in ("param", "grad", "optimizer"))
     memory = role_memory(role, spec, shape, dtype=cfg.model.dtype, trained=trained,
-                         distributed_optimizer=getattr(section, "use_distributed_optimizer", False),
+                         distributed_optimizer=trained and uses_distributed_optimizer(cfg, role),
                          fused_attention=bool(cfg.resources.use_gpu),
                          head="lm" if role in ("actor", "ref") else "value", offload=offload)
     return RolePlan(role=role, model=spec, parallel=par, groups=megatron_groups(par.tp, par.pp, par.dp, par.cp),
@@ -185,7 +186,7 @@ def _rollout_plan(cfg: Config, actor: RolePlan) -> RolloutPlan:
         seq=max_seq_len(cfg), samples_per_replica=sizes.samples_per_replica,
         engine_budget=cfg.rollout.gpu_memory_utilization * res.gpu_memory_gib * GIB if res.use_gpu else None,
         cpu_kv_cache=None if res.use_gpu else cpu_kv_cache_bytes(cfg),
-        params_in_buffer=bool(cfg.actor.use_distributed_optimizer))
+        params_in_buffer=uses_distributed_optimizer(cfg, "actor"))
     model_bytes = count_parameters(spec) * DTYPE_BYTES[cfg.model.dtype]
     split, pool = None, split_rollout_pool(cfg)
     if pool is not None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from megaflow.config.roles import ROLES
 from megaflow.config.topology import (TRAINED_ROLES, MicroBatchSizes, ModelSource, RoleParallel, lr_schedule_steps,
                                       micro_batch_sizes, model_source, role_hf_config, role_parallel,
-                                      train_batch_sizes)
+                                      train_batch_sizes, uses_distributed_optimizer)
 
 if TYPE_CHECKING:
     from megaflow.config.schema import Config
@@ -99,6 +99,13 @@ class RoleSpec:
         :func:`~megaflow.config.topology.lr_schedule_steps` over ``training_steps``)."""
         self._require_training("lr_decay_steps")
         return lr_schedule_steps(self.config, self.role, self.training_steps)
+
+    @property
+    def distributed_optimizer(self) -> bool:
+        """Megatron's distributed optimizer or the plain one
+        (:func:`~megaflow.config.topology.uses_distributed_optimizer`; trained roles only)."""
+        self._require_training("distributed_optimizer")
+        return uses_distributed_optimizer(self.config, self.role)
 
     @property
     def shuffle(self) -> bool:

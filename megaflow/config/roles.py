@@ -123,8 +123,10 @@ class ActorConfig(TrainedRoleConfig):
 
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and LR schedule."""
-    use_distributed_optimizer: bool = True
-    """Shard the optimizer state across DP ranks (megatron distributed optimizer)."""
+    use_distributed_optimizer: bool | None = None
+    """Shard the optimizer state across DP ranks (megatron distributed optimizer); null: exactly
+    when the actor's dp > 1 (at dp = 1 there is nothing to shard, and its flat buffers only add
+    whole-model copies to each step)."""
     ppo_mini_batch_size: int = 16
     """Prompts per PPO mini-batch (one optimizer step); samples = this x ``rollout.n``."""
     ppo_micro_batch_size_per_gpu: int = 4
@@ -278,8 +280,8 @@ class CriticConfig(TrainedRoleConfig):
     """HF checkpoint to initialise the backbone from; None: model.path (same architecture)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Optimizer and LR schedule."""
-    use_distributed_optimizer: bool = True
-    """Shard the optimizer state across DP ranks."""
+    use_distributed_optimizer: bool | None = None
+    """Shard the optimizer state across DP ranks; null: exactly when the critic's dp > 1."""
     ppo_mini_batch_size: int = 16
     """Prompts per critic mini-batch; samples = this x rollout.n."""
     ppo_micro_batch_size_per_gpu: int = 4

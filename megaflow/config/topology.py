@@ -68,6 +68,15 @@ class RoleParallel:
     vpp: int | None
 
 
+def uses_distributed_optimizer(cfg: Config, role: str) -> bool:
+    """Whether trained ``role`` (actor, critic) runs megatron-core's distributed optimizer:
+    ``<role>.use_distributed_optimizer``, or when it is null, whether the role's dp > 1 (the
+    optimizer state is sharded over DP ranks; at dp = 1 the plain optimizer does the same
+    updates without the flat parameter/gradient copies)."""
+    chosen = getattr(cfg, role).use_distributed_optimizer
+    return role_parallel(cfg, role).dp > 1 if chosen is None else bool(chosen)
+
+
 def role_parallel(cfg: Config, role: str) -> RoleParallel:
     """The mesh of ``role`` (actor, ref, critic, reward_model); dp derived from its pool.
 

@@ -128,7 +128,7 @@ class MegatronEngine:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         optim, tc = self.spec.section.optim, self.model.config
-        distributed = self.spec.section.use_distributed_optimizer
+        distributed = self.spec.distributed_optimizer
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=distributed, check_for_nan_in_grad=False)

@@ -378,7 +378,19 @@ def test_optimizer_keys_reach_megatron_cores_optimizer(tiny, role, monkeypatch):
                                                 if role == "critic" else {}))), role, 10)
     engine.spec = default
     engine._setup_training()
+    assert default.parallel.dp == 2  # null (the default): the distributed optimizer exactly when dp > 1
     assert (seen["optim"].adam_beta1, seen["optim"].use_distributed_optimizer) == (0.9, True)
+    assert seen["ddp"].use_distributed_optimizer is True
+    one_dp = {"actor": {"tp": 2}, **({"critic": {"enabled": True, "tp": 2}, "algorithm": {"adv_estimator": "gae"}}
+                                     if role == "critic" else {})}
+    engine.spec = RoleSpec(config_from_dict(tiny(**one_dp)), role, 10)
+    assert engine.spec.parallel.dp == 1
+    engine._setup_training()
+    assert seen["optim"].use_distributed_optimizer is False and seen["ddp"].use_distributed_optimizer is False
+    forced = {**one_dp, role: {**one_dp[role], "use_distributed_optimizer": True}}
+    engine.spec = RoleSpec(config_from_dict(tiny(**forced)), role, 10)
+    engine._setup_training()
+    assert seen["optim"].use_distributed_optimizer is True
 
 
 @pytest.mark.parametrize("role", ["actor", "critic"])
@@ -401,6 +413,8 @@ def test_ppo_epochs_repeat_the_mini_batch_steps_of_an_update(tiny, role):
         spec = RoleSpec(config_from_dict(tiny(**extra)), role, 1)
         minis = []
         engine = SimpleNamespace(scheduler=SimpleNamespace(num_steps=0),
+                                 left_align=lambda tensors: SimpleNamespace(
+                                     take=lambda index: {"row": tensors["row"][index]}),
                                  train_step=lambda mini, loss_fn: minis.append(mini["row"].tolist()) or {"loss": 1.0})
         worker = SimpleNamespace(role_spec=spec, config=spec.config, engine=engine, info=SimpleNamespace(dp_rank=0),
                                  _before_phase=lambda *parts: None, _after_phase=lambda: None)
