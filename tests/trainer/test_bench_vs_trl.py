@@ -35,11 +35,12 @@ def test_megaflow_config_is_the_workload(tmp_path):
     from megaflow.config import generation_sizes, num_samples_per_step
 
     args = argparse.Namespace(size="15m", seed=0, tp=2, gen_tp=1, procs=2, warmup=1, steps=2, fixed_length=True,
-                              kv_cache_gib=0)
+                              kv_cache_gib=0, cpus_per_proc=1)
     cfg = bench.megaflow_config(args, str(tmp_path))
     assert cfg.model.hf_config["hidden_size"] == 512 and cfg.model.hf_config["num_hidden_layers"] == 8
     assert num_samples_per_step(cfg) == 32 and generation_sizes(cfg).num_replicas == 2
     assert cfg.rollout.ignore_eos and cfg.algorithm.rollout_correction.bypass
+    assert cfg.resources.num_cpus_per_proc == 1
     lines = (tmp_path / "train.jsonl").read_text().splitlines()
     assert len(lines) == bench.NUM_PROMPTS
     a, b = map(int, re.fullmatch(r"(\d+)\+(\d+)=", __import__("json").loads(lines[0])["prompt"]).groups())
@@ -62,6 +63,7 @@ def test_kv_cache_gib_option_turns_auto_off(tmp_path):
     import argparse
 
     args = argparse.Namespace(size="3m", seed=0, tp=2, gen_tp=1, procs=2, warmup=1, steps=2, fixed_length=False,
-                              kv_cache_gib=2)
+                              kv_cache_gib=2, cpus_per_proc=2)
     cfg = bench.megaflow_config(args, str(tmp_path))
     assert not cfg.rollout.cpu_kv_cache_auto and cfg.rollout.cpu_kv_cache_gib == 2 and not cfg.rollout.ignore_eos
+    assert cfg.resources.num_cpus_per_proc == 2  # --cpus-per-proc
