@@ -75,6 +75,8 @@ class ConfigTypeError(ConfigError, TypeError):
 
 
 def _type_name(hint: Any) -> str:
+    if isinstance(hint, str):  # already a name
+        return hint
     if hint is type(None):
         return "null"
     if isinstance(hint, type):
@@ -148,7 +150,14 @@ def _coerce_union(value: Any, args: tuple, key: str, base: Any) -> Any:
         return None
     if len(non_none) != 1:
         raise TypeError(f"{key}: unions other than 'X | None' are not supported in sections")
-    return coerce(value, non_none[0], key, base)
+    if len(non_none) == len(args):
+        return coerce(value, non_none[0], key, base)
+    try:
+        return coerce(value, non_none[0], key, base)
+    except ConfigTypeError as err:
+        if err.key != key or not err.message.startswith(f"expected {_type_name(non_none[0])},"):
+            raise
+        raise _wrong_type(key, f"{_type_name(non_none[0])} or null", value) from None
 
 
 def _coerce_tuple(value: Any, args: tuple, key: str) -> tuple:

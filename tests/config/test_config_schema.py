@@ -77,7 +77,8 @@ def test_unknown_key_without_close_match_lists_valid_keys(tiny):
     ("tp", True, "expected int, got bool True"),
     ("tp", 2.5, "expected int, got float 2.5"),
     ("param_offload", "yes please", "expected bool, got str 'yes please'"),
-    ("clip_ratio_c", [3], "expected float, got list [3]"),
+    ("clip_ratio_c", [3], "expected float or null, got list [3]"),  # float | None
+    ("use_distributed_optimizer", "maybe", "expected bool or null, got str 'maybe'"),  # bool | None
 ])
 def test_wrong_type_names_key_expected_type_and_value(tiny, key, value, expected):
     with pytest.raises(ConfigTypeError) as err:
