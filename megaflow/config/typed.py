@@ -113,7 +113,8 @@ def _suggest(word: str, choices: typing.Iterable[str]) -> str:
     return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
-def _coerce_scalar(value: Any, hint: type, key: str) -> Any:
+def _coerce_scalar(value: Any, hint: type, key: str, nullable: bool = False) -> Any:
+    """``value`` as ``hint`` (bool, int, float, str); ``nullable``: the key also takes null (said in the error)."""
     if hint is bool:
         if isinstance(value, bool):
             return value
@@ -141,7 +142,7 @@ def _coerce_scalar(value: Any, hint: type, key: str) -> Any:
             return value
         if isinstance(value, int) and not isinstance(value, bool):
             return str(value)  # names and paths that YAML read as integers (run "2024")
-    raise _wrong_type(key, hint, value)
+    raise _wrong_type(key, f"{hint.__name__} or null" if nullable else hint, value)
 
 
 def _coerce_union(value: Any, args: tuple, key: str, base: Any) -> Any:
@@ -150,14 +151,9 @@ def _coerce_union(value: Any, args: tuple, key: str, base: Any) -> Any:
         return None
     if len(non_none) != 1:
         raise TypeError(f"{key}: unions other than 'X | None' are not supported in sections")
-    if len(non_none) == len(args):
-        return coerce(value, non_none[0], key, base)
-    try:
-        return coerce(value, non_none[0], key, base)
-    except ConfigTypeError as err:
-        if err.key != key or not err.message.startswith(f"expected {_type_name(non_none[0])},"):
-            raise
-        raise _wrong_type(key, f"{_type_name(non_none[0])} or null", value) from None
+    if len(non_none) < len(args) and non_none[0] in (bool, int, float, str):
+        return _coerce_scalar(value, non_none[0], key, nullable=True)
+    return coerce(value, non_none[0], key, base)
 
 
 def _coerce_tuple(value: Any, args: tuple, key: str) -> tuple:
