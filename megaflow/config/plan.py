@@ -62,6 +62,10 @@ class RolePlan:
     """Mini-/micro-batch split of the update (trained roles only)."""
     forward_micro_batch: int
     memory: RoleMemory
+    distributed_optimizer: bool = False
+    """Whether the update shards the optimizer state over dp (megatron-core's distributed
+    optimizer; :func:`~megaflow.config.topology.uses_distributed_optimizer`); False for
+    forward-only roles."""
 
 
 @dataclass(frozen=True)
@@ -168,12 +172,14 @@ def _role_plan(cfg: Config, role: str) -> RolePlan:
         recompute=getattr(section, "recompute_granularity", "none"),
         micro_batch=micro, num_micro_batches=num_micro, seq=max_seq_len(cfg))
     offload = tuple(getattr(section, f"{kind}_offload", False) for kind in ("param", "grad", "optimizer"))
+    distributed = trained and uses_distributed_optimizer(cfg, role)
     memory = role_memory(role, spec, shape, dtype=cfg.model.dtype, trained=trained,
-                         distributed_optimizer=trained and uses_distributed_optimizer(cfg, role),
+                         distributed_optimizer=distributed,
                          fused_attention=bool(cfg.resources.use_gpu),
                          head="lm" if role in ("actor", "ref") else "value", offload=offload)
     return RolePlan(role=role, model=spec, parallel=par, groups=megatron_groups(par.tp, par.pp, par.dp, par.cp),
-                    batch=batch, forward_micro_batch=forward_mb, memory=memory)
+                    batch=batch, forward_micro_batch=forward_mb, memory=memory,
+                    distributed_optimizer=distributed)
 
 
 def _rollout_plan(cfg: Config, actor: RolePlan) -> RolloutPlan:

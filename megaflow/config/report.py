@@ -73,6 +73,8 @@ def _role_lines(rp: RolePlan, max_groups: int) -> list[str]:
         lines.append(f"    update: {b.num_mini_batches} mini-batch(es) of {b.mini_batch_size} samples "
                      f"({b.mini_batch_size_per_dp_rank} per dp rank = {b.num_micro_batches} micro-batch(es) of "
                      f"{b.micro_batch_size}); {b.num_optimizer_steps} optimizer step(s) per training step")
+        lines.append("    optimizer: " + (f"distributed (state sharded over dp={par.dp * par.cp})"
+                                          if rp.distributed_optimizer else "plain (state not sharded over dp)"))
     lines.append(f"    forward micro-batch: {rp.forward_micro_batch} samples per rank")
     offload = [k for k, on in (("params", mem.param_offload), ("grads", mem.grad_offload),
                                ("optimizer", mem.optimizer_offload)) if on]

@@ -149,3 +149,18 @@ def test_colocated_phase_adds_what_other_roles_keep_resident():
     assert ref.resident == 0 and rm.resident == 0
     assert plan.requirements.gpus_per_node == 8
     assert max(p.total for p in pool.phases) < 80 * GIB
+
+
+@pytest.mark.parametrize("procs, chosen, expected", [
+    (2, None, "plain (state not sharded over dp)"),        # tp=2 -> dp=1: null means plain
+    (4, None, "distributed (state sharded over dp=2)"),   # tp=2 -> dp=2: null means distributed
+    (4, False, "plain (state not sharded over dp)"),       # an explicit choice wins over dp
+])
+def test_plan_states_whether_the_optimizer_is_distributed(tiny, procs, chosen, expected):
+    cfg = config_from_dict(tiny(model={"hf_config": SMALL, "tokenizer": "arith"},
+                                actor={"tp": 2, "use_distributed_optimizer": chosen},
+                                resources={"use_gpu": False, "procs_per_node": procs}))
+    plan = build_plan(cfg)
+    assert plan.role("actor").distributed_optimizer is (expected.startswith("distributed"))
+    actor_block = format_plan(plan).split("\nactor ", 1)[1].split("\n    memory per rank", 1)[0]
+    assert f"    optimizer: {expected}" in actor_block
