@@ -71,6 +71,7 @@ from megaflow.rollout.sampling import SamplingConfig, request_seeds
 from megaflow.rollout.vllm_groups import prepare_vllm_tp_groups, verify_vllm_tp_group
 from megaflow.rollout.vllm_shm import prepare_engine_shm
 from megaflow.rollout.vllm_weights import ShardedWeightUpdate, refresh_tied_modules, sharded_param_shapes
+from megaflow.utils.startup_gc import collect_and_freeze
 
 WEIGHT_FORMATS = ("hf_full", "sharded")
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
@@ -217,6 +218,7 @@ class VLLMRollout:
         self.tp_group = prepare_vllm_tp_groups(config.tp_size, config.tp_group_ranks)
         from vllm import LLM
 
+        collect_and_freeze()  # vLLM's explicit full collections then skip the heap built so far
         with preserve_rng_state():
             self._llm = LLM(**self._engine_kwargs(backend))
         if shm is not None:  # every rank of the group has mapped the segments: drop the names

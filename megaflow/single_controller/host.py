@@ -19,6 +19,7 @@ from megaflow.single_controller.collect import ChunkOutput
 from megaflow.single_controller.errors import WorkerError
 from megaflow.single_controller.futures import resolve_arguments
 from megaflow.single_controller.worker import WorkerMetadata
+from megaflow.utils import startup_gc
 from megaflow.utils.launch import find_free_port
 
 
@@ -37,6 +38,10 @@ class WorkerHost:
     """
 
     def __init__(self, rank: int, world_size: int, local_rank: int, node_index: int, num_threads: int = 1) -> None:
+        # Start-up (the role modules' imports, models, engines) runs with automatic garbage
+        # collection paused; end_startup, or the first call of a method other than init_model,
+        # ends it (megaflow.utils.startup_gc says why).
+        startup_gc.pause()
         import torch
 
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
@@ -77,6 +82,11 @@ class WorkerHost:
                 err = self._fail(role, f"{spec.cls.__name__}.__init__")
                 raise err from None
 
+    def end_startup(self) -> None:
+        """End the start-up's garbage-collection pause: one collection, a freeze of what
+        survives, collection back on (:func:`megaflow.utils.startup_gc.resume`)."""
+        startup_gc.resume()
+
     def execute(self, role: str, method: str, keep_output: bool, /, *args: Any, **kwargs: Any) -> Any:
         """Run ``role.method(*args, **kwargs)`` after resolving future arguments.
 
@@ -89,6 +99,8 @@ class WorkerHost:
         Raises:
             WorkerError: the method (or resolving an argument) raised.
         """
+        if method != "init_model":
+            startup_gc.resume()  # a no-op after start-up
         try:
             fn: Callable[..., Any] = getattr(self._roles[role], method)
             args, kwargs, report = resolve_arguments(args, kwargs)

@@ -226,6 +226,17 @@ class RayWorkerGroup:
             raise KeyError(f"unknown role(s) {unknown}; this group has {list(self._core.roles)}")
         return {r: RayWorkerGroup._view(self._core, r) for r in names}
 
+    def end_startup(self) -> None:
+        """End the start-up's garbage-collection pause in every process of this group
+        (:meth:`~megaflow.single_controller.host.WorkerHost.end_startup`; for colocated
+        roles, the first call does it for all of their views).
+
+        Raises:
+            WorkerError: a rank's process failed.
+        """
+        core = self._core
+        get_all([h.end_startup.remote() for h in core.hosts], core.where, "end_startup")
+
     # ------------------------------------------------------------------ calls
     def mesh_info(self, mesh: str) -> MeshInfo:
         """The cached :class:`MeshInfo` of ``mesh`` (queried from all ranks on first use).

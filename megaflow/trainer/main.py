@@ -185,11 +185,22 @@ def train(cfg, inputs=None) -> dict[str, float]:
     Raises:
         ConfigError: a pre-start check failed (a :class:`PreflightError` listing them).
     """
+    from megaflow.utils import startup_gc
+
+    startup_gc.pause()  # until the workers are ready (megaflow.utils.startup_gc says why)
+    try:
+        return _train(cfg, inputs)
+    finally:
+        startup_gc.resume(freeze=False)  # a no-op once _train resumed it after start-up
+
+
+def _train(cfg, inputs) -> dict[str, float]:
     from megaflow.config import config_to_dict, dump_config, lr_schedule_steps, num_training_steps
     from megaflow.trainer.checkpoint import CheckpointManager
     from megaflow.trainer.ppo_trainer import RayPPOTrainer
     from megaflow.trainer.roles import build_worker_groups, shutdown_worker_groups
     from megaflow.trainer.preflight import preflight
+    from megaflow.utils import startup_gc
     from megaflow.utils.tracking import Tracking, filter_known_warnings
 
     if inputs is None:
@@ -220,6 +231,7 @@ def train(cfg, inputs=None) -> dict[str, float]:
     init_ray(cfg)
     startup.lap("Ray")
     groups = build_worker_groups(cfg, tokenizer, total_steps)
+    startup_gc.resume(freeze=False)
     startup.lap("worker processes and models")
     print(f"[megaflow] start-up: {startup}", flush=True)
     try:
@@ -307,4 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from megaflow.utils import startup_gc
+
+    startup_gc.pause()  # the imports and checks ahead; train() resumes it once the workers are ready
     sys.exit(main())

@@ -107,6 +107,10 @@ def build_worker_groups(cfg, tokenizer, total_steps: int | None = None) -> Worke
         par = role_parallel(cfg, "actor")
         layout = plan_hybrid_layout(par.tp, par.pp, par.dp, cfg.rollout.tp)  # as the actor plans it
         connect_split(views["actor"], views["rollout"], layout, backend="nccl" if res.use_gpu else "gloo")
+    # The processes' start-up ends here: garbage collection, paused since they started, resumes
+    # (a no-op call on the second view of colocated roles).
+    for view in views.values():
+        view.end_startup()
     return WorkerGroups(actor=views["actor"], ref=views.get("ref"), critic=views.get("critic"),
                         reward_model=views.get("reward_model"), resource_pools=pools, rollout=views.get("rollout"))
 

@@ -1,6 +1,7 @@
 """Small worker classes for the single-controller tests (pickled by value into Ray actors)."""
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -133,3 +134,20 @@ class ThreadsWorker(Worker):
     def threads(self) -> tuple[int, str]:
         """(``torch.get_num_threads()``, ``$OMP_NUM_THREADS``) of this rank's process."""
         return torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS", "")
+
+
+class GcWorker(Worker):
+    """Reports its process's garbage-collection state (megaflow.utils.startup_gc)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enabled_in_init_model = None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        self.enabled_in_init_model = gc.isenabled()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def gc_state(self) -> tuple:
+        """(enabled during init_model or None, enabled now, objects frozen now)."""
+        return self.enabled_in_init_model, gc.isenabled(), gc.get_freeze_count()

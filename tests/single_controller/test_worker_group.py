@@ -11,7 +11,7 @@ from megaflow.protocol import DataProto
 from megaflow.single_controller import (ClassWithInitArgs, DataProtoFuture, RayWorkerGroup, ResourcePool, WorkerError,
                                         create_colocated_worker_cls)
 from megaflow.single_controller.futures import get_all
-from single_controller_workers import BrokenWorker, MeshWorker, ScaleWorker, ThreadsWorker
+from single_controller_workers import BrokenWorker, GcWorker, MeshWorker, ScaleWorker, ThreadsWorker
 
 pytestmark = pytest.mark.slow
 
@@ -211,3 +211,25 @@ def test_each_rank_runs_one_thread_per_reserved_cpu(sc_ray, cpus):
     finally:
         group.shutdown()
         half.remove()
+
+
+def test_worker_start_up_runs_with_garbage_collection_paused(sc_ray):
+    """A rank's process starts with automatic collection off (megaflow.utils.startup_gc); it is
+    back on, with the start-up's objects frozen, after end_startup, or else from the first call
+    of a method other than init_model."""
+    pool = ResourcePool([2], num_cpus_per_process=0.5, name_prefix="sc_gc")
+    explicit = RayWorkerGroup(pool, ClassWithInitArgs(GcWorker), name_prefix="gc_explicit")
+    try:
+        explicit.init_model()
+        explicit.end_startup()
+        for during, now, frozen in explicit.gc_state():
+            assert during is False and now is True and frozen > 10_000
+    finally:
+        explicit.shutdown()
+    fallback = RayWorkerGroup(pool, ClassWithInitArgs(GcWorker), name_prefix="gc_fallback")
+    try:
+        for during, now, frozen in fallback.gc_state():  # no init_model, no end_startup
+            assert during is None and now is True and frozen > 10_000
+    finally:
+        fallback.shutdown()
+        pool.remove()
