@@ -237,8 +237,15 @@ def megaflow_config(args, work: str):
 
 
 def run_megaflow(args) -> dict:
-    """One megaflow run through ``megaflow.trainer.main.train``; returns per-step times and memory."""
+    """One megaflow run through ``megaflow.trainer.main.train``; returns per-step times and memory.
+
+    Garbage collection is paused from here, before the config and its imports, as
+    ``python -m megaflow.trainer.main`` (``make train``) pauses it before its own
+    (:mod:`megaflow.utils.startup_gc`); ``train`` resumes it once the workers are ready."""
     sys.path.insert(0, HERE)  # the reward function: bench_vs_trl:sum_reward
+    from megaflow.utils import startup_gc
+
+    startup_gc.pause()
     mem = TreeRss()
     work = tempfile.mkdtemp(prefix="bench_vs_trl_mf_")
     cfg = megaflow_config(args, work)
