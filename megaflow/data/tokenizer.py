@@ -13,6 +13,12 @@ BUILTIN_TOKENIZERS = ("arith",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+def _builtin_names() -> str:
+    """``the built-in name 'arith'`` (or ``one of the built-in names 'a', 'b'``) for error messages."""
+    names = ", ".join(repr(n) for n in BUILTIN_TOKENIZERS)
+    return f"the built-in name {names}" if len(BUILTIN_TOKENIZERS) == 1 else f"one of the built-in names {names}"
+
+
 def get_tokenizer(name_or_path: str | Path, *, trust_remote_code: bool = False, **kwargs: Any):
     """Return the tokenizer named by a recipe's ``model.tokenizer``.
 
@@ -36,7 +42,7 @@ def get_tokenizer(name_or_path: str | Path, *, trust_remote_code: bool = False, 
         # a long chain of hub errors (there is no hub access).
         what = "is a file, not a directory" if path.exists() else "does not exist"
         raise OSError(f"tokenizer {str(name_or_path)!r} {what}: pass a local Hugging Face model/tokenizer "
-                      f"directory or one of the built-in names {', '.join(BUILTIN_TOKENIZERS)}")
+                      f"directory or {_builtin_names()}")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise OSError(f"tokenizer directory {str(name_or_path)!r} holds none of {', '.join(TOKENIZER_FILES)}")
     from transformers import AutoTokenizer
@@ -47,7 +53,7 @@ def get_tokenizer(name_or_path: str | Path, *, trust_remote_code: bool = False, 
     except (OSError, ValueError) as exc:
         raise OSError(
             f"cannot load a tokenizer from {str(name_or_path)!r}: {exc}. Pass a local Hugging Face "
-            f"model/tokenizer directory or one of the built-in names {BUILTIN_TOKENIZERS}"
+            f"model/tokenizer directory or {_builtin_names()}"
         ) from exc
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
