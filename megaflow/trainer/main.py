@@ -21,6 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from megaflow.config.topology import run_dir_of
+from megaflow.utils import startup_gc
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -185,8 +186,6 @@ def train(cfg, inputs=None) -> dict[str, float]:
     Raises:
         ConfigError: a pre-start check failed (a :class:`PreflightError` listing them).
     """
-    from megaflow.utils import startup_gc
-
     startup_gc.pause()  # until the workers are ready (megaflow.utils.startup_gc says why)
     try:
         return _train(cfg, inputs)
@@ -200,7 +199,6 @@ def _train(cfg, inputs) -> dict[str, float]:
     from megaflow.trainer.ppo_trainer import RayPPOTrainer
     from megaflow.trainer.roles import build_worker_groups, shutdown_worker_groups
     from megaflow.trainer.preflight import preflight
-    from megaflow.utils import startup_gc
     from megaflow.utils.tracking import Tracking, filter_known_warnings
 
     if inputs is None:
@@ -319,7 +317,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from megaflow.utils import startup_gc
-
     startup_gc.pause()  # the imports and checks ahead; train() resumes it once the workers are ready
     sys.exit(main())
