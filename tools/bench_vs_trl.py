@@ -209,6 +209,9 @@ def megaflow_config(args, work: str):
             f.write(json.dumps({"data_source": DATA_SOURCE, "prompt": prompt, "ability": "arithmetic",
                                 "reward_model": {"style": "rule", "ground_truth": str(answer)},
                                 "extra_info": {"index": i}}) + "\n")
+    # one micro-batch per DP rank: the whole step's rows, split over dp = procs / tp (pp = 1)
+    dp = max(1, args.procs // args.tp)
+    rows_per_rank = PROMPTS_PER_STEP * NUM_GENERATIONS // dp
     rollout = {"tp": args.gen_tp, "n": NUM_GENERATIONS, "response_length": RESPONSE_LENGTH, "temperature": 1.0,
                "cpu_kv_cache_auto": not args.kv_cache_gib, "ignore_eos": bool(args.fixed_length)}
     if args.kv_cache_gib:
@@ -220,8 +223,8 @@ def megaflow_config(args, work: str):
         "algorithm": {"adv_estimator": "grpo", "norm_adv_by_std": True, "use_kl_in_reward": False,
                       "use_kl_loss": False, "rollout_correction": {"bypass": True}},
         "actor": {"tp": args.tp, "pp": 1, "ppo_mini_batch_size": PROMPTS_PER_STEP, "ppo_epochs": 1,
-                  "ppo_micro_batch_size_per_gpu": PROMPTS_PER_STEP * NUM_GENERATIONS,
-                  "log_prob_micro_batch_size_per_gpu": PROMPTS_PER_STEP * NUM_GENERATIONS,
+                  "ppo_micro_batch_size_per_gpu": rows_per_rank,
+                  "log_prob_micro_batch_size_per_gpu": rows_per_rank,
                   "optim": {"lr": LR, "weight_decay": 0.0, "clip_grad": 1.0, "lr_warmup_steps": 0},
                   "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "loss_agg_mode": "token-mean",
                   "entropy_coeff": 0.0},
@@ -369,6 +372,16 @@ def main(argv=None) -> int:
         p.error(f"--sizes: unknown {bad or sizes}; choose from {sorted(SIZES)}")
     if args.repeats < 1 or args.steps < 1 or args.warmup < 0 or args.kv_cache_gib < 0:
         p.error("--repeats and --steps must be >= 1, --warmup and --kv-cache-gib >= 0")
+    sys.path.insert(0, ROOT)
+    from megaflow.config.typed import ConfigError
+
+    for size in sizes:  # megaflow's settings are checked before any run starts
+        args.size = size
+        try:
+            with tempfile.TemporaryDirectory(prefix="bench_vs_trl_check_") as work:
+                megaflow_config(args, work)
+        except ConfigError as exc:
+            p.error(f"megaflow's config for --tp {args.tp} --gen-tp {args.gen_tp} --procs {args.procs}: {exc}")
     if not os.path.exists(os.path.join(args.trl_venv, "bin", "python")):
         p.error(f"--trl-venv: no python in {args.trl_venv}; run with --setup first")
     results: dict = {}

@@ -67,3 +67,23 @@ def test_kv_cache_gib_option_turns_auto_off(tmp_path):
     cfg = bench.megaflow_config(args, str(tmp_path))
     assert not cfg.rollout.cpu_kv_cache_auto and cfg.rollout.cpu_kv_cache_gib == 2 and not cfg.rollout.ignore_eos
     assert cfg.resources.num_cpus_per_proc == 2  # --cpus-per-proc
+
+
+def test_data_parallel_layout_splits_the_step_into_one_micro_batch_per_rank(tmp_path):
+    import argparse
+
+    from megaflow.config import num_samples_per_step
+
+    args = argparse.Namespace(size="3m", seed=0, tp=1, gen_tp=1, procs=2, warmup=1, steps=2, fixed_length=True,
+                              kv_cache_gib=0, cpus_per_proc=1)
+    cfg = bench.megaflow_config(args, str(tmp_path))
+    assert num_samples_per_step(cfg) == 32
+    # dp = 2: each rank updates its 16 rows in one micro-batch, as TP=2 (dp = 1) does with all 32
+    assert cfg.actor.ppo_micro_batch_size_per_gpu == 16 and cfg.actor.log_prob_micro_batch_size_per_gpu == 16
+
+
+def test_a_layout_megaflow_refuses_stops_before_any_run(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_vs_trl.py"), "--tp", "2", "--procs", "3",
+                           "--trl-venv", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--procs 3" in proc.stderr and "actor.tp" in proc.stderr, proc.stderr
