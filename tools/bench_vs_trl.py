@@ -20,10 +20,12 @@ start to the first step's start), peak memory (RSS summed over the run's process
     python tools/bench_vs_trl.py --setup             # TRL's own venv at --trl-venv (default /tmp/trl-venv)
     python tools/bench_vs_trl.py                     # 3 repeats, sizes 3m,15m
     python tools/bench_vs_trl.py --quick             # 1 repeat, 3 steps (1 warm-up), 3m only
+    python tools/bench_vs_trl.py --busy 1            # a loaded machine: one busy-loop process beside every run
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -253,23 +255,34 @@ def run_megaflow(args) -> dict:
     work = tempfile.mkdtemp(prefix="bench_vs_trl_mf_")
     cfg = megaflow_config(args, work)
     from megaflow.trainer.main import train
+    from megaflow.utils import tracking
     from megaflow.utils.tracking import read_metrics_jsonl
 
+    # start-up ends where the first step starts, as TRL's on_step_begin marks it: the first
+    # logged step's end (the tracker logs right after the step) minus that step's time
+    first_start: list[float] = []
+    log = tracking.Tracking.log
+
+    def log_first_step(self, metrics, step):
+        if not first_start and "timing_s/step" in metrics:
+            first_start.append(time.perf_counter() - float(metrics["timing_s/step"]) - T0)
+        return log(self, metrics, step)
+
+    tracking.Tracking.log = log_first_step
     t_train = time.perf_counter()
-    train(cfg)
+    try:
+        train(cfg)
+    finally:
+        tracking.Tracking.log = log
     end = time.perf_counter()
     records = read_metrics_jsonl(os.path.join(work, "out", "bench", "run", "metrics.jsonl"))
-    steps, elapsed = [], 0.0
+    steps = []
     for rec in sorted(records, key=lambda r: r["step"]):
         step = float(rec["timing_s/step"])
         steps.append({"step_s": step, "phases": {k.split("/", 1)[1]: float(v) for k, v in rec.items()
                                                  if k.startswith("timing_s/") and k != "timing_s/step"}})
-        elapsed += step
-    # start-up: process start to the first step; approximated as the whole run minus its steps
-    # (shutdown is counted in it too, which makes it an upper bound)
-    first_start = (end - T0) - elapsed
     for s in steps:
-        s["start_s"] = first_start
+        s["start_s"] = first_start[0]
     return {"framework": "megaflow", "steps": steps, "peak_mb": mem.stop(), "train_call_s": end - t_train}
 
 
@@ -330,6 +343,19 @@ def child(args, framework: str, size: str, out: str) -> subprocess.CompletedProc
     return subprocess.run(cmd, env=env, timeout=args.timeout)
 
 
+@contextlib.contextmanager
+def busy_processes(count: int):
+    """``count`` processes spinning a CPU each at normal priority for the ``with`` block: the
+    load of another job on the machine, met alike by both frameworks' runs."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--setup", action="store_true", help="install TRL into --trl-venv, then exit")
@@ -349,6 +375,8 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-gib", type=int, default=0,
                    help="megaflow rollout.cpu_kv_cache_gib; 0 (default): rollout.cpu_kv_cache_auto")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run before it is killed")
+    p.add_argument("--busy", type=int, default=0,
+                   help="busy-loop processes (normal priority) running beside every run: a loaded machine")
     p.add_argument("--json", help="write the summaries here")
     p.add_argument("--_child", choices=["trl", "megaflow"], help=argparse.SUPPRESS)
     p.add_argument("--_size", help=argparse.SUPPRESS)
@@ -370,8 +398,8 @@ def main(argv=None) -> int:
     bad = [s for s in sizes if s not in SIZES]
     if bad or not sizes:
         p.error(f"--sizes: unknown {bad or sizes}; choose from {sorted(SIZES)}")
-    if args.repeats < 1 or args.steps < 1 or args.warmup < 0 or args.kv_cache_gib < 0:
-        p.error("--repeats and --steps must be >= 1, --warmup and --kv-cache-gib >= 0")
+    if args.repeats < 1 or args.steps < 1 or args.warmup < 0 or args.kv_cache_gib < 0 or args.busy < 0:
+        p.error("--repeats and --steps must be >= 1, --warmup, --kv-cache-gib and --busy >= 0")
     sys.path.insert(0, ROOT)
     from megaflow.config.typed import ConfigError
 
@@ -384,6 +412,30 @@ def main(argv=None) -> int:
             p.error(f"megaflow's config for --tp {args.tp} --gen-tp {args.gen_tp} --procs {args.procs}: {exc}")
     if not os.path.exists(os.path.join(args.trl_venv, "bin", "python")):
         p.error(f"--trl-venv: no python in {args.trl_venv}; run with --setup first")
+    with busy_processes(args.busy):
+        results = compare(args, sizes)
+    if results is None:
+        return 1
+    print("\nmedians over timed steps (megaflow/TRL ratio); memory = peak RSS summed over the process tree"
+          + (f"; {args.busy} busy-loop process(es) beside every run" if args.busy else ""))
+    print(f"{'size':<5} {'framework':<9} {'step_s':>7} {'startup_s':>9} {'peak_MB':>8}  phases (s)")
+    for size, res in results.items():
+        for fw in ("trl", "megaflow"):
+            s = res[fw]
+            ph = ", ".join(f"{k} {v:.3f}" for k, v in s["phases"].items())
+            print(f"{size:<5} {fw:<9} {s['step_s']:7.3f} {s['startup_s']:9.1f} {s['peak_mb']:8.0f}  {ph}")
+        t, m = res["trl"], res["megaflow"]
+        print(f"{size:<5} {'ratio':<9} {m['step_s'] / t['step_s']:6.2f}x {m['startup_s'] / t['startup_s']:8.2f}x "
+              f"{m['peak_mb'] / t['peak_mb']:7.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+def compare(args, sizes: list[str]) -> dict | None:
+    """``args.repeats`` fresh runs of each framework per size, alternating; size -> framework ->
+    summary, or None when a framework produced no run of a size."""
     results: dict = {}
     for size in sizes:
         runs = {"trl": [], "megaflow": []}
@@ -408,22 +460,9 @@ def main(argv=None) -> int:
                       f"peak {s['peak_mb']:.0f} MB", flush=True)
         if not runs["trl"] or not runs["megaflow"]:
             print(f"{size}: a framework produced no run", file=sys.stderr)
-            return 1
+            return None
         results[size] = {fw: summarize(v, args.warmup) for fw, v in runs.items()}
-    print("\nmedians over timed steps (megaflow/TRL ratio); memory = peak RSS summed over the process tree")
-    print(f"{'size':<5} {'framework':<9} {'step_s':>7} {'startup_s':>9} {'peak_MB':>8}  phases (s)")
-    for size, res in results.items():
-        for fw in ("trl", "megaflow"):
-            s = res[fw]
-            ph = ", ".join(f"{k} {v:.3f}" for k, v in s["phases"].items())
-            print(f"{size:<5} {fw:<9} {s['step_s']:7.3f} {s['startup_s']:9.1f} {s['peak_mb']:8.0f}  {ph}")
-        t, m = res["trl"], res["megaflow"]
-        print(f"{size:<5} {'ratio':<9} {m['step_s'] / t['step_s']:6.2f}x {m['startup_s'] / t['startup_s']:8.2f}x "
-              f"{m['peak_mb'] / t['peak_mb']:7.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    return 0
+    return results
 
 
 if __name__ == "__main__":

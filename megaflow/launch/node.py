@@ -9,6 +9,8 @@ Subcommands (run on the node itself, e.g. through ``srun``)::
 ``head`` and ``worker`` replace themselves with ``ray start ... --block`` (so ``srun``
 and Slurm's signals reach Ray directly; SIGTERM stops every Ray process of the node).
 
+Ray's worker processes run at nice 0 (:func:`node_env`), not Ray's default 15.
+
 Security defaults: Ray is told the node's *internal* IP (the address of
 ``--interface``, or the interface of the default route), never a wildcard; the dashboard
 is off, and when enabled binds 127.0.0.1 unless ``--dashboard-host`` says otherwise.
@@ -81,6 +83,23 @@ def node_ip(interface: str | None = None) -> str:
     raise ValueError(f"no non-loopback IPv4 address found on {socket.gethostname()}: pass --interface NAME")
 
 
+def node_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment variables for a node's Ray daemons (a local Ray's too), read from their
+    environment when they start.
+
+    ``RAY_worker_niceness``: Ray starts its worker processes at nice 15 by default
+    (``RayConfig`` ``worker_niceness``), below every other process of the machine, so that its
+    own daemons stay responsive. megaflow's workers are where a run computes: at nice 15, one
+    other busy process on a 2-core machine (a test suite, a second run) took nearly all of their
+    CPU time (the benchmark's 3M one-process step: 9.0-9.9 s against 1.6-1.8 s at nice 0,
+    ``tools/bench_vs_trl.py``'s workload next to one ``yes > /dev/null``). megaflow starts them
+    at nice 0, like the controller and every other process; a value already in ``environ``
+    (default: this process's environment) is kept.
+    """
+    environ = os.environ if environ is None else environ
+    return {"RAY_worker_niceness": environ.get("RAY_worker_niceness", "0")}
+
+
 def ray_start_command(args: argparse.Namespace, ip: str) -> list[str]:
     """The ``ray start`` command line for ``args`` (``head`` or ``worker``) on address ``ip``."""
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
@@ -149,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     if not secured:
         print("warning: RAY_AUTH_MODE=disabled: this Ray node accepts unauthenticated connections", file=sys.stderr)
     cmd = ray_start_command(args, ip)
+    os.environ.update(node_env())  # inherited through execv by ray start and its daemons
     print(f"[megaflow] {socket.gethostname()}: ray start ({args.command}) on {ip}", flush=True)
     os.execv(cmd[0], cmd)
     return 1  # unreachable

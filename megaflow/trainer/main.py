@@ -13,6 +13,7 @@ non-finite loss or gradient norm); 130 interrupted (Ctrl-C), with where it stopp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import sys
@@ -79,34 +80,68 @@ def build_reward_fn(cfg, tokenizer, functions=None):
 _started_ray = False
 
 
+def worker_env() -> dict[str, str]:
+    """Environment variables of every worker process Ray starts for the run (name -> value):
+    one OpenMP thread until the rank sets its own, vLLM's log level (``ERROR`` unless this
+    process's ``VLLM_LOGGING_LEVEL`` says otherwise) and the warning filters of
+    :func:`megaflow.utils.tracking.warning_filters_env`."""
+    from megaflow.utils.tracking import warning_filters_env
+
+    # Ray's own worker processes stay single-threaded; each rank's process sets its threads
+    # from resources.num_cpus_per_proc (megaflow.single_controller.host.WorkerHost).
+    return {"OMP_NUM_THREADS": "1",
+            # vLLM logs every engine start at INFO; keep the console to the run's own output.
+            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
+            # megatron-core's start-up warnings would repeat once per worker: known ones are
+            # filtered (megaflow.utils.tracking.KNOWN_LIBRARY_WARNINGS says why each is safe).
+            "PYTHONWARNINGS": warning_filters_env(os.environ.get("PYTHONWARNINGS", "ignore::FutureWarning"))}
+
+
+@contextlib.contextmanager
+def exported_env(env: dict[str, str]):
+    """``env`` (name -> value) in this process's environment for the ``with`` block, then the previous
+    values again (processes started inside the block keep ``env``)."""
+    before = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def init_ray(cfg) -> None:
     """Connect to ``ray.address`` or start a local Ray bound to localhost (a no-op when
-    Ray is already initialised in this process)."""
-    import ray
+    Ray is already initialised in this process).
 
-    from megaflow.utils.tracking import warning_filters_env
+    The workers' environment (:func:`worker_env`) is the job's ``runtime_env`` on a cluster.
+    A local Ray gets it by inheritance instead: it is in this process's environment while
+    ``ray.init`` starts the raylet, whose worker processes inherit it. The job then has no
+    ``runtime_env``, so the workers that Ray prestarts while it starts (one per CPU) match the
+    job's actors and become them, instead of idling beside a freshly started process per rank
+    (a worker started for a runtime environment boots the interpreter and Ray's core worker
+    again: 0.7-1.1 s more to a rank's first reply, measured on the 2-core CPU). The raylet also
+    gets :func:`megaflow.launch.node.node_env`: its workers run at nice 0, not Ray's default 15.
+    This process's own environment is the same afterwards.
+    """
+    import ray
 
     global _started_ray
     if ray.is_initialized():
         return
     _started_ray = True
     r = cfg.ray
-    # Ray's own worker processes stay single-threaded; each rank's process sets its threads
-    # from resources.num_cpus_per_proc (megaflow.single_controller.host.WorkerHost).
-    env = {"OMP_NUM_THREADS": "1",
-           # vLLM logs every engine start at INFO; keep the console to the run's own output.
-           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
-           # megatron-core's start-up warnings would repeat once per worker: known ones are
-           # filtered (megaflow.utils.tracking.KNOWN_LIBRARY_WARNINGS says why each is safe).
-           "PYTHONWARNINGS": warning_filters_env(os.environ.get("PYTHONWARNINGS", "ignore::FutureWarning"))}
-    kwargs = dict(namespace=r.namespace, include_dashboard=r.include_dashboard, runtime_env={"env_vars": env})
+    kwargs = dict(namespace=r.namespace, include_dashboard=r.include_dashboard)
     if r.address:
         from megaflow.launch.auth import enable_token_auth
         from megaflow.launch.cluster import wait_for_cluster
         from megaflow.launch.resources import launch_requirements
 
         enable_token_auth()
-        ray.init(address=r.address, **kwargs)
+        ray.init(address=r.address, runtime_env={"env_vars": worker_env()}, **kwargs)
         # A bounded wait: fewer resources than the recipe needs -> an error saying what is
         # needed and what joined, instead of placement groups pending forever.
         wait_for_cluster(launch_requirements(cfg), r.resource_wait_timeout_s, address=r.address)
@@ -114,9 +149,11 @@ def init_ray(cfg) -> None:
         # address="local": never join a cluster that happens to run on this machine; every
         # listener of the local Ray on 127.0.0.1 only (megaflow.launch.local)
         from megaflow.launch.local import loopback_ray_options
+        from megaflow.launch.node import node_env
 
-        ray.init(address="local", num_cpus=r.num_cpus, dashboard_host=r.dashboard_host, **kwargs,
-                 **loopback_ray_options())
+        with exported_env({**worker_env(), **node_env()}):
+            ray.init(address="local", num_cpus=r.num_cpus, dashboard_host=r.dashboard_host, **kwargs,
+                     **loopback_ray_options())
 
 
 def _stop_local_ray(cfg) -> None:

@@ -3,6 +3,8 @@ run-time consumer (the dataset, the prompt loader, Ray's start, the validation s
 differently, against a value computed here independently. Fast: no Ray, no processes."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from megaflow.config import ConfigError, config_from_dict
@@ -124,6 +126,33 @@ def test_ray_keys_reach_ray_init(tiny, monkeypatch):
     assert kwargs["address"] == "local"
     assert (kwargs["namespace"], kwargs["include_dashboard"]) == ("runs-a", True)
     assert (kwargs["dashboard_host"], kwargs["num_cpus"]) == ("127.0.0.2", 3)
+
+
+def test_local_ray_workers_inherit_their_environment_and_normal_priority(tiny, monkeypatch):
+    import ray
+
+    names = ("OMP_NUM_THREADS", "VLLM_LOGGING_LEVEL", "PYTHONWARNINGS", "RAY_worker_niceness")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    seen = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: seen.append((kwargs, {n: os.environ.get(n) for n in names})))
+    monkeypatch.setattr(trainer_main, "_started_ray", False)
+    trainer_main.init_ray(config_from_dict(tiny()))
+    (kwargs, env), = seen
+    # no job runtime_env (Ray's prestarted workers then match the job's actors); the raylet
+    # started inside ray.init inherits the variables instead, niceness 0 among them
+    assert "runtime_env" not in kwargs
+    assert env["OMP_NUM_THREADS"] == "1" and env["VLLM_LOGGING_LEVEL"] == "ERROR"
+    assert "ignore::FutureWarning" in env["PYTHONWARNINGS"] and env["RAY_worker_niceness"] == "0"
+    assert all(os.environ.get(n) is None for n in names)  # this process's environment is as before
+    # a value the user exported is kept, and stays exported afterwards
+    monkeypatch.setenv("RAY_worker_niceness", "5")
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+    seen.clear()
+    trainer_main.init_ray(config_from_dict(tiny()))
+    assert (seen[0][1]["RAY_worker_niceness"], seen[0][1]["VLLM_LOGGING_LEVEL"]) == ("5", "INFO")
+    assert os.environ["RAY_worker_niceness"] == "5" and os.environ.get("OMP_NUM_THREADS") is None
 
 
 def test_reward_keys_shape_the_runs_reward_table(tiny):
@@ -316,13 +345,16 @@ def test_the_cluster_wait_is_bounded_by_ray_resource_wait_timeout_s(tiny, monkey
 
     waits = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray, "init", lambda **kwargs: None)
+    inits = []
+    monkeypatch.setattr(ray, "init", lambda **kwargs: inits.append(kwargs))
     monkeypatch.setattr(trainer_main, "_started_ray", False)
     monkeypatch.setattr(megaflow.launch.auth, "enable_token_auth", lambda: None)
     monkeypatch.setattr(megaflow.launch.cluster, "wait_for_cluster",
                         lambda need, timeout, address: waits.append((timeout, address)))
     trainer_main.init_ray(config_from_dict(tiny(ray={"address": "10.0.0.1:6379", "resource_wait_timeout_s": 12.5})))
     assert waits == [(12.5, "10.0.0.1:6379")]
+    # a cluster's workers do not inherit this process's environment: it travels as the job's runtime_env
+    assert inits[0]["runtime_env"] == {"env_vars": trainer_main.worker_env()}
 
 
 def test_validation_files_become_the_validation_dataset(tmp_path, tiny, arith_rows):

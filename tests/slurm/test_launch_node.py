@@ -1,5 +1,6 @@
 """`python -m megaflow.launch.node`: the node's address and the `ray start` line."""
 import ipaddress
+import os
 import socket
 
 import pytest
@@ -76,3 +77,24 @@ def test_node_start_refuses_without_a_token(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HOME", str(tmp_path))
     assert node_main(["head", "--num-cpus", "1", "--interface", "lo"]) == 2
     assert "no Ray authentication token" in capsys.readouterr().err
+
+
+def test_node_daemons_start_workers_at_normal_priority(tmp_path, monkeypatch):
+    from megaflow.launch import node
+
+    assert node.node_env({}) == {"RAY_worker_niceness": "0"}  # Ray's own default is 15
+    assert node.node_env({"RAY_worker_niceness": "10"}) == {"RAY_worker_niceness": "10"}  # the user's is kept
+    # main() changes the environment it execs with: give it a copy without the variable
+    env = {k: v for k, v in os.environ.items() if k != "RAY_worker_niceness"}
+    monkeypatch.setattr(os, "environ", {**env, "HOME": str(tmp_path), "RAY_AUTH_MODE": "disabled"})
+    execs = []
+
+    def fake_execv(path, argv):
+        execs.append((argv, os.environ.get("RAY_worker_niceness")))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(node.os, "execv", fake_execv)
+    with pytest.raises(SystemExit):
+        node_main(["head", "--num-cpus", "1", "--interface", "lo"])
+    (argv, niceness), = execs
+    assert argv[3:5] == ["start", "--block"] and niceness == "0"  # ray start inherits it through execv

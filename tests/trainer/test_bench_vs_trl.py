@@ -87,3 +87,15 @@ def test_a_layout_megaflow_refuses_stops_before_any_run(tmp_path):
                            "--trl-venv", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "--procs 3" in proc.stderr and "actor.tp" in proc.stderr, proc.stderr
+
+
+def test_busy_processes_spin_during_the_block_and_end_with_it():
+    import psutil
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children()}
+    with bench.busy_processes(2):
+        spinning = [p for p in me.children() if p.pid not in before]
+        assert len(spinning) == 2 and all(p.nice() == me.nice() for p in spinning)  # the same priority as us
+        assert all(p.cmdline()[-1] == "while True: pass" for p in spinning)
+    assert not [p for p in spinning if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

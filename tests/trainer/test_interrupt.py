@@ -28,8 +28,10 @@ def test_ctrl_c_stops_with_one_line_and_exit_130(tmp_path):
            f"trainer.output_dir={tmp_path}", "trainer.experiment_name=ctrlc", "trainer.total_steps=50",
            "trainer.save_freq=1", "trainer.test_freq=0", "trainer.logger=[jsonl]"]
     # A session of its own: the signal goes to the whole process group, as a terminal's Ctrl-C does.
+    # SIGINT handled as in a terminal's foreground job: a suite started in the background by a
+    # non-interactive shell (`make test &`, nohup) inherits SIGINT ignored, and so would the run.
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 900
     while not (run_dir / "checkpoints" / "global_step_1" / "COMPLETE").is_file():
         assert proc.poll() is None, proc.communicate()[1][-3000:]
