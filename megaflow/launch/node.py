@@ -89,10 +89,10 @@ def node_env(environ: dict[str, str] | None = None) -> dict[str, str]:
 
     ``RAY_worker_niceness``: Ray starts its worker processes at nice 15 by default
     (``RayConfig`` ``worker_niceness``), below every other process of the machine, so that its
-    own daemons stay responsive. megaflow's workers are where a run computes: at nice 15, one
-    other busy process on a 2-core machine (a test suite, a second run) took nearly all of their
-    CPU time (the benchmark's 3M one-process step: 9.0-9.9 s against 1.6-1.8 s at nice 0,
-    ``tools/bench_vs_trl.py``'s workload next to one ``yes > /dev/null``). megaflow starts them
+    own daemons stay responsive. megaflow's workers are where a run computes, and at nice 15 any
+    other busy process on the machine takes their CPU first: next to one ``yes > /dev/null`` on a
+    2-core CPU, ``tools/bench_vs_trl.py``'s 3M one-process step took 9.0-9.9 s against 1.6-1.8 s
+    at nice 0. megaflow starts them
     at nice 0, like the controller and every other process; a value already in ``environ``
     (default: this process's environment) is kept.
     """

@@ -123,7 +123,7 @@ def init_ray(cfg) -> None:
     ``runtime_env``, so the workers that Ray prestarts while it starts (one per CPU) match the
     job's actors and become them, instead of idling beside a freshly started process per rank
     (a worker started for a runtime environment boots the interpreter and Ray's core worker
-    again: 0.7-1.1 s more to a rank's first reply, measured on the 2-core CPU). The raylet also
+    again: 0.6-1.1 s more to a rank's first reply, measured on the 2-core CPU). The raylet also
     gets :func:`megaflow.launch.node.node_env`: its workers run at nice 0, not Ray's default 15.
     This process's own environment is the same afterwards.
     """

@@ -1,6 +1,7 @@
 """The worker processes of a local Ray started the trainer's way (megaflow.trainer.main.init_ray):
 normal priority, the run's environment, and Ray's prestarted workers reused as the job's actors."""
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -52,7 +53,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_actors_are_prestarted_workers_at_nice_0_with_the_run_environment():
-    env = {k: v for k, v in __import__("os").environ.items()
+    env = {k: v for k, v in os.environ.items()
            if k not in ("RAY_worker_niceness", "OMP_NUM_THREADS", "VLLM_LOGGING_LEVEL")}
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=240,
                           env=env)
