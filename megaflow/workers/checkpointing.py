@@ -50,9 +50,7 @@ def save_engine_checkpoint(engine, path: str | os.PathLike, hf_config, *,
     Raises:
         TypeError: the scheduler state holds a value JSON cannot represent.
     """
-    from megatron.core import dist_checkpointing
-
-    from megaflow.models.checkpoint import save_checkpoint
+    from megaflow.models.checkpoint import save_checkpoint, save_sharded
 
     root = Path(path).absolute()
     save_checkpoint(engine.module, root / MODEL_DIR, hf_config, engine.info,
@@ -65,7 +63,7 @@ def save_engine_checkpoint(engine, path: str | os.PathLike, hf_config, *,
         dist.barrier()
         state = engine.optimizer.sharded_state_dict(_model_sharded_state_dict(engine),
                                                     metadata=_OPTIMIZER_METADATA)
-        dist_checkpointing.save(state, str(root / OPTIMIZER_DIR))
+        save_sharded(state, root / OPTIMIZER_DIR)
     if dist.get_rank() == 0:
         (root / LAYOUT_FILE).write_text(json.dumps(engine_layout(engine.info), indent=1, sort_keys=True))
     dist.barrier()
