@@ -246,7 +246,8 @@ def _train(cfg, inputs) -> dict[str, float]:
         total_steps = num_training_steps(cfg, num_prompts)
         from megaflow.trainer.resume import check_not_finished, check_resume
 
-        check_not_finished(check_resume(cfg), total_steps)  # a finished run says so before anything starts
+        resume_point = check_resume(cfg)
+        check_not_finished(resume_point, total_steps)  # a finished run says so before anything starts
         for role in ("actor", "critic"):  # the LR decay horizon needs the run length: check it before Ray starts
             if role == "actor" or cfg.critic.enabled:
                 lr_schedule_steps(cfg, role, total_steps)
@@ -272,6 +273,7 @@ def _train(cfg, inputs) -> dict[str, float]:
     try:
         with Tracking(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger, log_dir=run_dir,
                       config=config_to_dict(cfg), total_steps=total_steps,
+                      initial_step=resume_point.step if resume_point is not None else 0,  # the bar counts this run's steps
                       console_every=cfg.trainer.console_every) as tracker:
             trainer = RayPPOTrainer(cfg, groups, reward_fn, train_loader, val_loader, tracker, checkpoints,
                                     config_yaml=dump_config(cfg))

@@ -469,7 +469,11 @@ class RayPPOTrainer:
         self.train_loader.load_state_dict(state["train_loader"])
         self._train_iter = None
         restore_rng_state(state["rng"], tensors)
-        print(f"[megaflow] resumed from {path} at step {self.global_step}", flush=True)
+        message = f"[megaflow] resumed from {path} at step {self.global_step}"
+        if self.tracker is not None:
+            self.tracker.write(message)  # above the progress bar, not on its line
+        else:
+            print(message, flush=True)
 
 
 def _due(freq: int, step: int, is_last: bool, *, at_end_when_zero: bool) -> bool:

@@ -177,7 +177,7 @@ class Tracking:
                             dynamic_ncols=True)
         self._last_step = initial_step
         factories = {
-            "console": lambda: _ConsoleBackend(self._write, console_every, total_steps),
+            "console": lambda: _ConsoleBackend(self.write, console_every, total_steps),
             "jsonl": lambda: _JsonlBackend(self.log_dir),
             "tensorboard": lambda: _TensorBoardBackend(self.log_dir),
             "wandb": lambda: _WandbBackend(project, experiment, config, self.log_dir),
@@ -190,7 +190,8 @@ class Tracking:
             self.close()
             raise
 
-    def _write(self, line: str) -> None:
+    def write(self, line: str) -> None:
+        """Print ``line`` on the console on its own line, above the progress bar when there is one."""
         if self.bar is not None:
             self.bar.write(line)
         else:

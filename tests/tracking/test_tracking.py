@@ -65,6 +65,21 @@ def test_console_lines_and_progress_bar(tmp_path, capsys):
     assert "entropy" not in captured.out and read_metrics_jsonl(tmp_path / "metrics.jsonl")[1]["actor/entropy"] == 2.7
 
 
+def test_resumed_bar_counts_only_this_runs_steps(tmp_path):
+    # A run resumed at step 10 of 12: the bar starts at 10/12 and its rate covers the 2 steps
+    # this run trains, not the 10 restored ones as if they had taken no time.
+    with Tracking("p", "run", backends=[], log_dir=tmp_path, total_steps=12, initial_step=10) as tracker:
+        bar = tracker.bar
+        assert (bar.n, bar.total) == (10, 12)
+        bar.start_t -= 4.0  # 4 s since the bar started
+        tracker.log({"critic/score/mean": 0.5}, step=11)
+        assert bar.n == 11
+        shown = bar.format_meter(**bar.format_dict)
+        # 1 step in 4 s: 4 s a step and 4 s left (started at 0: 11 steps in 4 s, 2.75 step/s)
+        assert "11/12 [00:04<00:04" in shown and "s/step" in shown
+        assert float(shown.split("s/step")[0].rsplit(" ", 1)[1]) == pytest.approx(4.0, rel=0.05)
+
+
 def test_console_line_every_n_steps_and_after_the_last(tmp_path, capsys):
     with Tracking("p", "run", backends=["console"], log_dir=tmp_path, total_steps=7, console_every=3) as tracker:
         for step in range(1, 8):

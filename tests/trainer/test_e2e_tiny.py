@@ -52,7 +52,17 @@ def _numeric_diffs(a: dict, b: dict) -> list[tuple[str, float, float]]:
             and a[k] != b[k]]
 
 
-def test_resume_continues_exactly(ray_session, tmp_path):
+def test_resume_continues_exactly(ray_session, tmp_path, monkeypatch):
+    from megaflow.utils import tracking
+
+    bar_starts = []
+
+    class RecordingTracking(tracking.Tracking):
+        def __init__(self, *args, **kwargs):
+            bar_starts.append(kwargs.get("initial_step", 0))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(tracking, "Tracking", RecordingTracking)
     common = ["trainer.save_freq=2", "trainer.test_freq=0"]
     full, _ = _train(tmp_path, "full", ["trainer.total_steps=4", *common])
     first, run_dir = _train(tmp_path, "resumed", ["trainer.total_steps=2", *common])
@@ -62,6 +72,7 @@ def test_resume_continues_exactly(ray_session, tmp_path):
     (partial / "actor").mkdir(parents=True)
     resumed, _ = _train(tmp_path, "resumed", ["trainer.total_steps=4", "trainer.resume=auto", *common])
     assert (run_dir / "checkpoints" / "global_step_4" / "COMPLETE").is_file()
+    assert bar_starts == [0, 0, 2]  # the resumed run's progress bar starts at its checkpoint's step
     # Every step after the resume is bit-identical to the uninterrupted run's: same prompts
     # (loader position), samples (seeds), weights, optimizer state, LR and every metric.
     assert _numeric_diffs(full[3], resumed[3]) == []
