@@ -23,7 +23,6 @@ does not match its files is refused naming the file.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import queue
@@ -54,41 +53,34 @@ def _sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
     return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
 
 
-@contextlib.contextmanager
-def _write_results_in_process():
-    """megatron-core's ``torch_dist`` writer relays each save's write results through one
-    queue per process, made on first use from a ``multiprocessing`` Manager of the ``spawn``
-    method (``filesystem_async._get_write_results_queue``) for asynchronous saves, whose writer
-    runs in another process. In a synchronous save the same process puts the results and gets
-    them back, so inside this block it gets an in-process ``queue.Queue`` instead; the module's
-    previous queue is restored afterwards. The spawned manager re-ran the process's main
-    script (Ray's worker) and imported torch to unpickle the first results: the tiny recipe's
-    first checkpoint took 5.1-5.4 s against 0.6-0.7 s without it (2 runs each, idle 2-core CPU;
-    later ones 0.5-0.8 s either way), and every rank kept a 305 MB process for the rest of the run."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    before = filesystem_async._results_queue
-    filesystem_async._results_queue = queue.Queue()
-    try:
-        yield
-    finally:
-        filesystem_async._results_queue = before
-
-
 def save_sharded(sharded_state_dict: dict[str, Any], directory: str | os.PathLike) -> None:
     """``megatron.core.dist_checkpointing.save(sharded_state_dict, directory)`` (collective;
     synchronous, megatron-core's default ``torch_dist`` format), with the writer's results kept
-    in this process (:func:`_write_results_in_process` says why). megaflow saves every model and
-    optimizer state through it.
+    in this process. megaflow saves every model and optimizer state through it.
+
+    megatron-core's writer relays each save's write results through one queue per process,
+    made on first use from a ``multiprocessing`` Manager of the ``spawn`` method
+    (``filesystem_async._get_write_results_queue``) for asynchronous saves, whose writer runs in
+    another process. In a synchronous save the same process puts the results and gets them
+    back, so during the save it gets an in-process ``queue.Queue`` instead (the module's previous
+    queue is restored afterwards). The spawned manager re-ran the process's main script (Ray's
+    worker) and imported torch to unpickle the first results: the tiny recipe's first checkpoint
+    took 5.1-5.4 s against 0.6-0.7 s without it (2 runs each, idle 2-core CPU; later ones 0.5-0.8 s
+    either way), and every rank kept a 305 MB process for the rest of the run.
 
     Raises:
         CheckpointingException: (megatron-core) the ranks' shards overlap or leave gaps.
         CheckpointException: (torch.distributed.checkpoint) a rank's writer failed.
     """
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    with _write_results_in_process():
+    before = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
         dist_checkpointing.save(sharded_state_dict, str(directory))
+    finally:
+        filesystem_async._results_queue = before
 
 
 def _config_dict(hf_config: Any) -> dict:
