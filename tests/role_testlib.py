@@ -1,6 +1,6 @@
 """Real configs for worker, engine and rollout tests.
 
-Tests build what a worker reads, a :class:`~megaflow.config.role_spec.RoleSpec`, from a
+Tests build what a worker reads, a :class:`~megaflow.topology.role_spec.RoleSpec`, from a
 shipped recipe with ``key.sub=value`` overrides (as ``make train`` does), optionally with
 the test's own HF architecture in place of the recipe's model, so every setting a test
 relies on is visible in the test and goes through the config's validation.
@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from megaflow.config import Config, config_from_dict
-from megaflow.config.role_spec import RoleSpec
+from megaflow.config import Config
+from megaflow.topology import run_from_dict
+from megaflow.topology.role_spec import RoleSpec
 
 RECIPE = "tiny_arith_grpo"
 
@@ -22,7 +23,7 @@ def seq_len_overrides(max_seq_len: int, response_length: int = 4) -> list[str]:
 
 def test_config(overrides: Iterable[str] = (), *, hf_config: Any = None, recipe: str = RECIPE,
                 sections: Mapping[str, Mapping[str, Any]] | None = None) -> Config:
-    """``recipe`` with ``overrides`` (as :func:`megaflow.config.load_config` applies them);
+    """``recipe`` with ``overrides`` (as :func:`megaflow.topology.load_run` applies them);
     ``hf_config`` (an HF config object or dict) replaces ``model.hf_config`` as a whole;
     ``sections`` (``{"critic": {"path": ...}}``) are set last. Validated once, at the end.
 
@@ -40,7 +41,7 @@ def test_config(overrides: Iterable[str] = (), *, hf_config: Any = None, recipe:
         tree.setdefault("model", {})["hf_config"] = {k: v for k, v in values.items() if v is not None}
     for name, values in (sections or {}).items():
         tree.setdefault(name, {}).update(values)
-    return config_from_dict(tree)
+    return run_from_dict(tree)
 
 
 test_config.__test__ = False  # a helper, not a test

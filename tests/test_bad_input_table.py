@@ -166,7 +166,7 @@ def test_the_empty_value_hint_works_when_typed_through_make(capsys, monkeypatch)
     # `make train trainer.total_steps=` is refused with a suggestion; that suggestion, typed
     # into a shell as `make train <it>` (one shell strips quotes, make's recipe shell again),
     # must reach the trainer as written and load as null.
-    from megaflow.config import load_config
+    from megaflow.topology import load_run
     from megaflow.trainer.main import main
 
     monkeypatch.delenv("MEGAFLOW_DEBUG", raising=False)
@@ -181,4 +181,4 @@ def test_the_empty_value_hint_works_when_typed_through_make(capsys, monkeypatch)
     line = [ln for ln in proc.stdout.splitlines() if "megaflow.trainer.main" in ln][-1]
     forwarded = shlex.split(line.split("megaflow.trainer.main", 1)[1])
     assert proc.returncode == 0 and forwarded[-1] == suggested[0]
-    assert load_config("tiny_arith_grpo", forwarded[2:]).trainer.total_steps is None
+    assert load_run("tiny_arith_grpo", forwarded[2:]).trainer.total_steps is None

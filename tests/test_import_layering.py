@@ -1,13 +1,21 @@
-"""The import graph of megaflow: no circles, and the leaf packages stay leaves.
+"""The import graph of megaflow: no circles, and each package imports only the layers below it.
 
-Every ``import`` / ``from ... import`` in megaflow's sources counts, also those inside
-functions (a function-level import hides a circle from Python but not from a reader),
-except the ones under ``if TYPE_CHECKING:`` (annotations only, never executed). A
-package's ``__init__`` re-exports count as edges of the package module.
+Every ``import`` / ``from ... import`` in megaflow's sources counts: those inside functions
+(a function-level import hides a circle from Python but not from a reader) and those under
+``if TYPE_CHECKING:`` (an annotation is a dependency a reader follows, and a circle through
+one is still a circle). A package's ``__init__`` re-exports count as edges of the package
+module.
 
-Leaves: ``megaflow.protocol``, ``megaflow.algorithms`` and ``megaflow.config`` import no
-other part of megaflow (``config`` may use ``algorithms``' pure names), so the RL math, the
-batch type and the config tree can be read, tested and reused on their own.
+Contracts (package -> the parts of megaflow it may import besides itself):
+
+* ``megaflow.protocol`` and ``megaflow.algorithms``: nothing (the batch type and the RL math
+  stand alone);
+* ``megaflow.config`` (the knobs): only ``algorithms``' pure names;
+* ``megaflow.topology`` (what a config implies): only ``config`` (and ``algorithms``);
+* ``megaflow.dryrun`` (planner, memory model, report): only ``topology`` and ``config``.
+
+So ``config <- topology <- dryrun`` runs one way, and ``hybrid_engine``, ``workers`` and
+``trainer`` sit above ``topology`` (nothing below imports them).
 """
 from __future__ import annotations
 
@@ -17,7 +25,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "megaflow"
-LEAVES = {"megaflow.protocol": set(), "megaflow.algorithms": set(), "megaflow.config": {"megaflow.algorithms"}}
+LAYERS = {
+    "megaflow.protocol": set(),
+    "megaflow.algorithms": set(),
+    "megaflow.config": {"megaflow.algorithms"},
+    "megaflow.topology": {"megaflow.config", "megaflow.algorithms"},
+    "megaflow.dryrun": {"megaflow.topology", "megaflow.config"},
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -29,21 +43,11 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _is_type_checking(node: ast.AST) -> bool:
-    test = getattr(node, "test", None)
-    return isinstance(node, ast.If) and (
-        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
-        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
-
-
 def _imports(tree: ast.AST, package: str):
-    """Absolute names imported by ``tree`` at run time (TYPE_CHECKING blocks skipped)."""
+    """Absolute names imported anywhere in ``tree`` (function bodies and TYPE_CHECKING blocks included)."""
     stack = [tree]
     while stack:
         node = stack.pop()
-        if _is_type_checking(node):
-            stack.extend(node.orelse)
-            continue
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -57,7 +61,7 @@ def _imports(tree: ast.AST, package: str):
 
 
 def import_graph() -> dict[str, set[str]]:
-    """megaflow module -> the megaflow modules it imports at run time."""
+    """megaflow module -> the megaflow modules it imports (at run time or for annotations)."""
     modules = _modules()
 
     def resolve(name: str) -> str | None:
@@ -105,20 +109,38 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def test_the_checker_finds_a_circle_and_skips_type_checking_imports():
+def test_the_checker_finds_a_circle_and_counts_type_checking_imports():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import megaflow.x\n"
+                     "else:\n    import megaflow.z\n"
                      "def f():\n    from megaflow import y\n")
-    assert set(_imports(tree, "megaflow")) == {"typing", "typing.TYPE_CHECKING", "megaflow", "megaflow.y"}
+    assert set(_imports(tree, "megaflow")) == {"typing", "typing.TYPE_CHECKING", "megaflow.x", "megaflow.z",
+                                               "megaflow", "megaflow.y"}
+
+
+def test_a_circle_through_a_type_checking_import_is_found():
+    """The circle the old config package had: schema imports layout at run time, layout
+    imports schema back only for its annotations."""
+    schema = ast.parse("from megaflow.config.layout import pack_pools\n")
+    layout = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                       "    from megaflow.config.schema import ResourcesConfig\n")
+    graph = {"megaflow.config.schema": set(_imports(schema, "megaflow.config")) & {"megaflow.config.layout"},
+             "megaflow.config.layout": set(_imports(layout, "megaflow.config")) & {"megaflow.config.schema"}}
+    assert cycles(graph) == [["megaflow.config.layout", "megaflow.config.schema"]]
 
 
 def test_megaflow_has_no_import_circles():
     assert cycles(import_graph()) == []
 
 
-@pytest.mark.parametrize("leaf", sorted(LEAVES))
-def test_leaf_packages_import_no_other_part_of_megaflow(leaf):
-    allowed = LEAVES[leaf] | {leaf}
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_packages_import_only_the_layers_below(package):
+    allowed = LAYERS[package] | {package}
     bad = {module: sorted(t for t in targets if not any(t == a or t.startswith(a + ".") for a in allowed))
-           for module, targets in import_graph().items() if module == leaf or module.startswith(leaf + ".")}
+           for module, targets in import_graph().items() if module == package or module.startswith(package + ".")}
     assert {m: t for m, t in bad.items() if t} == {}
+
+
+def test_the_layers_exist():
+    """A renamed package would make its contract vacuous."""
+    assert set(LAYERS) <= set(_modules())

@@ -4,7 +4,7 @@ Runs small CPU configurations of the tiny Llama of ``recipes/tiny_arith_grpo.yam
 worlds of 2-4 ranks (:func:`megaflow.utils.launch.run_distributed`), each spanning a
 different mix of TP, PP, DP, the distributed optimizer, activation recomputation
 (none/selective/full) and gradient offload, and prints, per configuration, the planner's
-numbers (:func:`megaflow.config.plan.build_plan`, the same code as ``make train DRY_RUN=1``)
+numbers (:func:`megaflow.dryrun.plan.build_plan`, the same code as ``make train DRY_RUN=1``)
 beside measured ones (the maximum over ranks, like the planner's most loaded rank).
 
 **How it measures.** torch has no memory statistics for CPU tensors, so every number is an
@@ -76,7 +76,7 @@ class Case:
         return self.world // (self.tp * self.pp)
 
     def overrides(self) -> list[str]:
-        """``load_config`` overrides of the tiny recipe that describe this case.
+        """``load_run`` overrides of the tiny recipe that describe this case.
 
         ``rollout.n * actor.ppo_mini_batch_size / dp`` (n = 2) equals the micro-batch (even), so the
         update runs exactly one micro-batch per rank (the planner's in-flight count is 1).
@@ -109,9 +109,9 @@ STATIC_TERMS = ("params", "grads", "optimizer", "gen_weights", "gen_extra", "kv_
 # ----------------------------------------------------------------------------- planner side
 def build_case_config(case: Case):
     """The validated :class:`~megaflow.config.schema.Config` of ``case`` (tiny recipe + overrides)."""
-    from megaflow.config import load_config
+    from megaflow.topology import load_run
 
-    return load_config(RECIPE, case.overrides())
+    return load_run(RECIPE, case.overrides())
 
 
 def planned(case: Case) -> dict[str, float]:
@@ -123,10 +123,10 @@ def planned(case: Case) -> dict[str, float]:
     cache of ``micro_batch`` samples at full length; ``grads`` is what stays resident
     (0 with ``grad_offload``).
     """
-    from megaflow.config.memory import final_norm_bytes, logits_bytes
-    from megaflow.config.model_spec import padded_vocab_size
-    from megaflow.config.plan import build_plan
-    from megaflow.config.topology import max_seq_len
+    from megaflow.dryrun.memory import final_norm_bytes, logits_bytes
+    from megaflow.dryrun.plan import build_plan
+    from megaflow.topology.model_spec import padded_vocab_size
+    from megaflow.topology.sizes import max_seq_len
 
     cfg = build_case_config(case)
     plan = build_plan(cfg)
@@ -289,9 +289,9 @@ def measure_rank(rank: int, world: int, case: Case, hf_config: dict, prompt_len:
     """Per-rank exact account of ``case`` (a :func:`run_distributed` function)."""
     from megaflow.hybrid_engine import MicroDPResharder, build_reshard_groups, plan_hybrid_layout
     from megaflow.megatron import parallel
-    from megaflow.config.role_spec import RoleSpec
     from megaflow.megatron.engine import MegatronEngine
     from megaflow.megatron.model import build_gpt_model
+    from megaflow.topology.role_spec import RoleSpec
     from megaflow.workers.megatron_workers import TORCH_DTYPES
 
     cfg = build_case_config(case)
@@ -353,7 +353,7 @@ def measure_kv_cache(hf_config: dict, rows: int, seq: int, dtype: str) -> int:
 def measured(case: Case, timeout_s: float = 600.0) -> dict[str, float]:
     """Maximum over ranks of :func:`measure_rank`, plus the KV cache."""
     from megaflow.config.loader import config_to_dict
-    from megaflow.config.topology import max_seq_len
+    from megaflow.topology.sizes import max_seq_len
     from megaflow.utils.launch import run_distributed
 
     cfg = build_case_config(case)
@@ -422,7 +422,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     print("measurement: exact account of live tensors (unique storages; saved-tensor hooks for "
-          "activations), CPU, gloo; planner: megaflow.config.plan.build_plan; max over ranks")
+          "activations), CPU, gloo; planner: megaflow.dryrun.plan.build_plan; max over ranks")
     lines, misses = header(args.markdown), 0
     for case in args.cases:
         start = time.perf_counter()

@@ -101,10 +101,11 @@ def baseline_step_time(model, batch, args) -> float:
 def megaflow_spec(args, hf):
     """The actor's settings: the tiny recipe on one rank with this model, one mini-batch of
     ``--batch`` samples (REINFORCE++: one sample per prompt), lr 1e-5 without warm-up or decay."""
-    from megaflow.config import config_from_dict, config_to_dict, load_config
-    from megaflow.config.role_spec import RoleSpec
+    from megaflow.config import config_to_dict
+    from megaflow.topology import load_run, run_from_dict
+    from megaflow.topology.role_spec import RoleSpec
 
-    cfg = load_config("tiny_arith_grpo", [
+    cfg = load_run("tiny_arith_grpo", [
         "resources.procs_per_node=1", "actor.tp=1", "rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus",
         f"data.train_batch_size={args.batch}", f"actor.ppo_mini_batch_size={args.batch}",
         f"actor.ppo_micro_batch_size_per_gpu={args.micro_batch}", f"data.max_prompt_length={args.prompt_len}",
@@ -112,7 +113,7 @@ def megaflow_spec(args, hf):
         "actor.optim.clip_grad=1.0", "actor.optim.lr_warmup_steps=0"])
     tree = config_to_dict(cfg)
     tree["model"]["hf_config"] = {k: v for k, v in hf.to_dict().items() if v is not None}
-    return RoleSpec(config_from_dict(tree), "actor", cfg.trainer.total_steps)
+    return RoleSpec(run_from_dict(tree), "actor", cfg.trainer.total_steps)
 
 
 def megaflow_step_time(hf_model, batch, args) -> float:

@@ -201,7 +201,7 @@ def run_trl(args) -> dict:
 def megaflow_config(args, work: str):
     """The megaflow :class:`~megaflow.config.Config` of the workload (tokenizer and data written to ``work``)."""
     sys.path.insert(0, ROOT)
-    from megaflow.config.loader import config_from_dict
+    from megaflow.topology import run_from_dict
 
     tok_dir = os.path.join(work, "tokenizer")
     word_tokenizer().save_pretrained(tok_dir)
@@ -238,7 +238,7 @@ def megaflow_config(args, work: str):
         "resources": {"nodes": 1, "procs_per_node": args.procs, "num_cpus_per_proc": args.cpus_per_proc,
                       "use_gpu": False},
     }
-    return config_from_dict(tree)
+    return run_from_dict(tree)
 
 
 def run_megaflow(args) -> dict:

@@ -25,7 +25,7 @@ In one process, world size 1 on NCCL (gloo with ``--device cpu``), it
 5. generates with megaflow's HF rollout (:class:`megaflow.rollout.hf_rollout.HFRollout`);
 
 and prints one table: per phase its seconds, ``torch.cuda.max_memory_allocated`` (peak reset
-per phase) and the dry-run planner's estimate (:func:`megaflow.config.plan.build_plan` of the
+per phase) and the dry-run planner's estimate (:func:`megaflow.dryrun.plan.build_plan` of the
 same config). Exit status 1 when a check fails. It is sized to finish in well under 8 minutes.
 
 ``--device cpu --dry`` runs the same code on the CPU (fp32, gloo, no memory statistics: the
@@ -97,7 +97,7 @@ def install_wheels(folder: str, target: str) -> None:
 
 def smoke_config(batch: int, response_length: int, dtype: str, use_gpu: bool):
     """The tiny recipe at world size 1, TP = PP = 1, full recomputation, one micro-batch."""
-    from megaflow.config import load_config
+    from megaflow.topology import load_run
 
     prompts = batch // 2
     overrides = ["resources.procs_per_node=1", "actor.tp=1", "actor.pp=1", "rollout.tp=1", "rollout.n=2",
@@ -107,7 +107,7 @@ def smoke_config(batch: int, response_length: int, dtype: str, use_gpu: bool):
                  f"rollout.response_length={response_length}", f"resources.use_gpu={str(use_gpu).lower()}"]
     if use_gpu:
         overrides.append("resources.gpu_memory_gib=80")
-    return load_config(RECIPE, overrides)
+    return load_run(RECIPE, overrides)
 
 
 def planned_bytes(cfg, batch: int) -> dict[str, float]:
@@ -116,7 +116,7 @@ def planned_bytes(cfg, batch: int) -> dict[str, float]:
     Generation is planned for the HF rollout: the generation shard plus the KV cache of
     ``batch`` samples at full length (no vLLM reservation).
     """
-    from megaflow.config.plan import build_plan
+    from megaflow.dryrun.plan import build_plan
 
     plan = build_plan(cfg)
     mem, gen = plan.role("actor").memory, plan.rollout.memory
@@ -183,10 +183,10 @@ def run_smoke(args: argparse.Namespace) -> tuple[list[PhaseResult], list[str]]:
     torch_dtype = getattr(torch, dtype_name)
 
     def build() -> str:
-        from megaflow.config.role_spec import RoleSpec
         from megaflow.megatron.engine import MegatronEngine
         from megaflow.megatron.model import build_gpt_model
         from megaflow.models.weights import load_hf_weights
+        from megaflow.topology.role_spec import RoleSpec
 
         info = parallel.initialize_parallel(tp=1, pp=1, seed=1)
         torch.manual_seed(0)

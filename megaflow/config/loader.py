@@ -1,4 +1,8 @@
-"""Loading a config: defaults <- recipe YAML <- ``key.sub=value`` overrides.
+"""Building a :class:`~megaflow.config.schema.Config`: defaults <- recipe YAML <- ``key.sub=value`` overrides.
+
+This module builds the config tree and checks each section on its own; it does nothing
+else. A run loads through :func:`megaflow.topology.load_run`, which builds with
+:func:`load_config` and then runs the checks that span sections.
 
 Layers, lowest first: the dataclass defaults (:mod:`megaflow.config.schema`),
 ``trainer.experiment_name`` = the recipe's file name, the recipe file, then the command
@@ -164,7 +168,8 @@ def apply_override(tree: dict[str, Any], key: str, value: Any) -> dict[str, Any]
 
 
 def config_from_dict(data: Mapping[str, Any]) -> Config:
-    """Build and validate a :class:`Config` from a nested dict over the defaults.
+    """Build a :class:`Config` from a nested dict over the defaults, each section validated
+    on its own (the cross-section checks: :func:`megaflow.topology.run_from_dict`).
 
     Raises:
         ConfigError: unknown key, wrong type or invalid value, with the dotted key.
@@ -180,13 +185,14 @@ def load_config(recipe: str | Path, overrides: Iterable[str] = ()) -> Config:
         overrides: command-line assignments, applied in order after the recipe.
 
     Returns:
-        The validated, frozen :class:`Config`.
+        The frozen :class:`Config`, each section validated on its own (the checks across
+        sections: :func:`megaflow.topology.load_run`).
 
     Raises:
         FileNotFoundError: unknown recipe (lists the shipped ones).
         ConfigError: (a ``ValueError``) unknown key with close matches, wrong type
-            (key, expected type, value), invalid value or impossible topology; the
-            message names the dotted key and the recipe file.
+            (key, expected type, value) or invalid value; the message names the dotted key
+            and the recipe file.
     """
     path = resolve_recipe(recipe)
     tree = merge({"trainer": {"experiment_name": path.stem}}, read_yaml(path))
@@ -195,7 +201,12 @@ def load_config(recipe: str | Path, overrides: Iterable[str] = ()) -> Config:
     try:
         return config_from_dict(tree)
     except ConfigError as err:
-        raise type(err)(err.key, f"{err.message} [recipe {path}]", err.related) from None
+        raise in_recipe(err, path) from None
+
+
+def in_recipe(err: ConfigError, path: Path) -> ConfigError:
+    """``err`` with the recipe file named at the end of its message."""
+    return type(err)(err.key, f"{err.message} [recipe {path}]", err.related)
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """3D-HybridEngine execution: micro-DP all-gather resharding between training and generation.
 
 Train -> generate (:meth:`MicroDPResharder.to_generation`), HybridFlow section 5 (the
-layout and its cost: :mod:`megaflow.config.hybrid_layout`), with ``m = t/t_g`` and ``k = p/p_g``:
+layout and its cost: :mod:`megaflow.topology.hybrid_layout`), with ``m = t/t_g`` and ``k = p/p_g``:
 
 1. For each TP-partitioned parameter of the rank's own stage, a flat generation buffer of
    ``m`` slots is allocated; slot ``micro_tp`` receives the training shard and the
@@ -42,7 +42,7 @@ from typing import Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from megaflow.config.hybrid_layout import HybridLayout
+from megaflow.topology.hybrid_layout import HybridLayout
 from .params import LocalParam, count_local_layers, describe_local_params
 
 __all__ = ["ReshardGroups", "build_reshard_groups", "ReshardStats", "MicroDPResharder",
@@ -98,7 +98,7 @@ class ReshardStats:
 
     ``bytes_received``: data this rank did not hold before (all-gather slots of its peers,
     broadcast buffers of folded stages); equals
-    :func:`~megaflow.config.hybrid_layout.reshard_cost`'s ``(t*p - t_g*p_g)/(t_g*p_g*t*p) * M`` when every parameter is TP-partitioned and the
+    :func:`~megaflow.topology.hybrid_layout.reshard_cost`'s ``(t*p - t_g*p_g)/(t_g*p_g*t*p) * M`` when every parameter is TP-partitioned and the
     stages are equal. ``bytes_sent``: this rank's data counted once per receiving peer
     (summed over ranks it equals the total received). ``generation_bytes``: weights held
     in the generation layout (the paper's peak weight memory ``M/(t_g*p_g)``).

@@ -36,7 +36,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from megaflow.config.split_layout import TransportGroup, TransportPlan, plan_split_transport, split_sync_bytes
+from megaflow.topology.split_layout import TransportGroup, TransportPlan, plan_split_transport, split_sync_bytes
 
 _STORE_PREFIX = "megaflow_weight_transport"
 

@@ -2,7 +2,7 @@
 
 :func:`launch_requirements` turns a loaded config into the per-node resources the run's
 resource pools need: every enabled role runs on a pool (``resources.placement``), pools
-are laid on the cluster's nodes by :func:`megaflow.config.layout.pack_pools` (the same
+are laid on the cluster's nodes by :func:`megaflow.topology.placement.pack_pools` (the same
 placement the trainer and the dry run use), and every rank of a pool is one Ray bundle of
 ``resources.num_cpus_per_proc`` CPUs plus one GPU when ``resources.use_gpu``.
 
@@ -73,7 +73,7 @@ class NodeRequirement:
 class LaunchRequirements:
     """The whole cluster a launch needs: one :class:`NodeRequirement` per used node and one
     :class:`PoolRequirement` per used pool (the dry-run plan's one-line summary is
-    :class:`megaflow.config.topology.ClusterRequirements`)."""
+    :class:`megaflow.topology.sizes.ClusterRequirements`)."""
 
     experiment: str
     use_gpu: bool
@@ -149,17 +149,17 @@ def launch_requirements(cfg: "Config") -> LaunchRequirements:
     """The cluster that ``cfg``'s resource pools need.
 
     Only pools that host an enabled role (or the rollout under split placement) count;
-    their node indices come from :func:`megaflow.config.layout.pack_pools`, so a node
+    their node indices come from :func:`megaflow.topology.placement.pack_pools`, so a node
     shared by two small pools needs the sum of their ranks.
 
     Args:
-        cfg: a validated :class:`megaflow.config.Config` (``load_config(...)``).
+        cfg: a validated :class:`megaflow.config.Config` (``load_run(...)``).
 
     Returns:
         The :class:`LaunchRequirements`; ``nodes`` are ordered by cluster node index.
     """
-    from megaflow.config.layout import pack_pools
-    from megaflow.config.topology import pools_in_use
+    from megaflow.topology.placement import pack_pools
+    from megaflow.topology.sizes import pools_in_use
 
     res = cfg.resources
     gpus_per_proc = 1 if res.use_gpu else 0

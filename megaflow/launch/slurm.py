@@ -192,9 +192,9 @@ def _overrides(job: SlurmJob) -> list[str]:
 
 def load_job_config(job: SlurmJob) -> "Config":
     """The recipe with the job's overrides, as the trainer will load it."""
-    from megaflow.config import load_config
+    from megaflow.topology import load_run
 
-    return load_config(job.recipe, _overrides(job))
+    return load_run(job.recipe, _overrides(job))
 
 
 def render_sbatch(job: SlurmJob, cfg: "Config | None" = None, template: Path = TEMPLATE) -> str:

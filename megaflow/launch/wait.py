@@ -35,11 +35,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from megaflow.config import ConfigError, load_config
+    from megaflow.config import ConfigError
     from megaflow.launch.resources import launch_requirements
+    from megaflow.topology import load_run
 
     try:
-        cfg = load_config(args.recipe, args.overrides)
+        cfg = load_run(args.recipe, args.overrides)
     except (ConfigError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -20,11 +20,11 @@ from typing import Callable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from megaflow.config.role_spec import RoleSpec
 from megaflow.megatron.batch import LeftAlignedBatch, left_align_batch, token_budget_groups
 from megaflow.megatron.engine_config import GlobalDenominators
 from megaflow.megatron.logprobs import chunked_vocab_parallel_log_probs, vocab_parallel_log_probs
 from megaflow.megatron.parallel import ParallelInfo
+from megaflow.topology.role_spec import RoleSpec
 
 #: ``loss_fn(outputs, micro_batch, denominators) -> (loss share, metric shares)``.
 #: ``outputs``: ``log_probs`` (and ``entropy`` when requested) ``[mb, R]`` for an actor, or
@@ -95,7 +95,7 @@ class MegatronEngine:
     Args:
         model: this rank's ``GPTModel`` from :func:`megaflow.megatron.model.build_gpt_model`.
         info: this rank's :class:`~megaflow.megatron.parallel.ParallelInfo`.
-        spec: the role (:class:`~megaflow.config.role_spec.RoleSpec`); its head gives the
+        spec: the role (:class:`~megaflow.topology.role_spec.RoleSpec`); its head gives the
             outputs (actor, ref: log-probs/entropy; critic: values; reward model: scores),
             and the trained roles get Megatron DDP, the optimizer and the LR schedule.
         vocab_size: the real (unpadded) vocabulary size; padded ids get no probability.

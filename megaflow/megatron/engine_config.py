@@ -1,7 +1,7 @@
 """The loss denominators of :class:`megaflow.megatron.engine.MegatronEngine`.
 
 The engine's settings are the role's config sections, read through
-:class:`megaflow.config.role_spec.RoleSpec`.
+:class:`megaflow.topology.role_spec.RoleSpec`.
 """
 from __future__ import annotations
 

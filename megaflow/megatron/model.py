@@ -1,7 +1,7 @@
 """Build megatron-core GPT models from Llama/Qwen2-family Hugging Face configs.
 
 :func:`transformer_config_from_hf` maps an HF ``config.json``, read by the one
-architecture reader :func:`megaflow.config.model_spec.model_spec` (which refuses features
+architecture reader :func:`megaflow.topology.model_spec.model_spec` (which refuses features
 megaflow cannot reproduce exactly), to a megatron-core ``TransformerConfig``;
 :func:`build_gpt_model` builds this rank's TP shard / PP stage of a ``GPTModel`` with an LM
 head (actor, reference) or a scalar value/reward head (critic, reward model).
@@ -31,8 +31,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from megaflow.config.model_spec import SUPPORTED_MODEL_TYPES, ModelSpec, model_spec, padded_vocab_size
 from megaflow.megatron import parallel
+from megaflow.topology.model_spec import SUPPORTED_MODEL_TYPES, ModelSpec, model_spec, padded_vocab_size
 
 #: Model heads: the LM head (actor, reference), the critic's value head, the reward model's head.
 HEADS = ("lm", "value", "reward")
@@ -75,8 +75,8 @@ def transformer_config_from_hf(hf_config: Any, *, dtype: torch.dtype = torch.flo
 
     Raises:
         ValueError: unsupported config features
-            (:class:`~megaflow.config.model_spec.UnsupportedModelError`, see
-            :func:`~megaflow.config.model_spec.model_spec`), tp not dividing heads/KV
+            (:class:`~megaflow.topology.model_spec.UnsupportedModelError`, see
+            :func:`~megaflow.topology.model_spec.model_spec`), tp not dividing heads/KV
             heads, or num_layers not divisible by pp.
     """
     from megatron.core.transformer import TransformerConfig

@@ -12,7 +12,7 @@ weight loader and the exporter (:mod:`megaflow.models.weights`, and through it t
 conversion tools); the HybridEngine reads the rows themselves (:func:`find_mapping`) to
 name the vLLM tensors. The architecture
 they take (:class:`ModelSpec`, :data:`SUPPORTED_ARCHITECTURES`, :class:`UnsupportedModelError`)
-is megaflow's one HF-config reader, :mod:`megaflow.config.model_spec`, re-exported here.
+is megaflow's one HF-config reader, :mod:`megaflow.topology.model_spec`, re-exported here.
 
 ``{layer}`` in a name is the *global* layer index on the HF side and the *local* index of
 the pipeline stage (or virtual chunk) on the Megatron side; callers pass both.
@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 
 import megaflow.models.transforms as T
-from megaflow.config.model_spec import SUPPORTED_ARCHITECTURES, ModelSpec, UnsupportedModelError
+from megaflow.topology.model_spec import SUPPORTED_ARCHITECTURES, ModelSpec, UnsupportedModelError
 
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"

@@ -14,7 +14,7 @@ fastest): the TP groups are always **consecutive global ranks**, ``[0..t-1], [t.
 ("ExternalDP"). There is no engine argument that names the group ranks.
 
 HybridFlow's generation TP groups are strided inside each training TP block (stride
-``t / t_g``; see :mod:`megaflow.config.hybrid_layout`, ``HybridLayout.gen_tp_groups``),
+``t / t_g``; see :mod:`megaflow.topology.hybrid_layout`, ``HybridLayout.gen_tp_groups``),
 and Megatron's training TP groups must stay consecutive, so the rollout side adapts:
 :func:`prepare_vllm_tp_groups` creates vLLM's process groups itself (TP groups as given,
 PP/PCP/DCP/DP groups of one rank each) *before* the engine is built, so that

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from megaflow.config.topology import run_dir_of
+from megaflow.topology.sizes import run_dir_of
 from megaflow.utils import startup_gc
 
 
@@ -231,7 +231,8 @@ def train(cfg, inputs=None) -> dict[str, float]:
 
 
 def _train(cfg, inputs) -> dict[str, float]:
-    from megaflow.config import config_to_dict, dump_config, lr_schedule_steps, num_training_steps
+    from megaflow.config import config_to_dict, dump_config
+    from megaflow.topology import lr_schedule_steps, num_training_steps
     from megaflow.trainer.checkpoint import CheckpointManager
     from megaflow.trainer.ppo_trainer import RayPPOTrainer
     from megaflow.trainer.roles import build_worker_groups, shutdown_worker_groups
@@ -302,11 +303,13 @@ def _report_config_error(exc: Exception) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from megaflow.config import ConfigError, build_plan, format_plan, load_config
+    from megaflow.config import ConfigError
+    from megaflow.dryrun import build_plan, format_plan
+    from megaflow.topology import load_run
     from megaflow.trainer.preflight import preflight
 
     try:
-        cfg = load_config(args.recipe, args.overrides)
+        cfg = load_run(args.recipe, args.overrides)
         plan = build_plan(cfg)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         return _report_config_error(exc)

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from megaflow.config.model_spec import resolve_hf_config
 from megaflow.config.typed import ConfigError
+from megaflow.topology.model_spec import resolve_hf_config
 
 if TYPE_CHECKING:
     from megaflow.config.schema import Config

@@ -59,7 +59,7 @@ class ResumePoint:
 
 def run_checkpoints(cfg) -> CheckpointManager:
     """The checkpoint manager of the run directory ``<output_dir>/<project>/<experiment>/checkpoints``."""
-    from megaflow.config.topology import run_dir_of
+    from megaflow.topology.sizes import run_dir_of
 
     return CheckpointManager(run_dir_of(cfg) / "checkpoints", keep_last=cfg.trainer.max_ckpt_to_keep)
 
@@ -100,7 +100,7 @@ def layout_differences(checkpoint: Path, cfg) -> list[str]:
     """Per trained role, the model-parallel sizes (tp, pp, cp, vpp) that differ between the
     checkpoint's ``<role>/layout.json`` and the run's plan, as ``"actor: tp 2 -> 1 (dp 1 -> 2)"``
     (a DP change alone reshards and is not listed)."""
-    from megaflow.config import enabled_roles, role_parallel
+    from megaflow.topology import enabled_roles, role_parallel
 
     out = []
     for role in _TRAINED_ROLES:

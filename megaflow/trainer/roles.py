@@ -1,7 +1,7 @@
 """From a config to running worker groups: pools, colocation, one worker class per role.
 
 Every worker receives the run's frozen config as a
-:class:`~megaflow.config.role_spec.RoleSpec` (config + role name + the run's training
+:class:`~megaflow.topology.role_spec.RoleSpec` (config + role name + the run's training
 steps) and reads its sections itself; the actor also gets the tokenizer's EOS and padding
 ids. Roles placed on the same pool (``resources.placement``) share one Ray actor process
 per rank (composed with :func:`~megaflow.single_controller.create_colocated_worker_cls`), so
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megaflow.config.role_spec import RoleSpec
+from megaflow.topology.role_spec import RoleSpec
 from megaflow.trainer.ppo_trainer import WorkerGroups
 from megaflow.workers.actor_rollout import ActorRolloutWorker
 from megaflow.workers.megatron_workers import CriticWorker, RefWorker, RewardModelWorker
@@ -63,13 +63,13 @@ def build_worker_groups(cfg, tokenizer, total_steps: int | None = None) -> Worke
     them, and the weight transport between the two is connected
     (:func:`megaflow.trainer.rollout_pipeline.connect_split`).
     ``total_steps``: training steps of the run (the trained roles' LR decay horizon,
-    :attr:`~megaflow.config.role_spec.RoleSpec.lr_decay_steps`); None: ``trainer.total_steps``.
+    :attr:`~megaflow.topology.role_spec.RoleSpec.lr_decay_steps`); None: ``trainer.total_steps``.
 
     Raises:
         WorkerError: a rank failed to start, naming the role and rank.
     """
-    from megaflow.config.topology import pools_in_use, split_rollout_pool
     from megaflow.single_controller import ClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
+    from megaflow.topology.sizes import pools_in_use, split_rollout_pool
     from megaflow.workers.rollout_worker import RolloutWorker, SplitActorWorker
 
     res = cfg.resources
@@ -100,8 +100,8 @@ def build_worker_groups(cfg, tokenizer, total_steps: int | None = None) -> Worke
     for future in pending:
         future.get()
     if split is not None:
-        from megaflow.config.topology import role_parallel
         from megaflow.hybrid_engine import plan_hybrid_layout
+        from megaflow.topology.sizes import role_parallel
         from megaflow.trainer.rollout_pipeline import connect_split
 
         par = role_parallel(cfg, "actor")

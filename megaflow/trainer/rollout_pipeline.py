@@ -47,7 +47,7 @@ def connect_split(actor, rollout, actor_layout, *, backend: str):
     Args:
         actor: the :class:`~megaflow.workers.rollout_worker.SplitActorWorker` group.
         rollout: the :class:`~megaflow.workers.rollout_worker.RolloutWorker` group.
-        actor_layout: the actor's :class:`~megaflow.config.hybrid_layout.HybridLayout`.
+        actor_layout: the actor's :class:`~megaflow.topology.hybrid_layout.HybridLayout`.
         backend: ``"gloo"`` or ``"nccl"``.
 
     Returns:

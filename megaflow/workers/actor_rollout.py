@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from megaflow.protocol import DataProto
 from megaflow.single_controller import Dispatch, ProtoResult, nd_compute, register
-from megaflow.config.role_spec import RoleSpec
+from megaflow.topology.role_spec import RoleSpec
 from megaflow.workers.megatron_workers import ActorWorker
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ class ActorRolloutWorker(ActorWorker):
     ``trainer.seed`` from the config; ``rollout.pp > 1`` is refused at load.
 
     Args:
-        spec: the actor's :class:`~megaflow.config.role_spec.RoleSpec`.
+        spec: the actor's :class:`~megaflow.topology.role_spec.RoleSpec`.
         eos_token_ids: the tokenizer's end-of-sequence ids (stop ids unless ``rollout.ignore_eos``).
         pad_token_id: the tokenizer's padding id (right-padding of responses, left-padding of prompts).
     """
@@ -100,10 +100,10 @@ class ActorRolloutWorker(ActorWorker):
         self.rollout = self._build_engine(hf_config)
 
     def _build_engine(self, hf_config):
-        from megaflow.config.memory import cpu_kv_cache_bytes
-        from megaflow.config.topology import max_seq_len
+        from megaflow.dryrun.memory import cpu_kv_cache_bytes
         from megaflow.rollout.sampling import SamplingConfig
         from megaflow.rollout.vllm_rollout import VLLMRollout, VLLMRolloutConfig
+        from megaflow.topology.sizes import max_seq_len
 
         cfg = self.config
         model_dir = self._engine_model_dir(hf_config)

@@ -20,11 +20,11 @@ from typing import Optional
 
 import torch
 
-from megaflow.config.role_spec import RoleSpec
 from megaflow.megatron.engine import MegatronEngine
 from megaflow.megatron.parallel import ParallelInfo, initialize_parallel, nd_dispatch_info
 from megaflow.protocol import DataProto
 from megaflow.single_controller import Dispatch, Worker, nd_compute, register
+from megaflow.topology.role_spec import RoleSpec
 from megaflow.workers import losses
 
 #: ``model.dtype`` -> parameter and compute dtype of the Megatron model
@@ -42,7 +42,7 @@ class MegatronWorker(Worker):
     :class:`~megaflow.config.schema.Config`, ``self.role_spec.section`` the role's section).
 
     Args:
-        spec: :class:`~megaflow.config.role_spec.RoleSpec` of the subclass's ``config_role``.
+        spec: :class:`~megaflow.topology.role_spec.RoleSpec` of the subclass's ``config_role``.
         mesh: the ND-dispatch mesh name (default: ``default_mesh``).
 
     Raises:
@@ -56,7 +56,7 @@ class MegatronWorker(Worker):
     def __init__(self, spec: RoleSpec, mesh: Optional[str] = None) -> None:
         super().__init__()
         if not isinstance(spec, RoleSpec):
-            raise TypeError(f"spec must be a megaflow.config.role_spec.RoleSpec, got {type(spec).__name__}")
+            raise TypeError(f"spec must be a megaflow.topology.role_spec.RoleSpec, got {type(spec).__name__}")
         if spec.role != self.config_role:
             raise ValueError(f"{type(self).__name__} serves the {self.config_role!r} role, got a RoleSpec of "
                              f"{spec.role!r}")
@@ -79,9 +79,9 @@ class MegatronWorker(Worker):
             RuntimeError: the process group's DP size differs from the config's (the group
                 was spawned on another world size than the role's pool).
         """
-        from megaflow.config.model_spec import model_spec
         from megaflow.megatron.cpu_compat import model_parallel_manual_seed
         from megaflow.megatron.model import build_gpt_model
+        from megaflow.topology.model_spec import model_spec
 
         spec, seed = self.role_spec, self.config.trainer.seed
         par = spec.parallel

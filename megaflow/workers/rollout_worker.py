@@ -29,7 +29,7 @@ import torch
 
 from megaflow.protocol import DataProto
 from megaflow.single_controller import Dispatch, ProtoResult, Worker, nd_compute, register
-from megaflow.config.role_spec import RoleSpec
+from megaflow.topology.role_spec import RoleSpec
 from megaflow.workers.actor_rollout import _REPLICA_SEED_STRIDE, ActorRolloutWorker, check_synced, stop_token_ids
 
 #: Seconds a transport collective may wait (rendezvous included).
@@ -52,7 +52,7 @@ class RolloutWorker(Worker):
     ``model.dtype`` and ``trainer.seed`` from the config, as the colocated engine does.
 
     Args:
-        spec: the actor's :class:`~megaflow.config.role_spec.RoleSpec` (the model served).
+        spec: the actor's :class:`~megaflow.topology.role_spec.RoleSpec` (the model served).
         eos_token_ids: the tokenizer's end-of-sequence ids (stop ids unless ``rollout.ignore_eos``).
         pad_token_id: the tokenizer's padding id.
     """

@@ -8,7 +8,7 @@ pool) to one of:
   causes), checked against an independently computed expectation. ``tests/config/
   test_every_key.py`` checks that each named test exists and that its source names the key
   (dotted or leaf name).
-* :class:`Refused`: a value that ``load_config`` refuses with a ``ConfigError`` naming the
+* :class:`Refused`: a value that ``load_run`` refuses with a ``ConfigError`` naming the
   key and saying what is supported (``supported`` is a fragment of that message; ``extra``
   are overrides needed to reach the check).
 
@@ -30,7 +30,7 @@ class Consumed:
 
 @dataclass(frozen=True)
 class Refused:
-    """``load_config`` with ``<key>=<value>`` (after ``extra``) raises a ``ConfigError``
+    """``load_run`` with ``<key>=<value>`` (after ``extra``) raises a ``ConfigError``
     keyed ``<key>`` whose message contains ``supported``."""
 
     value: str

@@ -2,8 +2,11 @@
 import pytest
 import yaml
 
-from megaflow.config import ConfigError, build_plan, config_from_dict, dump_config, format_plan, list_recipes, load_config
+from megaflow.config import ConfigError, dump_config, list_recipes
+from megaflow.dryrun import build_plan, format_plan
+
 from megaflow.config.loader import apply_override, parse_override
+from megaflow.topology import load_run, run_from_dict
 
 SHIPPED = ["tiny_arith_grpo", "smollm2_gsm8k_grpo", "llama70b_ppo", "qwen25_7b_gsm8k_grpo", "llama3_8b_ppo"]
 
@@ -14,7 +17,7 @@ def test_the_promised_recipes_are_shipped():
 
 @pytest.mark.parametrize("name", list_recipes())
 def test_every_recipe_loads_and_its_dry_run_fits(name):
-    cfg = load_config(name)
+    cfg = load_run(name)
     assert cfg.trainer.experiment_name == name
     plan = build_plan(cfg)
     text = format_plan(plan)
@@ -25,7 +28,7 @@ def test_every_recipe_loads_and_its_dry_run_fits(name):
 
 
 def test_default_recipe_layout_is_the_promised_one():
-    cfg = load_config("tiny_arith_grpo")
+    cfg = load_run("tiny_arith_grpo")
     assert cfg.model.hf_config["model_type"] == "llama" and cfg.model.tokenizer == "arith"
     assert cfg.actor.tp * cfg.actor.pp == 2 and cfg.resources.procs_per_node == 2
     assert cfg.rollout.engine == "vllm" and cfg.algorithm.adv_estimator == "grpo"
@@ -55,8 +58,8 @@ def test_empty_override_value_is_an_error_not_null(item):
 
 
 def test_mapping_override_merges_key_by_key():
-    recipe = load_config("tiny_arith_grpo")
-    cfg = load_config("tiny_arith_grpo", ["model.hf_config={num_hidden_layers: 4, rope_theta: 500.0}"])
+    recipe = load_run("tiny_arith_grpo")
+    cfg = load_run("tiny_arith_grpo", ["model.hf_config={num_hidden_layers: 4, rope_theta: 500.0}"])
     expected = {**dict(recipe.model.hf_config), "num_hidden_layers": 4, "rope_theta": 500.0}
     assert dict(cfg.model.hf_config) == expected
     tree = apply_override({"a": {"b": 1, "c": {"d": 2, "e": 3}}}, "a", {"c": {"d": 5}})
@@ -67,7 +70,7 @@ def test_mapping_override_merges_key_by_key():
 @pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "nan", "1e999"])
 def test_non_finite_float_is_refused(value):
     with pytest.raises(ConfigError, match="actor.optim.lr: must be a finite number"):
-        load_config("tiny_arith_grpo", [f"actor.optim.lr={value}"])
+        load_run("tiny_arith_grpo", [f"actor.optim.lr={value}"])
 
 
 @pytest.mark.parametrize("text, key, lines", [
@@ -79,7 +82,7 @@ def test_duplicate_recipe_key_is_named_with_its_lines(tmp_path, text, key, lines
     path = tmp_path / "dup.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError) as err:
-        load_config(path)
+        load_run(path)
     assert str(err.value) == (f"{key}: given twice in {path} (lines {lines[0]} and {lines[1]}); "
                               "YAML would keep only the second: remove one")
 
@@ -100,8 +103,8 @@ def test_malformed_override_is_rejected(item):
 
 
 def test_overrides_apply_in_order_over_the_recipe():
-    cfg = load_config("tiny_arith_grpo", ["trainer.total_steps=3", "actor.optim.lr=1e-5",
-                                          "model.hf_config.num_hidden_layers=4", "trainer.total_steps=5"])
+    cfg = load_run("tiny_arith_grpo", ["trainer.total_steps=3", "actor.optim.lr=1e-5",
+                                       "model.hf_config.num_hidden_layers=4", "trainer.total_steps=5"])
     assert cfg.trainer.total_steps == 5 and cfg.actor.optim.lr == 1e-5
     assert cfg.model.hf_config["num_hidden_layers"] == 4 and cfg.model.hf_config["hidden_size"] == 128
 
@@ -113,7 +116,7 @@ def test_override_inside_a_scalar_is_rejected():
 
 def test_unknown_override_key_suggests_and_names_the_recipe():
     with pytest.raises(ConfigError) as err:
-        load_config("tiny_arith_grpo", ["trainer.total_step=3"])
+        load_run("tiny_arith_grpo", ["trainer.total_step=3"])
     msg = str(err.value)
     assert msg.startswith("trainer.total_step: unknown key; did you mean trainer.total_steps")
     assert "tiny_arith_grpo.yaml" in msg
@@ -121,12 +124,12 @@ def test_unknown_override_key_suggests_and_names_the_recipe():
 
 def test_wrong_type_override_names_key_type_and_value():
     with pytest.raises(TypeError, match=r"^actor\.ppo_epochs: expected int, got str 'many'"):
-        load_config("tiny_arith_grpo", ["actor.ppo_epochs=many"])
+        load_run("tiny_arith_grpo", ["actor.ppo_epochs=many"])
 
 
 def test_unknown_recipe_suggests_a_shipped_one():
     with pytest.raises(FileNotFoundError, match="did you mean tiny_arith_grpo"):
-        load_config("tiny_arith_grp")
+        load_run("tiny_arith_grp")
 
 
 def test_recipe_path_and_invalid_yaml(tmp_path):
@@ -136,23 +139,35 @@ def test_recipe_path_and_invalid_yaml(tmp_path):
                                                              "num_attention_heads": 4, "vocab_size": 16},
                                               "tokenizer": "arith"},
                                     "data": {"task": "arith"}, "resources": {"use_gpu": False}}))
-    assert load_config(good).trainer.experiment_name == "mine"
+    assert load_run(good).trainer.experiment_name == "mine"
     bad = tmp_path / "bad.yaml"
     bad.write_text("actor: [unclosed\n")
     with pytest.raises(ConfigError, match="bad.yaml: invalid YAML"):
-        load_config(bad)
+        load_run(bad)
     listy = tmp_path / "list.yaml"
     listy.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
-        load_config(listy)
+        load_run(listy)
 
 
 @pytest.mark.parametrize("name", ["tiny_arith_grpo", "llama70b_ppo"])
 def test_dump_and_reload_round_trip(tmp_path, name):
-    cfg = load_config(name, ["trainer.total_steps=7"])
+    cfg = load_run(name, ["trainer.total_steps=7"])
     path = tmp_path / "config.yaml"
     text = dump_config(cfg, path)
     assert yaml.safe_load(text)["trainer"]["total_steps"] == 7
-    again = load_config(path)
+    again = load_run(path)
     assert again == cfg
-    assert config_from_dict(yaml.safe_load(text)) == cfg
+    assert run_from_dict(yaml.safe_load(text)) == cfg
+
+
+def test_the_loader_builds_and_load_run_validates_across_sections():
+    """``load_config`` checks each section alone; the cross-section rules run in ``load_run``,
+    whose error names the key and the recipe exactly as a section's error does."""
+    from megaflow.config import load_config
+
+    cfg = load_config("tiny_arith_grpo", ["algorithm.adv_estimator=gae"])  # needs a critic
+    assert cfg.algorithm.adv_estimator == "gae" and not cfg.critic.enabled
+    with pytest.raises(ConfigError, match=r"^critic\.enabled: adv_estimator 'gae' needs a critic: set "
+                                          r"critic\.enabled=true \[recipe .*/tiny_arith_grpo\.yaml\]$"):
+        load_run("tiny_arith_grpo", ["algorithm.adv_estimator=gae"])

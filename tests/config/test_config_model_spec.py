@@ -1,7 +1,8 @@
 """Parameter counts by formula against real ``transformers`` models (meta device)."""
 import pytest
 
-from megaflow.config.model_spec import count_parameters, layer_parameters, model_spec, padded_vocab_size, stage_parameters
+from megaflow.topology.model_spec import (count_parameters, layer_parameters, model_spec, padded_vocab_size,
+                                          stage_parameters)
 
 BASE = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 100}

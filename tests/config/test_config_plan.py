@@ -1,17 +1,19 @@
 """The dry-run planner: rank groups, pool layout, memory formulas, infeasible layouts."""
 import pytest
 
-from megaflow.config import PlanError, build_plan, config_from_dict, format_plan, load_config
-from megaflow.config.layout import megatron_groups, pack_pools
-from megaflow.config.memory import (
+from megaflow.dryrun import PlanError, build_plan, format_plan
+
+from megaflow.topology import load_run, run_from_dict
+from megaflow.topology.placement import megatron_groups, pack_pools
+from megaflow.dryrun.memory import (
     GIB,
     ParallelShape,
     activation_bytes_per_layer,
     kv_bytes_per_token,
     role_memory,
 )
-from megaflow.config.model_spec import model_spec
 from megaflow.config.schema import ResourcesConfig
+from megaflow.topology.model_spec import model_spec
 
 SMALL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 16}
@@ -49,7 +51,7 @@ def test_pools_first_fit_on_nodes():
 
 
 def test_activation_formula_by_hand():
-    # The saved-tensor account of megaflow.config.memory (elements per token): norms 2*(3h+1),
+    # The saved-tensor account of megaflow.dryrun.memory (elements per token): norms 2*(3h+1),
     # attention 4*a*d/t + a*s/t (unfused), MLP 5f/t; plus RoPE tables 4*s*d and the s*s mask.
     s, b, h, a, g, d, f, t = 24, 4, 64, 4, 2, 16, 128, 2
     common = dict(seq=s, micro_batch=b, hidden=h, heads=a, kv_heads=g, head_dim=d, ffn_hidden=f, tp=t)
@@ -98,8 +100,8 @@ def test_kv_cache_formula_by_hand():
 
 def test_plan_uses_the_hybridflow_generation_layout(tiny):
     hf = dict(SMALL, num_attention_heads=8, num_key_value_heads=4)
-    cfg = config_from_dict(tiny(model={"hf_config": hf, "tokenizer": "arith"}, actor={"tp": 4, "pp": 2},
-                                rollout={"tp": 2}, resources={"use_gpu": False, "procs_per_node": 16}))
+    cfg = run_from_dict(tiny(model={"hf_config": hf, "tokenizer": "arith"}, actor={"tp": 4, "pp": 2},
+                             rollout={"tp": 2}, resources={"use_gpu": False, "procs_per_node": 16}))
     plan = build_plan(cfg)
     layout = plan.rollout.layout
     # t=4, p=2, d=2, t_g=2: generation TP groups at stride t/t_g=2 inside a TP block;
@@ -117,7 +119,7 @@ def test_impossible_memory_is_flagged_and_rejected():
     overrides = [f"{role}.{k}={v}" for role in ("actor", "critic") for k, v in
                  (("pp", 1), ("param_offload", "false"), ("grad_offload", "false"), ("optimizer_offload", "false"))]
     overrides += ["ref.pp=1", "reward_model.pp=1"]
-    plan = build_plan(load_config("llama70b_ppo", overrides))
+    plan = build_plan(load_run("llama70b_ppo", overrides))
     assert not plan.fits
     assert any("actor update" in p and "per GPU > resources.gpu_memory_gib=80" in p for p in plan.problems)
     assert "DOES NOT FIT" in format_plan(plan) and "PROBLEMS" in format_plan(plan)
@@ -127,19 +129,19 @@ def test_impossible_memory_is_flagged_and_rejected():
 
 
 def test_kv_cache_too_small_for_one_sequence_on_cpu():
-    plan = build_plan(load_config("smollm2_gsm8k_grpo", ["resources.use_gpu=false", "rollout.response_length=80000"]))
+    plan = build_plan(load_run("smollm2_gsm8k_grpo", ["resources.use_gpu=false", "rollout.response_length=80000"]))
     assert any(p.startswith("rollout.cpu_kv_cache_gib: the rollout's KV cache") for p in plan.problems)
 
 
 def test_host_memory_per_node_on_cpu():
-    plan = build_plan(load_config("tiny_arith_grpo", ["resources.cpu_memory_gib=1"]))
+    plan = build_plan(load_run("tiny_arith_grpo", ["resources.cpu_memory_gib=1"]))
     # 2 processes each reserving rollout.cpu_kv_cache_gib=1 GiB exceed 1 GiB per node
     assert any(p.startswith("node 0: ") and "resources.cpu_memory_gib=1" in p for p in plan.problems)
-    assert build_plan(load_config("tiny_arith_grpo")).fits
+    assert build_plan(load_run("tiny_arith_grpo")).fits
 
 
 def test_colocated_phase_adds_what_other_roles_keep_resident():
-    plan = build_plan(load_config("llama3_8b_ppo"))
+    plan = build_plan(load_run("llama3_8b_ppo"))
     pool = plan.pools[0]
     critic_update = next(p for p in pool.phases if p.phase == "critic update")
     actor, critic = plan.role("actor").memory, plan.role("critic").memory
@@ -157,9 +159,9 @@ def test_colocated_phase_adds_what_other_roles_keep_resident():
     (4, False, "plain (state not sharded over dp)"),       # an explicit choice wins over dp
 ])
 def test_plan_states_whether_the_optimizer_is_distributed(tiny, procs, chosen, expected):
-    cfg = config_from_dict(tiny(model={"hf_config": SMALL, "tokenizer": "arith"},
-                                actor={"tp": 2, "use_distributed_optimizer": chosen},
-                                resources={"use_gpu": False, "procs_per_node": procs}))
+    cfg = run_from_dict(tiny(model={"hf_config": SMALL, "tokenizer": "arith"},
+                             actor={"tp": 2, "use_distributed_optimizer": chosen},
+                             resources={"use_gpu": False, "procs_per_node": procs}))
     plan = build_plan(cfg)
     assert plan.role("actor").distributed_optimizer is (expected.startswith("distributed"))
     actor_block = format_plan(plan).split("\nactor ", 1)[1].split("\n    memory per rank", 1)[0]

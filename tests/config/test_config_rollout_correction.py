@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from megaflow.config import ConfigError, config_from_dict
+from megaflow.config import ConfigError
+from megaflow.topology import run_from_dict
 
 MASK = torch.tensor([[1, 1, 1], [1, 0, 1], [0, 0, 0]])
 OLD = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -9.0, -1.2], [-4.0, -4.0, -4.0]])
@@ -23,7 +24,7 @@ def _batch():
 
 
 def _rc(tiny, **values):
-    return config_from_dict(tiny(algorithm={"rollout_correction": values})).algorithm.rollout_correction
+    return run_from_dict(tiny(algorithm={"rollout_correction": values})).algorithm.rollout_correction
 
 
 def test_stage_adds_weights_and_rejection_for_the_actor_only(tiny):
@@ -82,7 +83,7 @@ def test_bad_rollout_correction_config_is_refused_by_key(tiny, values, key, frag
 
 def test_cispo_with_dual_clip_is_refused(tiny):
     with pytest.raises(ConfigError) as err:
-        config_from_dict(tiny(actor={"policy_loss": "cispo"}))  # clip_ratio_c defaults to 3.0
+        run_from_dict(tiny(actor={"policy_loss": "cispo"}))  # clip_ratio_c defaults to 3.0
     assert err.value.key == "actor.clip_ratio_c" and "cispo" in str(err.value)
-    cfg = config_from_dict(tiny(actor={"policy_loss": "cispo", "clip_ratio_c": None}))
+    cfg = run_from_dict(tiny(actor={"policy_loss": "cispo", "clip_ratio_c": None}))
     assert cfg.actor.policy_loss == "cispo"

@@ -3,11 +3,11 @@ import dataclasses
 
 import pytest
 
-from megaflow.config import Config, ConfigError, ConfigTypeError, config_from_dict
-from megaflow.config import roles, schema
+from megaflow.config import Config, ConfigError, ConfigTypeError, schema
 from megaflow.config.typed import Section
+from megaflow.topology import run_from_dict, validate_config
 
-SECTIONS = sorted({cls for mod in (schema, roles) for cls in vars(mod).values()
+SECTIONS = sorted({cls for mod in (schema,) for cls in vars(mod).values()
                    if isinstance(cls, type) and issubclass(cls, Section) and cls is not Section},
                   key=lambda c: c.__name__)
 SECTIONS.remove(Config)
@@ -26,25 +26,26 @@ def test_every_section_default_is_valid_and_documented(cls):
 
 
 def test_defaults_plus_required_inputs_are_valid(tiny):
-    cfg = config_from_dict(tiny())
+    cfg = run_from_dict(tiny())
     assert cfg.actor.tp == 1 and cfg.algorithm.adv_estimator == "grpo" and cfg.rollout.n == 8
     assert cfg.resources.pools["global"].nodes is None  # the pool defaults to the whole cluster
 
 
 def test_bare_defaults_name_the_required_model_key():
+    cfg = Config()  # each section is valid on its own; the checks across sections refuse it
     with pytest.raises(ConfigError, match=r"^model\.path: set model\.path .* or model\.hf_config"):
-        Config()
+        validate_config(cfg)
 
 
 def test_no_training_data_is_named(tiny):
     tree = tiny()
     del tree["data"]["task"]
     with pytest.raises(ConfigError, match=r"data\.train_files: no training data: set data\.train_files or data\.task"):
-        config_from_dict(tree)
+        run_from_dict(tree)
 
 
 def test_config_is_frozen_and_its_containers_immutable(tiny):
-    cfg = config_from_dict(tiny(actor={"optim": {"betas": [0.9, 0.95]}}))
+    cfg = run_from_dict(tiny(actor={"optim": {"betas": [0.9, 0.95]}}))
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.actor.tp = 2
     with pytest.raises(TypeError):
@@ -55,7 +56,7 @@ def test_config_is_frozen_and_its_containers_immutable(tiny):
 
 def test_unknown_key_suggests_the_full_dotted_key(tiny):
     with pytest.raises(ConfigError) as err:
-        config_from_dict(tiny(actor={"optim": {"lrr": 1e-5}}))
+        run_from_dict(tiny(actor={"optim": {"lrr": 1e-5}}))
     assert err.value.key == "actor.optim.lrr"
     assert "did you mean actor.optim.lr?" in str(err.value)
 
@@ -64,12 +65,12 @@ def test_unknown_section_lists_close_matches(tiny):
     tree = tiny()
     tree["acter"] = {"tp": 2}
     with pytest.raises(ConfigError, match=r"^acter: unknown key; did you mean actor\?"):
-        config_from_dict(tree)
+        run_from_dict(tree)
 
 
 def test_unknown_key_without_close_match_lists_valid_keys(tiny):
     with pytest.raises(ConfigError, match=r"^trainer\.zzz: unknown key; valid keys here: total_epochs, "):
-        config_from_dict(tiny(trainer={"zzz": 1}))
+        run_from_dict(tiny(trainer={"zzz": 1}))
 
 
 @pytest.mark.parametrize("key, value, expected", [
@@ -82,21 +83,21 @@ def test_unknown_key_without_close_match_lists_valid_keys(tiny):
 ])
 def test_wrong_type_names_key_expected_type_and_value(tiny, key, value, expected):
     with pytest.raises(ConfigTypeError) as err:
-        config_from_dict(tiny(actor={key: value}))
+        run_from_dict(tiny(actor={key: value}))
     assert str(err.value).startswith(f"actor.{key}: ")
     assert expected in str(err.value)
     assert isinstance(err.value, TypeError) and isinstance(err.value, ValueError)
 
 
 def test_float_fields_accept_ints_and_yaml_exponent_strings(tiny):
-    cfg = config_from_dict(tiny(actor={"optim": {"lr": "1e-5", "weight_decay": 0}}))
+    cfg = run_from_dict(tiny(actor={"optim": {"lr": "1e-5", "weight_decay": 0}}))
     assert cfg.actor.optim.lr == 1e-5 and cfg.actor.optim.weight_decay == 0.0
     assert isinstance(cfg.actor.optim.weight_decay, float)
 
 
 def test_invalid_choice_lists_choices_and_the_closest(tiny):
     with pytest.raises(ConfigError) as err:
-        config_from_dict(tiny(algorithm={"adv_estimator": "grpoo"}))
+        run_from_dict(tiny(algorithm={"adv_estimator": "grpoo"}))
     assert str(err.value).startswith("algorithm.adv_estimator: invalid value 'grpoo'; expected one of 'gae', ")
     assert "did you mean 'grpo'" in str(err.value)
 
@@ -104,14 +105,14 @@ def test_invalid_choice_lists_choices_and_the_closest(tiny):
 def test_nested_section_default_is_the_layering_base(tiny):
     # critic.optim's default lr (1e-5) differs from OptimConfig's (1e-6): setting only
     # betas keeps the critic's own default.
-    cfg = config_from_dict(tiny(critic={"optim": {"betas": [0.9, 0.95]}}))
+    cfg = run_from_dict(tiny(critic={"optim": {"betas": [0.9, 0.95]}}))
     assert cfg.critic.optim.lr == 1e-5 and cfg.critic.optim.betas == (0.9, 0.95)
     assert cfg.actor.optim.lr == 1e-6
 
 
 def test_sibling_keys_in_messages_are_fully_qualified(tiny):
     with pytest.raises(ConfigError, match=r"^actor\.optim\.min_lr: must be <= actor\.optim\.lr \(0\.001\), got 0\.1"):
-        config_from_dict(tiny(actor={"optim": {"lr": 1e-3, "min_lr": 0.1}}))
+        run_from_dict(tiny(actor={"optim": {"lr": 1e-3, "min_lr": 0.1}}))
 
 
 @pytest.mark.parametrize("sections, key, fragment", [
@@ -134,7 +135,7 @@ def test_sibling_keys_in_messages_are_fully_qualified(tiny):
 ])
 def test_invalid_values_name_their_key(tiny, sections, key, fragment):
     with pytest.raises(ConfigError) as err:
-        config_from_dict(tiny(**sections))
+        run_from_dict(tiny(**sections))
     assert err.value.key == key
     assert fragment in str(err.value)
 
@@ -144,8 +145,8 @@ def test_choices_match_the_algorithms_module():
 
     assert set(schema.ADV_ESTIMATORS) == set(algos.ADVANTAGE_ESTIMATORS)
     assert set(schema.KL_LOSS_TYPES) == set(algos.KL_KINDS)
-    assert set(roles.LOSS_AGG_MODES) == set(algos.LOSS_AGG_MODES)
-    assert set(roles.POLICY_LOSSES) == set(algos.POLICY_LOSSES)
+    assert set(schema.LOSS_AGG_MODES) == set(algos.LOSS_AGG_MODES)
+    assert set(schema.POLICY_LOSSES) == set(algos.POLICY_LOSSES)
     assert set(schema.KL_ESTIMATORS) | {k + "+" for k in schema.KL_ESTIMATORS if k not in ("k2", "mse")} \
         == set(algos.KL_KINDS)
 
@@ -163,11 +164,11 @@ def test_use_gpu_null_means_detect(tiny, monkeypatch):
 
     tree = tiny(resources={"use_gpu": None})
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/nvidia-smi" if name == "nvidia-smi" else None)
-    assert config_from_dict(tree).resources.use_gpu is True
+    assert run_from_dict(tree).resources.use_gpu is True
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    assert config_from_dict(tree).resources.use_gpu is False
+    assert run_from_dict(tree).resources.use_gpu is False
 
 
 def test_names_read_as_numbers_become_strings(tiny):
-    cfg = config_from_dict(tiny(trainer={"experiment_name": 2024}, data={"task": None, "train_files": "a.parquet"}))
+    cfg = run_from_dict(tiny(trainer={"experiment_name": 2024}, data={"task": None, "train_files": "a.parquet"}))
     assert cfg.trainer.experiment_name == "2024" and cfg.data.train_files == ("a.parquet",)

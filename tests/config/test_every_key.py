@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 
 from key_coverage import GAPS, KEYS, Consumed, Refused
-from megaflow.config import ConfigError, load_config
+from megaflow.config import ConfigError
 from megaflow.config.schema import Config
 from megaflow.config.typed import Section
+from megaflow.topology import load_run
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The recipe the refusals are loaded over (CPU, the default run).
@@ -101,6 +102,6 @@ REFUSED = [(k, row) for k, row in KEYS.items() if isinstance(row, Refused)]
 @pytest.mark.parametrize("key, row", REFUSED, ids=[k for k, _ in REFUSED])
 def test_refused_keys_fail_at_load_naming_the_key_and_what_is_supported(key, row):
     with pytest.raises(ConfigError) as err:
-        load_config(RECIPE, ["resources.use_gpu=false", *row.extra, f"{key}={row.value}"])
+        load_run(RECIPE, ["resources.use_gpu=false", *row.extra, f"{key}={row.value}"])
     assert err.value.key == key, str(err.value)
     assert row.supported in str(err.value), str(err.value)

@@ -7,11 +7,13 @@ import json
 import pytest
 import yaml
 
-from megaflow.config import ConfigError, config_from_dict, role_model_spec
+from megaflow.config import ConfigError
+
 from megaflow.config.loader import RECIPES_DIR
-from megaflow.config.model_spec import HF_DEFAULTS, UnsupportedModelError, count_parameters, model_spec
 from megaflow.megatron.model import transformer_config_from_hf
 from megaflow.models.hf_mapping import ModelSpec, expected_hf_keys, hf_shape
+from megaflow.topology import role_model_spec, run_from_dict
+from megaflow.topology.model_spec import HF_DEFAULTS, UnsupportedModelError, count_parameters, model_spec
 
 SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
          "vocab_size": 100}
@@ -55,7 +57,7 @@ def test_planner_builder_and_mapping_agree_with_transformers(name, tiny):
     cfg = CONFIGS[name]
     ref, ref_shapes, ref_params = _hf_reference(cfg)
     ref_head_dim = getattr(ref, "head_dim", None) or ref.hidden_size // ref.num_attention_heads
-    planner = role_model_spec(config_from_dict(tiny(model={"hf_config": cfg})), "actor")
+    planner = role_model_spec(run_from_dict(tiny(model={"hf_config": cfg})), "actor")
     mapping = ModelSpec.from_hf_config(cfg)
     builder = transformer_config_from_hf(cfg)
 
@@ -120,7 +122,7 @@ def test_every_consumer_refuses_an_unbuildable_field(field, value, tiny):
     top = field.split(".")[0]
     cfg[top] = value
     with pytest.raises(ConfigError) as planner:
-        config_from_dict(tiny(model={"hf_config": cfg}))
+        run_from_dict(tiny(model={"hf_config": cfg}))
     assert planner.value.key == f"model.hf_config.{field}"
     with pytest.raises(UnsupportedModelError) as mapping:
         ModelSpec.from_hf_config(cfg)
@@ -134,7 +136,7 @@ def test_a_checkpoint_config_json_is_refused_at_load_naming_file_and_field(tmp_p
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     tree = tiny(model={"path": str(tmp_path), "hf_config": None})
     with pytest.raises(UnsupportedModelError) as err:
-        config_from_dict(tree)
+        run_from_dict(tree)
     assert err.value.key == "model.path"
     assert str(err.value).startswith("model.path: config.json field 'sliding_window': 4096: sliding-window")
 
@@ -144,10 +146,10 @@ def test_config_json_next_to_an_inline_config_is_read_too(tmp_path, tiny):
     inline = {"model_type": "llama", **SMALL, "num_key_value_heads": 2}
     (tmp_path / "config.json").write_text(json.dumps(dict(inline, rope_scaling={"rope_type": "yarn", "factor": 4.0})))
     with pytest.raises(UnsupportedModelError) as err:
-        config_from_dict(tiny(model={"path": str(tmp_path), "hf_config": inline}))
+        run_from_dict(tiny(model={"path": str(tmp_path), "hf_config": inline}))
     assert err.value.key == "model.path" and "config.json field 'rope_scaling.rope_type'" in str(err.value)
     (tmp_path / "config.json").write_text(json.dumps(inline))
-    assert role_model_spec(config_from_dict(tiny(model={"path": str(tmp_path), "hf_config": inline})),
+    assert role_model_spec(run_from_dict(tiny(model={"path": str(tmp_path), "hf_config": inline})),
                            "actor").source == "model.hf_config"
 
 

@@ -7,9 +7,11 @@ import os
 
 import pytest
 
-from megaflow.config import ConfigError, config_from_dict
+from megaflow.config import ConfigError
+
 from megaflow.data.arith import ArithTaskConfig, build_arith_tokenizer, generate_arith_splits
 from megaflow.data.io import write_rows
+from megaflow.topology import run_from_dict
 from megaflow.trainer import main as trainer_main
 from megaflow.trainer.preflight import load_datasets, uses_validation
 
@@ -43,15 +45,15 @@ def test_data_prompt_key_chat_template_and_length_filter_reach_the_dataset(tmp_p
     renamed = write_rows(_renamed(rows, "question"), tmp_path / "question.jsonl")
 
     # data.prompt_key: the column the prompts are read from
-    cfg = config_from_dict(_files_tree(tiny, renamed, prompt_key="question", max_prompt_length=64))
+    cfg = run_from_dict(_files_tree(tiny, renamed, prompt_key="question", max_prompt_length=64))
     assert len(load_datasets(cfg, tok).train_dataset) == len(rows)
     with pytest.raises(ConfigError) as err:
-        load_datasets(config_from_dict(_files_tree(tiny, renamed, max_prompt_length=64)), tok)
+        load_datasets(run_from_dict(_files_tree(tiny, renamed, max_prompt_length=64)), tok)
     assert err.value.key == "data.train_files" and "prompt" in str(err.value)
 
     # data.apply_chat_template: the chat template's rendering, or the raw content with special tokens
-    templated = load_datasets(config_from_dict(_files_tree(tiny, plain, max_prompt_length=64)), tok).train_dataset
-    raw = load_datasets(config_from_dict(_files_tree(tiny, plain, max_prompt_length=64, apply_chat_template=False)),
+    templated = load_datasets(run_from_dict(_files_tree(tiny, plain, max_prompt_length=64)), tok).train_dataset
+    raw = load_datasets(run_from_dict(_files_tree(tiny, plain, max_prompt_length=64, apply_chat_template=False)),
                         tok).train_dataset
     messages = rows[0]["prompt"]
     assert list(templated.prompt_ids[0]) == _template_ids(tok, messages)
@@ -63,11 +65,11 @@ def test_data_prompt_key_chat_template_and_length_filter_reach_the_dataset(tmp_p
     limit = lengths[-1] - 1  # the longest prompts do not fit
     kept = sum(n <= limit for n in lengths)
     assert 0 < kept < len(rows)  # one- and two-digit operands: prompts of several lengths
-    filtered = load_datasets(config_from_dict(_files_tree(tiny, plain, max_prompt_length=limit)), tok)
+    filtered = load_datasets(run_from_dict(_files_tree(tiny, plain, max_prompt_length=limit)), tok)
     assert len(filtered.train_dataset) == kept < len(rows)
     with pytest.raises(ConfigError) as err:
-        load_datasets(config_from_dict(_files_tree(tiny, plain, max_prompt_length=limit,
-                                                   filter_overlong_prompts=False)), tok)
+        load_datasets(run_from_dict(_files_tree(tiny, plain, max_prompt_length=limit,
+                                                filter_overlong_prompts=False)), tok)
     assert err.value.key == "data.train_files"
 
 
@@ -90,7 +92,7 @@ def test_data_loader_keys_reach_the_prompt_loaders(tiny, monkeypatch):
     inputs = type("Inputs", (), {"train_dataset": list(range(32)), "val_dataset": list(range(10))})()
 
     def loaders(**data):
-        return trainer_main.build_loaders(config_from_dict(tiny(data=data, actor={"ppo_mini_batch_size": 4})), inputs)
+        return trainer_main.build_loaders(run_from_dict(tiny(data=data, actor={"ppo_mini_batch_size": 4})), inputs)
 
     train, val, n = loaders(shuffle=False, train_batch_size=8, val_batch_size=4)
     assert n == 32 and _epoch(train) == [list(range(i, i + 8)) for i in range(0, 32, 8)]
@@ -104,12 +106,12 @@ def test_data_loader_keys_reach_the_prompt_loaders(tiny, monkeypatch):
 
 def test_validation_runs_only_with_val_files_and_a_cadence_or_a_pre_train_check(tiny):
     def validates(**trainer):
-        return uses_validation(config_from_dict(tiny(trainer=trainer)), ["val.parquet"])
+        return uses_validation(run_from_dict(tiny(trainer=trainer)), ["val.parquet"])
 
     assert not validates(test_freq=0, val_before_train=False)
     assert validates(test_freq=0, val_before_train=True)  # trainer.val_before_train
     assert validates(test_freq=5)  # trainer.test_freq
-    assert not uses_validation(config_from_dict(tiny(trainer={"test_freq": 5})), [])
+    assert not uses_validation(run_from_dict(tiny(trainer={"test_freq": 5})), [])
 
 
 def test_ray_keys_reach_ray_init(tiny, monkeypatch):
@@ -119,8 +121,8 @@ def test_ray_keys_reach_ray_init(tiny, monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
     monkeypatch.setattr(trainer_main, "_started_ray", False)
-    cfg = config_from_dict(tiny(ray={"namespace": "runs-a", "include_dashboard": True,
-                                     "dashboard_host": "127.0.0.2", "num_cpus": 3}))
+    cfg = run_from_dict(tiny(ray={"namespace": "runs-a", "include_dashboard": True,
+                                  "dashboard_host": "127.0.0.2", "num_cpus": 3}))
     trainer_main.init_ray(cfg)
     (kwargs,) = calls
     assert kwargs["address"] == "local"
@@ -138,7 +140,7 @@ def test_local_ray_workers_inherit_their_environment_and_normal_priority(tiny, m
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kwargs: seen.append((kwargs, {n: os.environ.get(n) for n in names})))
     monkeypatch.setattr(trainer_main, "_started_ray", False)
-    trainer_main.init_ray(config_from_dict(tiny()))
+    trainer_main.init_ray(run_from_dict(tiny()))
     (kwargs, env), = seen
     # no job runtime_env (Ray's prestarted workers then match the job's actors); the raylet
     # started inside ray.init inherits the variables instead, niceness 0 among them
@@ -150,7 +152,7 @@ def test_local_ray_workers_inherit_their_environment_and_normal_priority(tiny, m
     monkeypatch.setenv("RAY_worker_niceness", "5")
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
     seen.clear()
-    trainer_main.init_ray(config_from_dict(tiny()))
+    trainer_main.init_ray(run_from_dict(tiny()))
     assert (seen[0][1]["RAY_worker_niceness"], seen[0][1]["VLLM_LOGGING_LEVEL"]) == ("5", "INFO")
     assert os.environ["RAY_worker_niceness"] == "5" and os.environ.get("OMP_NUM_THREADS") is None
 
@@ -162,24 +164,24 @@ def test_reward_keys_shape_the_runs_reward_table(tiny):
         return trainer_main.build_reward_fn(cfg, tokenizer=None).table.spec(source).fn(text, truth, None)["score"]
 
     # reward.functions: a scorer registered for a new data source
-    custom = config_from_dict(tiny(reward={"functions": {"toy": "megaflow.rewards.arith:compute_score"}}))
+    custom = run_from_dict(tiny(reward={"functions": {"toy": "megaflow.rewards.arith:compute_score"}}))
     answer = "7" + arith.EOS_TOKEN  # a correct, well-formed arith response
     assert score(custom, "toy", answer, 7) == arith.compute_score(answer, 7)["score"] == 1.0
     with pytest.raises(ValueError, match="toy"):
-        trainer_main.build_reward_fn(config_from_dict(tiny()), tokenizer=None).table.spec("toy")
+        trainer_main.build_reward_fn(run_from_dict(tiny()), tokenizer=None).table.spec("toy")
     # reward.format_weight and reward.format_pattern: (1 - w) * task + w * [pattern fullmatches]
     w = 0.25
     for pattern, fmt in ((r"7<eos>", 1.0), (r"#\d+", 0.0)):
-        cfg = config_from_dict(tiny(reward={"format_weight": w, "format_pattern": pattern}))
+        cfg = run_from_dict(tiny(reward={"format_weight": w, "format_pattern": pattern}))
         assert score(cfg, "arith", answer, 7) == pytest.approx((1 - w) * 1.0 + w * fmt)
-    assert score(config_from_dict(tiny()), "arith", answer, 7) == 1.0  # weight 0: the task score alone
+    assert score(run_from_dict(tiny()), "arith", answer, 7) == 1.0  # weight 0: the task score alone
 
 
 def test_run_directory_is_output_dir_project_experiment(tiny, tmp_path):
-    from megaflow.config.topology import run_dir_of
+    from megaflow.topology.sizes import run_dir_of
 
-    cfg = config_from_dict(tiny(trainer={"output_dir": str(tmp_path / "out"), "project_name": "proj",
-                                         "experiment_name": "exp-1"}))
+    cfg = run_from_dict(tiny(trainer={"output_dir": str(tmp_path / "out"), "project_name": "proj",
+                                      "experiment_name": "exp-1"}))
     assert run_dir_of(cfg) == tmp_path / "out" / "proj" / "exp-1"
 
 
@@ -201,7 +203,7 @@ def _actor_loss(tiny, **sections):
     mb = {"response_mask": torch.tensor(_MASK), "old_log_probs": old, "advantages": torch.tensor(_ADV),
           "ref_log_probs": old - 0.3}
     outputs = {"log_probs": log_probs, "entropy": torch.tensor([[0.5, 1.0, 1.5], [2.0, 2.5, 9.0]])}
-    loss, _ = actor_loss_fn(config_from_dict(tiny(**sections)))(outputs, mb, GlobalDenominators(5, 2))
+    loss, _ = actor_loss_fn(run_from_dict(tiny(**sections)))(outputs, mb, GlobalDenominators(5, 2))
     return float(loss)
 
 
@@ -256,7 +258,7 @@ def test_critic_loss_keys_change_the_worker_value_loss(tiny):
 
     def loss(**critic):
         tree = tiny(critic={"enabled": True, **critic}, algorithm={"adv_estimator": "gae"})
-        out, _ = critic_loss_fn(config_from_dict(tree))({"values": torch.tensor(new)}, mb, GlobalDenominators(5, 2))
+        out, _ = critic_loss_fn(run_from_dict(tree))({"values": torch.tensor(new)}, mb, GlobalDenominators(5, 2))
         return float(out)
 
     def by_hand(clip):
@@ -276,7 +278,7 @@ def test_critic_loss_keys_change_the_worker_value_loss(tiny):
 
 
 def test_micro_batch_keys_and_token_budgets_reach_each_roles_engine(tiny):
-    from megaflow.config.role_spec import RoleSpec
+    from megaflow.topology.role_spec import RoleSpec
 
     tree = tiny(actor={"log_prob_micro_batch_size_per_gpu": 3, "ppo_micro_batch_size_per_gpu": 2},
                 critic={"enabled": True, "ppo_micro_batch_size_per_gpu": 2, "forward_micro_batch_size_per_gpu": 5,
@@ -287,7 +289,7 @@ def test_micro_batch_keys_and_token_budgets_reach_each_roles_engine(tiny):
                 reward_model={"enabled": True, "micro_batch_size_per_gpu": 7},
                 algorithm={"adv_estimator": "gae", "use_kl_loss": True})
     tree["reward_model"]["hf_config"] = dict(tree["model"]["hf_config"])
-    cfg = config_from_dict(tree)
+    cfg = run_from_dict(tree)
     sizes = {role: RoleSpec(cfg, role, 1).micro_batches for role in ("actor", "critic", "ref", "reward_model")}
     got = {role: (s.update_micro_batch_size, s.forward_micro_batch_size, s.update_max_tokens, s.forward_max_tokens)
            for role, s in sizes.items()}
@@ -296,41 +298,41 @@ def test_micro_batch_keys_and_token_budgets_reach_each_roles_engine(tiny):
 
 
 def test_critic_recompute_keys_reach_the_critic_model(tiny):
-    from megaflow.config.role_spec import RoleSpec
+    from megaflow.topology.role_spec import RoleSpec
 
-    cfg = config_from_dict(tiny(critic={"enabled": True, "recompute_granularity": "full", "recompute_method": "block",
-                                        "recompute_num_layers": 2}, algorithm={"adv_estimator": "gae"}))
+    cfg = run_from_dict(tiny(critic={"enabled": True, "recompute_granularity": "full", "recompute_method": "block",
+                                     "recompute_num_layers": 2}, algorithm={"adv_estimator": "gae"}))
     assert RoleSpec(cfg, "critic", 1).model_overrides == dict(
         sequence_parallel=False, recompute_granularity="full", recompute_method="block", recompute_num_layers=2)
     assert RoleSpec(cfg, "actor", 1).model_overrides == dict(sequence_parallel=False)  # the actor's keys unchanged
-    selective = config_from_dict(tiny(critic={"enabled": True, "recompute_granularity": "selective"},
-                                      algorithm={"adv_estimator": "gae"}))
+    selective = run_from_dict(tiny(critic={"enabled": True, "recompute_granularity": "selective"},
+                                   algorithm={"adv_estimator": "gae"}))
     assert RoleSpec(selective, "critic", 1).model_overrides["recompute_granularity"] == "selective"
 
 
 def test_the_reward_model_reads_its_own_checkpoint_and_a_critic_enables_its_group(tiny, tmp_path):
-    from megaflow.config.topology import enabled_roles, model_source
+    from megaflow.topology.sizes import enabled_roles, model_source
 
     hf = dict(tiny()["model"]["hf_config"])
     (tmp_path / "config.json").write_text(__import__("json").dumps(hf))
-    cfg = config_from_dict(tiny(reward_model={"enabled": True, "path": str(tmp_path)}))
+    cfg = run_from_dict(tiny(reward_model={"enabled": True, "path": str(tmp_path)}))
     source = model_source(cfg, "reward_model")
     assert (source.path, source.key) == (str(tmp_path), "reward_model.path")
     assert model_source(cfg, "actor").key == "model.hf_config"
     assert enabled_roles(cfg) == ("actor", "reward_model")
-    with_critic = config_from_dict(tiny(critic={"enabled": True}, algorithm={"adv_estimator": "gae"}))
+    with_critic = run_from_dict(tiny(critic={"enabled": True}, algorithm={"adv_estimator": "gae"}))
     assert enabled_roles(with_critic) == ("actor", "critic")  # critic.enabled starts a critic group
 
 
 def test_ref_and_reward_model_placement_choose_their_pool(tiny):
-    from megaflow.config.topology import role_parallel
+    from megaflow.topology.sizes import role_parallel
 
     tree = tiny(resources={"use_gpu": False, "procs_per_node": 6,
                            "pools": {"global": {"procs_per_node": 2}, "side": {"procs_per_node": 4}},
                            "placement": {"ref": "side", "reward_model": "side"}},
                 ref={"enabled": True}, reward_model={"enabled": True}, algorithm={"use_kl_loss": True})
     tree["reward_model"]["hf_config"] = dict(tree["model"]["hf_config"])
-    cfg = config_from_dict(tree)
+    cfg = run_from_dict(tree)
     # world size = the pool's ranks; dp = world / (tp * pp * cp)
     assert (role_parallel(cfg, "actor").world_size, role_parallel(cfg, "actor").dp) == (2, 2)
     assert (role_parallel(cfg, "ref").world_size, role_parallel(cfg, "ref").dp) == (4, 4)
@@ -351,7 +353,7 @@ def test_the_cluster_wait_is_bounded_by_ray_resource_wait_timeout_s(tiny, monkey
     monkeypatch.setattr(megaflow.launch.auth, "enable_token_auth", lambda: None)
     monkeypatch.setattr(megaflow.launch.cluster, "wait_for_cluster",
                         lambda need, timeout, address: waits.append((timeout, address)))
-    trainer_main.init_ray(config_from_dict(tiny(ray={"address": "10.0.0.1:6379", "resource_wait_timeout_s": 12.5})))
+    trainer_main.init_ray(run_from_dict(tiny(ray={"address": "10.0.0.1:6379", "resource_wait_timeout_s": 12.5})))
     assert waits == [(12.5, "10.0.0.1:6379")]
     # a cluster's workers do not inherit this process's environment: it travels as the job's runtime_env
     assert inits[0]["runtime_env"] == {"env_vars": trainer_main.worker_env()}
@@ -361,12 +363,12 @@ def test_validation_files_become_the_validation_dataset(tmp_path, tiny, arith_ro
     tok = build_arith_tokenizer()
     train = write_rows(arith_rows["train"], tmp_path / "train.jsonl")
     val = write_rows(arith_rows["val"], tmp_path / "val.jsonl")
-    cfg = config_from_dict(_files_tree(tiny, train, val, max_prompt_length=64))
+    cfg = run_from_dict(_files_tree(tiny, train, val, max_prompt_length=64))
     assert cfg.data.val_files == (str(val),)
     assert load_datasets(cfg, tok).val_dataset is None  # data.val_files without a test cadence: not read
     cadence = _files_tree(tiny, train, val, max_prompt_length=64)
     cadence["trainer"] = {"test_freq": 5}
-    val_dataset = load_datasets(config_from_dict(cadence), tok).val_dataset
+    val_dataset = load_datasets(run_from_dict(cadence), tok).val_dataset
     assert len(val_dataset) == len(arith_rows["val"]) and val_dataset.records[0].ground_truth is not None
 
 
@@ -382,8 +384,8 @@ def test_optimizer_keys_reach_megatron_cores_optimizer(tiny, role, monkeypatch):
     import megatron.core.optimizer_param_scheduler as mcs
     import torch
 
-    from megaflow.config.role_spec import RoleSpec
     from megaflow.megatron.engine import MegatronEngine
+    from megaflow.topology.role_spec import RoleSpec
 
     seen = {}
     monkeypatch.setattr(mcd, "DistributedDataParallel",
@@ -396,7 +398,7 @@ def test_optimizer_keys_reach_megatron_cores_optimizer(tiny, role, monkeypatch):
     sections = {role: {"optim": optim, "use_distributed_optimizer": False}}
     if role == "critic":
         sections.update(critic={"enabled": True, **sections["critic"]}, algorithm={"adv_estimator": "gae"})
-    spec = RoleSpec(config_from_dict(tiny(**sections)), role, 10)
+    spec = RoleSpec(run_from_dict(tiny(**sections)), role, 10)
     engine = MegatronEngine.__new__(MegatronEngine)
     engine.spec = spec
     engine.model = SimpleNamespace(config=SimpleNamespace(bf16=False, fp16=False, params_dtype=torch.float32))
@@ -406,8 +408,8 @@ def test_optimizer_keys_reach_megatron_cores_optimizer(tiny, role, monkeypatch):
     assert (o.weight_decay, o.clip_grad, o.use_distributed_optimizer) == (0.2, 0.5, False)
     assert seen["ddp"].use_distributed_optimizer is False
     assert seen["schedule"]["start_wd"] == seen["schedule"]["end_wd"] == 0.2
-    default = RoleSpec(config_from_dict(tiny(**({"critic": {"enabled": True}, "algorithm": {"adv_estimator": "gae"}}
-                                                if role == "critic" else {}))), role, 10)
+    default = RoleSpec(run_from_dict(tiny(**({"critic": {"enabled": True}, "algorithm": {"adv_estimator": "gae"}}
+                                             if role == "critic" else {}))), role, 10)
     engine.spec = default
     engine._setup_training()
     assert default.parallel.dp == 2  # null (the default): the distributed optimizer exactly when dp > 1
@@ -415,12 +417,12 @@ def test_optimizer_keys_reach_megatron_cores_optimizer(tiny, role, monkeypatch):
     assert seen["ddp"].use_distributed_optimizer is True
     one_dp = {"actor": {"tp": 2}, **({"critic": {"enabled": True, "tp": 2}, "algorithm": {"adv_estimator": "gae"}}
                                      if role == "critic" else {})}
-    engine.spec = RoleSpec(config_from_dict(tiny(**one_dp)), role, 10)
+    engine.spec = RoleSpec(run_from_dict(tiny(**one_dp)), role, 10)
     assert engine.spec.parallel.dp == 1
     engine._setup_training()
     assert seen["optim"].use_distributed_optimizer is False and seen["ddp"].use_distributed_optimizer is False
     forced = {**one_dp, role: {**one_dp[role], "use_distributed_optimizer": True}}
-    engine.spec = RoleSpec(config_from_dict(tiny(**forced)), role, 10)
+    engine.spec = RoleSpec(run_from_dict(tiny(**forced)), role, 10)
     engine._setup_training()
     assert seen["optim"].use_distributed_optimizer is True
 
@@ -434,15 +436,15 @@ def test_ppo_epochs_repeat_the_mini_batch_steps_of_an_update(tiny, role):
 
     import torch
 
-    from megaflow.config.role_spec import RoleSpec
     from megaflow.protocol import DataProto
+    from megaflow.topology.role_spec import RoleSpec
     from megaflow.workers.megatron_workers import MegatronWorker
 
     def steps_of(epochs):
         section = {"ppo_epochs": epochs, "ppo_mini_batch_size": 4, **({"shuffle": False} if role == "actor" else {})}
         extra = {"critic": {"enabled": True, **section}, "algorithm": {"adv_estimator": "gae"}} if role == "critic" \
             else {"actor": section}
-        spec = RoleSpec(config_from_dict(tiny(**extra)), role, 1)
+        spec = RoleSpec(run_from_dict(tiny(**extra)), role, 1)
         minis = []
         engine = SimpleNamespace(scheduler=SimpleNamespace(num_steps=0),
                                  left_align=lambda tensors: SimpleNamespace(
@@ -480,8 +482,8 @@ def test_kl_penalty_picks_the_estimator_of_the_reward_stage(tiny):
     beta = 0.5
 
     def rewards(kind):
-        cfg = config_from_dict(tiny(algorithm={"use_kl_in_reward": True, "kl_penalty": kind,
-                                               "kl_ctrl": {"kl_coef": beta}}, ref={"enabled": True}))
+        cfg = run_from_dict(tiny(algorithm={"use_kl_in_reward": True, "kl_penalty": kind,
+                                            "kl_ctrl": {"kl_coef": beta}}, ref={"enabled": True}))
         k = cfg.algorithm.kl_ctrl
         trainer = SimpleNamespace(cfg=cfg, kl_ctrl=build_kl_controller(k.type, kl_coef=k.kl_coef))
         batch = DataProto.from_dict({"token_level_scores": torch.tensor(scores), "old_log_probs": old,
@@ -507,7 +509,7 @@ def test_is_threshold_truncates_the_rollout_correction_weights(tiny):
                                  "response_mask": torch.ones(1, 3)})
 
     def weights(threshold):
-        cfg = config_from_dict(tiny(algorithm={"rollout_correction": {"is_level": "token", "is_threshold": threshold}}))
+        cfg = run_from_dict(tiny(algorithm={"rollout_correction": {"is_level": "token", "is_threshold": threshold}}))
         out, _ = rollout_correction(batch, cfg.algorithm.rollout_correction, step=0)
         return out.batch["rollout_is_weights"].tolist()[0]
 
@@ -517,11 +519,11 @@ def test_is_threshold_truncates_the_rollout_correction_weights(tiny):
 
 
 def test_model_dtype_sizes_the_planned_parameter_memory(tiny):
-    from megaflow.config import build_plan
-    from megaflow.config.model_spec import stage_parameters
+    from megaflow.dryrun import build_plan
+    from megaflow.topology.model_spec import stage_parameters
 
     for dtype, nbytes in (("float32", 4), ("bfloat16", 2), ("float16", 2)):
-        plan = build_plan(config_from_dict(tiny(model={"dtype": dtype})))
+        plan = build_plan(run_from_dict(tiny(model={"dtype": dtype})))
         actor = plan.role("actor")
         per_rank = stage_parameters(actor.model, tp=actor.parallel.tp, pp=actor.parallel.pp)[0]
         assert plan.dtype == dtype and actor.memory.params == per_rank * nbytes
@@ -539,7 +541,7 @@ def test_val_do_sample_makes_validation_sample_instead_of_decoding_greedily(tiny
         flags = []
         prompts = DataProto.from_dict({"input_ids": torch.zeros(2, 3, dtype=torch.long)})
         trainer = SimpleNamespace(
-            cfg=config_from_dict(tiny(rollout=rollout)), val_loader=[prompts], sync_rollout_weights=lambda: None,
+            cfg=run_from_dict(tiny(rollout=rollout)), val_loader=[prompts], sync_rollout_weights=lambda: None,
             rollout=lambda batch, n, greedy: flags.append((n, greedy)) or batch,
             score=lambda batch, keep_reward_fields: DataProto.from_dict(
                 {"token_level_scores": torch.tensor([[1.0, 0.0], [0.0, 0.0]])}))
@@ -602,8 +604,8 @@ def test_norm_adv_by_std_divides_group_centred_scores_by_the_group_std(tiny):
     import statistics
 
     scores = [1.0, 0.0, 3.0, 1.0]
-    plain = _advantages_of_a_step(config_from_dict(tiny(algorithm={"norm_adv_by_std": False})), scores)
-    normed = _advantages_of_a_step(config_from_dict(tiny()), scores)
+    plain = _advantages_of_a_step(run_from_dict(tiny(algorithm={"norm_adv_by_std": False})), scores)
+    normed = _advantages_of_a_step(run_from_dict(tiny()), scores)
     centred = [0.5, -0.5, 1.0, -1.0]  # minus each prompt's mean score
     stds = [statistics.stdev([1.0, 0.0])] * 2 + [statistics.stdev([3.0, 1.0])] * 2  # unbiased (Shao et al. 2024)
     assert [row[0] for row in plain["advantages"]] == pytest.approx(centred)
@@ -627,8 +629,8 @@ def test_gamma_and_lam_shape_the_gae_advantages(tiny):
         return out
 
     for gamma, lam in ((1.0, 1.0), (0.9, 0.8), (0.5, 0.0)):
-        cfg = config_from_dict(tiny(algorithm={"adv_estimator": "gae", "gamma": gamma, "lam": lam,
-                                               "norm_adv_by_std": False}, critic={"enabled": True}))
+        cfg = run_from_dict(tiny(algorithm={"adv_estimator": "gae", "gamma": gamma, "lam": lam,
+                                            "norm_adv_by_std": False}, critic={"enabled": True}))
         got = _advantages_of_a_step(cfg, scores, values)
         expected = gae_by_hand(gamma, lam)
         assert sum(got["advantages"], []) == pytest.approx(sum(expected, []), rel=1e-5, abs=1e-6)
@@ -660,8 +662,8 @@ def test_trainer_logger_picks_the_runs_metric_sinks(tiny, tmp_path, monkeypatch)
     monkeypatch.setattr(trainer_main, "_fit_naming_lost_workers", fit)
 
     def run(name, loggers):
-        cfg = config_from_dict(tiny(trainer={"output_dir": str(tmp_path), "experiment_name": name,
-                                             "logger": loggers, "total_steps": 1}))
+        cfg = run_from_dict(tiny(trainer={"output_dir": str(tmp_path), "experiment_name": name,
+                                          "logger": loggers, "total_steps": 1}))
         trainer_main.train(cfg)
         return tmp_path / "megaflow" / name
 

@@ -8,8 +8,8 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 from toolslib import load_tool  # noqa: E402
 
-from megaflow.config.memory import rollout_memory  # noqa: E402
-from megaflow.config.model_spec import model_spec  # noqa: E402
+from megaflow.dryrun.memory import rollout_memory  # noqa: E402
+from megaflow.topology.model_spec import model_spec  # noqa: E402
 
 SMALL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 16}

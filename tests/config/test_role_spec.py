@@ -9,8 +9,9 @@ import pickle
 
 import pytest
 
-from megaflow.config import ConfigError, config_from_dict
-from megaflow.config.role_spec import RoleSpec
+from megaflow.config import ConfigError
+from megaflow.topology import run_from_dict
+from megaflow.topology.role_spec import RoleSpec
 
 # 4 prompts x n=2 = 8 samples per step; 2 ranks at tp=1: dp=2
 SMALL = dict(data={"train_batch_size": 4, "max_prompt_length": 24},
@@ -20,7 +21,7 @@ SMALL = dict(data={"train_batch_size": 4, "max_prompt_length": 24},
 
 
 def test_actor_sizes_follow_the_config(tiny):
-    spec = RoleSpec(config_from_dict(tiny(**SMALL)), "actor", 5)
+    spec = RoleSpec(run_from_dict(tiny(**SMALL)), "actor", 5)
     assert spec.section is spec.config.actor and spec.head == "lm" and spec.trains
     sizes = spec.micro_batches
     assert (sizes.max_seq_len, sizes.update_micro_batch_size, sizes.forward_micro_batch_size) == (24 + 8, 1, 3)
@@ -32,8 +33,8 @@ def test_actor_sizes_follow_the_config(tiny):
 
 
 def test_forward_only_roles_have_no_update_sizes(tiny):
-    cfg = config_from_dict(tiny(ref={"enabled": True, "log_prob_micro_batch_size_per_gpu": 5, "param_offload": True},
-                                algorithm={"use_kl_loss": True}))
+    cfg = run_from_dict(tiny(ref={"enabled": True, "log_prob_micro_batch_size_per_gpu": 5, "param_offload": True},
+                             algorithm={"use_kl_loss": True}))
     ref = RoleSpec(cfg, "ref", 3)
     assert ref.head == "lm" and not ref.trains
     assert (ref.micro_batches.update_micro_batch_size, ref.micro_batches.forward_micro_batch_size) == (None, 5)
@@ -44,8 +45,8 @@ def test_forward_only_roles_have_no_update_sizes(tiny):
 
 
 def test_model_sources_of_the_roles(tiny, tmp_path):
-    cfg = config_from_dict(tiny(critic={"enabled": True, "path": "~/critic_ckpt"},
-                                algorithm={"adv_estimator": "gae"}, rollout={"n": 1}))
+    cfg = run_from_dict(tiny(critic={"enabled": True, "path": "~/critic_ckpt"},
+                             algorithm={"adv_estimator": "gae"}, rollout={"n": 1}))
     assert RoleSpec(cfg, "actor", 1).model_source.key == "model.hf_config"
     assert RoleSpec(cfg, "actor", 1).hf_config()["hidden_size"] == 64
     critic = RoleSpec(cfg, "critic", 1).model_source
@@ -56,36 +57,46 @@ def test_model_sources_of_the_roles(tiny, tmp_path):
     assert err.value.key == "critic.path"
     assert RoleSpec(cfg, "critic", 1).head == "value"
     rm_hf = dict(tiny()["model"]["hf_config"], hidden_size=32)
-    cfg = config_from_dict(tiny(reward_model={"enabled": True, "hf_config": rm_hf}))
+    cfg = run_from_dict(tiny(reward_model={"enabled": True, "hf_config": rm_hf}))
     assert RoleSpec(cfg, "reward_model", 1).hf_config()["hidden_size"] == 32
     assert RoleSpec(cfg, "reward_model", 1).head == "reward"
 
 
 def test_offload_and_recompute_knobs_reach_the_spec(tiny):
-    cfg = config_from_dict(tiny(actor={"grad_offload": True, "recompute_granularity": "full",
-                                       "recompute_num_layers": 2, "shuffle": False}))
+    cfg = run_from_dict(tiny(actor={"grad_offload": True, "recompute_granularity": "full",
+                                    "recompute_num_layers": 2, "shuffle": False}))
     spec = RoleSpec(cfg, "actor", 1)
     assert spec.offload == {"params": False, "grads": True, "optimizer": False}
     assert spec.model_overrides == dict(sequence_parallel=False, recompute_granularity="full",
                                         recompute_method="uniform", recompute_num_layers=2)
     assert spec.shuffle is False
-    gpu = config_from_dict(tiny(actor={"tp": 2, "sequence_parallel": True, "recompute_granularity": "selective"},
-                                resources={"use_gpu": True}))
+    gpu = run_from_dict(tiny(actor={"tp": 2, "sequence_parallel": True, "recompute_granularity": "selective"},
+                             resources={"use_gpu": True}))
     assert RoleSpec(gpu, "actor", 1).model_overrides == dict(sequence_parallel=True, recompute_granularity="selective")
 
 
 def test_spec_pickles_with_the_standard_pickler_and_through_ray(tiny):
     from ray import cloudpickle
 
-    spec = RoleSpec(config_from_dict(tiny(**SMALL)), "actor", 5)
+    spec = RoleSpec(run_from_dict(tiny(**SMALL)), "actor", 5)
     for dumps, loads in ((pickle.dumps, pickle.loads), (cloudpickle.dumps, cloudpickle.loads)):
         back = loads(dumps(spec))
         assert back == spec and back.lr_decay_steps == spec.lr_decay_steps
 
 
 def test_bad_roles_are_refused(tiny):
-    cfg = config_from_dict(tiny())
+    cfg = run_from_dict(tiny())
     with pytest.raises(ValueError, match="RoleSpec.role must be one of"):
         RoleSpec(cfg, "rollout", 1)
     with pytest.raises(ValueError, match="training_steps must be >= 1"):
         RoleSpec(cfg, "actor", 0)
+
+
+def test_typed_section_accessors_answer_for_their_own_role_only(tiny):
+    cfg = run_from_dict(tiny(critic={"enabled": True}, algorithm={"adv_estimator": "gae"}, rollout={"n": 1}))
+    actor, critic = RoleSpec(cfg, "actor", 1), RoleSpec(cfg, "critic", 1)
+    assert actor.actor is cfg.actor and critic.critic is cfg.critic
+    with pytest.raises(ValueError, match=r"^RoleSpec\.critic: this is the 'actor' role's spec$"):
+        actor.critic
+    with pytest.raises(ValueError, match=r"^RoleSpec\.reward_model: this is the 'critic' role's spec$"):
+        critic.reward_model

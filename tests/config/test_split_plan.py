@@ -2,8 +2,10 @@
 bytes each weight sync moves (counted here from the recipe's architecture)."""
 from __future__ import annotations
 
-from megaflow.config import build_plan, load_config
-from megaflow.config.report import format_plan
+from megaflow.dryrun import build_plan
+
+from megaflow.dryrun.report import format_plan
+from megaflow.topology import load_run
 
 SPLIT = ["resources.procs_per_node=6", "resources.pools={actor: {procs_per_node: 2}, gen: {procs_per_node: 4}}",
          "resources.placement.actor=actor", "resources.placement.ref=actor", "resources.placement.critic=actor",
@@ -19,7 +21,7 @@ def _tiny_parameters() -> int:
 
 
 def test_split_plan_shows_the_rollout_pool_routes_and_sync_bytes():
-    plan = build_plan(load_config("tiny_arith_grpo", SPLIT))
+    plan = build_plan(load_run("tiny_arith_grpo", SPLIT))
     split = plan.rollout.split
     assert (split.pool, split.world_size) == ("gen", 4)
     assert plan.rollout.sizes.num_replicas == 2  # 4 rollout ranks at t_g = 2
@@ -40,6 +42,6 @@ def test_split_plan_shows_the_rollout_pool_routes_and_sync_bytes():
 
 
 def test_colocated_plan_has_no_split():
-    plan = build_plan(load_config("tiny_arith_grpo", []))
+    plan = build_plan(load_run("tiny_arith_grpo", []))
     assert plan.rollout.split is None
     assert "roles actor+rollout" in format_plan(plan)

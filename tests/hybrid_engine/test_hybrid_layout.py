@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from megaflow.config.hybrid_layout import plan_hybrid_layout, reshard_cost
+from megaflow.topology.hybrid_layout import plan_hybrid_layout, reshard_cost
 
 
 # --- hand-checked layouts ----------------------------------------------------------------

@@ -183,7 +183,7 @@ def test_recorded_bytes_match_the_shard_difference_and_formula(results, key):
         assert r["stats"].bytes_received == r["expected_received"], rank
     if sc.cfg.norms:
         return
-    # megaflow.config.hybrid_layout.reshard_cost (HybridFlow section 5): (t*p - t_g*p_g) / (t_g*p_g*t*p) * M, peak M / (t_g*p_g)
+    # megaflow.topology.hybrid_layout.reshard_cost (HybridFlow section 5): (t*p - t_g*p_g) / (t_g*p_g*t*p) * M, peak M / (t_g*p_g)
     M = res[0]["M"]
     t, p, tg, pg = sc.tp, sc.pp, sc.gen_tp, sc.gen_pp
     cost = reshard_cost(layout, M)

@@ -195,11 +195,12 @@ def test_packed_modules_are_vllms_own():
 
 @pytest.mark.parametrize("value", [0, -4])
 def test_a_bucket_size_below_one_mib_is_refused_at_load_naming_the_key(value):
-    from megaflow.config import ConfigError, load_config
+    from megaflow.config import ConfigError
+    from megaflow.topology import load_run
 
     with pytest.raises(ConfigError, match=rf"rollout.weight_sync_bucket_mb: must be > 0, got {value}"):
-        load_config("tiny_arith_grpo", [f"rollout.weight_sync_bucket_mb={value}"])
-    assert load_config("tiny_arith_grpo", ["rollout.weight_sync_bucket_mb=3"]).rollout.weight_sync_bucket_mb == 3
+        load_run("tiny_arith_grpo", [f"rollout.weight_sync_bucket_mb={value}"])
+    assert load_run("tiny_arith_grpo", ["rollout.weight_sync_bucket_mb=3"]).rollout.weight_sync_bucket_mb == 3
 
 
 def _gather_on_rank(rank: int, world_size: int) -> dict:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaflow.config.model_spec import model_spec
 from megaflow.megatron import model as M
+from megaflow.topology.model_spec import model_spec
 from megaflow.utils.launch import run_distributed
 from megatron_testlib import (VOCAB, hf_causal_lm, hf_to_megatron_shard, load_shard,
                               tiny_llama_config, tiny_qwen2_config)

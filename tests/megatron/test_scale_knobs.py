@@ -87,8 +87,7 @@ def _lr_run(info, cfg, hf_state, spec, updates: int, resume_after: int):
 
 
 def _rank(rank, world, lr_specs, updates, resume_after):
-    from megaflow.megatron import model as M
-    from megaflow.megatron import parallel
+    from megaflow.megatron import model as M, parallel
     from megaflow.megatron.engine import MegatronEngine
 
     torch.manual_seed(0)
@@ -150,7 +149,7 @@ def _recipe(style: str):
 @pytest.fixture(scope="module")
 def lr_configs():
     """The actor's RoleSpec as the trainer builds it from a recipe, per decay style."""
-    from megaflow.config.role_spec import RoleSpec
+    from megaflow.topology.role_spec import RoleSpec
 
     return {style: RoleSpec(_recipe(style), "actor", TRAINING_STEPS) for style in ("cosine", "linear")}
 
@@ -209,8 +208,7 @@ BUDGET = 26  # padded tokens per micro-batch: 2 rows of the longest (13-token) s
 
 
 def _dynamic_rank(rank, world, layouts):
-    from megaflow.megatron import model as M
-    from megaflow.megatron import parallel
+    from megaflow.megatron import model as M, parallel
     from megaflow.megatron.engine import MegatronEngine
 
     torch.manual_seed(0)
@@ -289,8 +287,7 @@ def _entropy_loss(outputs, mb, den):
 
 
 def _chunked_rank(rank, world):
-    from megaflow.megatron import model as M
-    from megaflow.megatron import parallel
+    from megaflow.megatron import model as M, parallel
     from megaflow.megatron.engine import MegatronEngine
 
     out = {}

@@ -102,7 +102,7 @@ def test_a_worker_refuses_the_spec_of_another_role():
     actor = role_spec("actor")
     with pytest.raises(ValueError, match="RefWorker serves the 'ref' role, got a RoleSpec of 'actor'"):
         RefWorker(actor)
-    with pytest.raises(TypeError, match="spec must be a megaflow.config.role_spec.RoleSpec, got dict"):
+    with pytest.raises(TypeError, match="spec must be a megaflow.topology.role_spec.RoleSpec, got dict"):
         CriticWorker({"role": "critic"})
     worker = ActorRolloutWorker(role_spec("actor", ["rollout.ignore_eos=true"]), (0, 5), 0)
     assert worker.eos_token_ids == () and worker.role_spec.head == "lm"

@@ -35,7 +35,7 @@ def hf_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def groups(ray_session, hf_dirs):
-    from megaflow.config.role_spec import RoleSpec
+    from megaflow.topology.role_spec import RoleSpec
     from megaflow.single_controller import (ClassWithInitArgs, RayWorkerGroup, ResourcePool,
                                             create_colocated_worker_cls)
     from megaflow.workers.megatron_workers import (ActorWorker, CriticWorker, RefWorker,

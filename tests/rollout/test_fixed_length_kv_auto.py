@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megaflow.config import load_config
-from megaflow.config.memory import cpu_kv_cache_bytes, kv_cache_bytes_for_batch
+from megaflow.dryrun.memory import cpu_kv_cache_bytes, kv_cache_bytes_for_batch
+from megaflow.topology import load_run
 from megaflow.trainer.roles import eos_token_ids
 from megaflow.workers.actor_rollout import stop_token_ids
 
@@ -16,12 +16,12 @@ TOK = SimpleNamespace(eos_token_id=[0, 5], pad_token_id=0)
 def test_ignore_eos_drops_every_stop_id():
     eos = eos_token_ids(TOK)
     assert eos == (0, 5) and eos_token_ids(SimpleNamespace(eos_token_id=7)) == (7,)
-    assert stop_token_ids(load_config("tiny_arith_grpo"), eos) == (0, 5)
-    assert stop_token_ids(load_config("tiny_arith_grpo", ["rollout.ignore_eos=true"]), eos) == ()
+    assert stop_token_ids(load_run("tiny_arith_grpo"), eos) == (0, 5)
+    assert stop_token_ids(load_run("tiny_arith_grpo", ["rollout.ignore_eos=true"]), eos) == ()
 
 
 def test_kv_auto_off_keeps_the_fixed_gib():
-    cfg = load_config("tiny_arith_grpo", ["rollout.cpu_kv_cache_gib=3"])
+    cfg = load_run("tiny_arith_grpo", ["rollout.cpu_kv_cache_gib=3"])
     assert cpu_kv_cache_bytes(cfg) == 3 * 2**30
 
 
@@ -29,7 +29,7 @@ def test_kv_auto_matches_a_hand_computation():
     # tiny recipe: 16 prompts x n=8 = 128 samples; actor t=2, t_g=1 -> 2 replicas -> 64 samples each;
     # sequences 16 + 4 = 20 tokens -> 1 block of 128 each -> 64 blocks, + ceil(6.4) = 7 margin -> 71 blocks;
     # one block: 128 tokens x 2 (K, V) x 2 layers x 2 KV heads x head_dim 128/4=32 x 4 bytes = 131072 bytes.
-    cfg = load_config("tiny_arith_grpo", ["rollout.cpu_kv_cache_auto=true"])
+    cfg = load_run("tiny_arith_grpo", ["rollout.cpu_kv_cache_auto=true"])
     assert cpu_kv_cache_bytes(cfg) == 71 * 131072 == 9306112
 
 
@@ -58,4 +58,4 @@ def test_new_keys_are_typed():
     from megaflow.config.typed import ConfigError
 
     with pytest.raises(ConfigError, match="rollout.ignore_eos"):
-        load_config("tiny_arith_grpo", ["rollout.ignore_eos=maybe"])
+        load_run("tiny_arith_grpo", ["rollout.ignore_eos=maybe"])

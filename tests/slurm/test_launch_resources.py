@@ -1,8 +1,8 @@
 """Cluster requirements computed from recipes, and the matching against joined nodes."""
 import pytest
 
-from megaflow.config import cluster_requirements, load_config
 from megaflow.launch.resources import NodeResources, launch_requirements, unmet
+from megaflow.topology import cluster_requirements, load_run
 
 # Llama-3-70B PPO with one pool per model group: actor(+rollout) on 4 nodes, critic on 2,
 # reference and reward model colocated on the last 2 (TP=8 x PP=2 for the 16-rank pools).
@@ -18,7 +18,7 @@ def node(ip, cpus, gpus=0, alive=True):
 
 
 def test_llama70b_needs_eight_full_gpu_nodes():
-    req = launch_requirements(load_config("llama70b_ppo"))
+    req = launch_requirements(load_run("llama70b_ppo"))
     # 8 nodes x 8 ranks; a rank is one GPU + resources.num_cpus_per_proc=8 CPUs.
     assert req.num_nodes == 8 and req.uniform
     assert (req.gpus_per_node, req.cpus_per_node) == (8, 8 * 8)
@@ -28,12 +28,12 @@ def test_llama70b_needs_eight_full_gpu_nodes():
     assert pool.nodes == tuple(range(8)) and pool.world_size == 64
     assert req.describe() == "8 nodes, each with 8 GPUs and 64 CPUs (64 GPUs and 512 CPUs in all)"
     # G1's summary of the same config agrees.
-    summary = cluster_requirements(load_config("llama70b_ppo"))
+    summary = cluster_requirements(load_run("llama70b_ppo"))
     assert (summary.nodes, summary.gpus_per_node, summary.cpus_per_node) == (8, 8, 64)
 
 
 def test_llama70b_split_pools_lie_on_disjoint_nodes():
-    req = launch_requirements(load_config("llama70b_ppo", SPLIT_70B))
+    req = launch_requirements(load_run("llama70b_ppo", SPLIT_70B))
     pools = {p.name: p for p in req.pools}
     assert pools["actor_rollout"].nodes == (0, 1, 2, 3) and pools["actor_rollout"].roles == ("actor",)
     assert pools["critic"].nodes == (4, 5) and pools["critic"].roles == ("critic",)
@@ -44,12 +44,12 @@ def test_llama70b_split_pools_lie_on_disjoint_nodes():
 
 
 def test_tiny_cpu_recipe_needs_one_node_of_two_cpus():
-    req = launch_requirements(load_config("tiny_arith_grpo"))
+    req = launch_requirements(load_run("tiny_arith_grpo"))
     assert not req.use_gpu and req.num_nodes == 1
     assert (req.cpus_per_node, req.gpus_per_node, req.total_cpus) == (2, 0, 2)
     assert req.pools[0].roles == ("actor",)
     assert req.describe() == "1 node, each with 2 CPUs (2 CPUs in all)"
-    more = launch_requirements(load_config("tiny_arith_grpo", ["resources.num_cpus_per_proc=3"]))
+    more = launch_requirements(load_run("tiny_arith_grpo", ["resources.num_cpus_per_proc=3"]))
     assert more.cpus_per_node == 2 * 3
 
 
@@ -60,7 +60,7 @@ def test_a_split_rollout_pool_counts_its_ranks():
              "resources.pools.gen.procs_per_node=2", "resources.placement.actor=train",
              "resources.placement.ref=train", "resources.placement.critic=train",
              "resources.placement.reward_model=train", "resources.placement.rollout=gen"]
-    req = launch_requirements(load_config("tiny_arith_grpo", split))
+    req = launch_requirements(load_run("tiny_arith_grpo", split))
     pools = {p.name: p for p in req.pools}
     assert set(pools) == {"train", "gen"} and pools["gen"].roles == ("rollout",)
     assert (req.num_nodes, req.cpus_per_node, req.total_cpus) == (1, 2 + 2, 4)
@@ -69,7 +69,7 @@ def test_a_split_rollout_pool_counts_its_ranks():
 def test_pools_sharing_a_node_add_up():
     # Pool a: 2 nodes x 2 ranks (actor, TP=2, DP=2); pool b: 1 node x 2 ranks (ref). First fit puts
     # b on node 0 next to a, so node 0 hosts 4 ranks and node 1 hosts 2.
-    cfg = load_config("tiny_arith_grpo", [
+    cfg = load_run("tiny_arith_grpo", [
         "resources.nodes=2", "resources.procs_per_node=4",
         "resources.pools={a: {nodes: 2, procs_per_node: 2}, b: {nodes: 1, procs_per_node: 2}}",
         "resources.placement={actor: a, ref: b, critic: a, reward_model: a}", "ref.enabled=true", "ref.tp=2"])
@@ -82,7 +82,7 @@ def test_pools_sharing_a_node_add_up():
 
 
 def test_unmet_counts_missing_and_dead_nodes():
-    req = launch_requirements(load_config("llama70b_ppo"))
+    req = launch_requirements(load_run("llama70b_ppo"))
     full = [node(f"10.0.0.{i}", 64, 8) for i in range(8)]
     assert unmet(req, full) == []
     assert unmet(req, full[:7]) == ["1 more node with 8 GPUs and 64 CPUs"]
@@ -106,7 +106,7 @@ def test_node_resources_from_ray_entry():
 
 @pytest.mark.parametrize("recipe", ["llama3_8b_ppo", "qwen25_7b_gsm8k_grpo", "smollm2_gsm8k_grpo"])
 def test_single_node_recipes(recipe):
-    cfg = load_config(recipe)
+    cfg = load_run(recipe)
     req = launch_requirements(cfg)
     res = cfg.resources
     assert req.num_nodes == 1

@@ -5,14 +5,14 @@ import time
 
 import pytest
 
-from megaflow.config import load_config
 from megaflow.launch.cluster import ClusterNotReadyError, wait_for_cluster, wait_for_port
 from megaflow.launch.resources import NodeResources, launch_requirements
 from megaflow.launch.wait import main as wait_main
+from megaflow.topology import load_run
 
 
 def tiny(*overrides):
-    return launch_requirements(load_config("tiny_arith_grpo", list(overrides)))
+    return launch_requirements(load_run("tiny_arith_grpo", list(overrides)))
 
 
 def local_cpus(ray):

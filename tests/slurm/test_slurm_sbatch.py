@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from megaflow.launch.slurm import SlurmJob, check_job, main as slurm_main, render_sbatch, write_sbatch
 from megaflow.launch.resources import launch_requirements
-from megaflow.config import load_config
+from megaflow.launch.slurm import SlurmJob, check_job, main as slurm_main, render_sbatch, write_sbatch
+from megaflow.topology import load_run
 
 FAKE_SRUN = r"""#!/bin/bash
 args="$*"
@@ -84,7 +84,7 @@ def test_settings_quote_overrides_and_default_to_safe_binding(tmp_path):
     assert overrides == [out_dir, "model.path=/models/my llama 70b", "trainer.total_epochs=2"]
     assert controller[1:] == ["-m", "megaflow.trainer.main", "--recipe", "llama70b_ppo", *overrides]
     assert (gpus, cpus, dashboard, dashboard_host) == ("8", "96", "false", "127.0.0.1")
-    assert float(timeout) == load_config("llama70b_ppo").ray.resource_wait_timeout_s
+    assert float(timeout) == load_run("llama70b_ppo").ray.resource_wait_timeout_s
     assert "--cpus-per-task=96" in directives(text) and "--exclusive" not in directives(text)
     assert "0.0.0.0" not in text and "set -x" not in text
     assert not re.search(r"^\s*(env|printenv|export -p|set)\s*$", text, re.M)  # never dump the environment
@@ -221,7 +221,7 @@ def test_impossible_jobs_are_refused_before_submission(tmp_path, kw, match):
 
 
 def test_more_nodes_than_needed_is_a_warning(tmp_path):
-    required = launch_requirements(load_config("llama70b_ppo"))
+    required = launch_requirements(load_run("llama70b_ppo"))
     warnings = check_job(job_70b(tmp_path, nodes=9), required)
     assert warnings == ["--nodes=9: the recipe's pools use only 8; the other nodes stay idle"]
     assert "--nodes=9" in directives(render_sbatch(job_70b(tmp_path, nodes=9)))

@@ -62,7 +62,7 @@ def test_cases_cover_the_features_and_parse_args():
 
 
 def test_case_config_runs_one_micro_batch_per_rank():
-    from megaflow.config.topology import train_batch_sizes
+    from megaflow.topology.sizes import train_batch_sizes
 
     for case in bench.CASES:
         sizes = train_batch_sizes(bench.build_case_config(case), "actor")

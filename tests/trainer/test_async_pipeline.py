@@ -38,12 +38,12 @@ def test_staleness_is_enforced_and_measured_per_sample():
 
 
 def test_async_mode_turns_token_level_correction_on_unless_configured():
-    from megaflow.config import load_config
+    from megaflow.topology import load_run
     from megaflow.trainer.rollout_pipeline import OneStepOffPipeline, RolloutPipeline
 
     def cfg(*rc):
-        return load_config("tiny_arith_grpo", [*SPLIT, "trainer.async_rollout=true",
-                                               *(f"algorithm.rollout_correction.{kv}" for kv in rc)])
+        return load_run("tiny_arith_grpo", [*SPLIT, "trainer.async_rollout=true",
+                                            *(f"algorithm.rollout_correction.{kv}" for kv in rc)])
 
     default = cfg()
     assert OneStepOffPipeline(default).correction(default).is_level == "token"
@@ -108,13 +108,13 @@ def _train(root: Path, name: str, overrides: list[str], trained: list | None = N
            kill_before_step: int | None = None) -> dict[int, dict]:
     """Run the tiny recipe on split placement; ``trained`` collects each trained step's prompt
     ids (hashed rows); ``kill_before_step`` makes that step raise before it trains (a kill)."""
-    from megaflow.config import load_config
+    from megaflow.topology import load_run
     from megaflow.trainer.main import run_dir_of, train
     from megaflow.trainer.ppo_trainer import RayPPOTrainer
     from megaflow.utils.tracking import read_metrics_jsonl
 
-    cfg = load_config("tiny_arith_grpo", [f"trainer.output_dir={root}", f"trainer.experiment_name={name}",
-                                          "trainer.logger=[jsonl]", "ray.num_cpus=4", *SPLIT, *overrides])
+    cfg = load_run("tiny_arith_grpo", [f"trainer.output_dir={root}", f"trainer.experiment_name={name}",
+                                       "trainer.logger=[jsonl]", "ray.num_cpus=4", *SPLIT, *overrides])
     original = RayPPOTrainer.train_step
 
     def recording(self, prompts):
@@ -238,10 +238,10 @@ class _FakeTrainer:
 
 
 def test_one_step_off_order_loader_state_and_staleness_bound():
-    from megaflow.config import load_config
+    from megaflow.topology import load_run
     from megaflow.trainer.rollout_pipeline import OneStepOffPipeline
 
-    cfg = load_config("tiny_arith_grpo", [*SPLIT, "trainer.async_rollout=true", "trainer.max_staleness=1"])
+    cfg = load_run("tiny_arith_grpo", [*SPLIT, "trainer.async_rollout=true", "trainer.max_staleness=1"])
     pipe, trainer = OneStepOffPipeline(cfg), _FakeTrainer()
     for step in range(3):
         prompts = pipe.next_prompts(trainer)
@@ -259,8 +259,8 @@ def test_one_step_off_order_loader_state_and_staleness_bound():
 
     # trainer.max_staleness is the bound: engines one version behind make the second batch two old
     def lagging_run(max_staleness: int) -> float:
-        cfg = load_config("tiny_arith_grpo", [*SPLIT, "trainer.async_rollout=true",
-                                               f"trainer.max_staleness={max_staleness}"])
+        cfg = load_run("tiny_arith_grpo", [*SPLIT, "trainer.async_rollout=true",
+                                            f"trainer.max_staleness={max_staleness}"])
         pipe, late = OneStepOffPipeline(cfg), _FakeTrainer(stale_by=1)
         late.actor_version = 1
         prompts = pipe.next_prompts(late)

@@ -32,7 +32,7 @@ def test_exact_sum_reward():
 def test_megaflow_config_is_the_workload(tmp_path):
     import argparse
 
-    from megaflow.config import generation_sizes, num_samples_per_step
+    from megaflow.topology import generation_sizes, num_samples_per_step
 
     args = argparse.Namespace(size="15m", seed=0, tp=2, gen_tp=1, procs=2, warmup=1, steps=2, fixed_length=True,
                               kv_cache_gib=0, cpus_per_proc=1)
@@ -72,7 +72,7 @@ def test_kv_cache_gib_option_turns_auto_off(tmp_path):
 def test_data_parallel_layout_splits_the_step_into_one_micro_batch_per_rank(tmp_path):
     import argparse
 
-    from megaflow.config import num_samples_per_step
+    from megaflow.topology import num_samples_per_step
 
     args = argparse.Namespace(size="3m", seed=0, tp=1, gen_tp=1, procs=2, warmup=1, steps=2, fixed_length=True,
                               kv_cache_gib=0, cpus_per_proc=1)

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from megaflow.config import ConfigError, load_config
+from megaflow.config import ConfigError
+from megaflow.topology import load_run
 from megaflow.trainer.main import main, run_dir_of, train
 from megaflow.utils.tracking import read_metrics_jsonl
 
@@ -31,8 +32,8 @@ COMMON = [f"trainer.total_steps={STEPS}", "trainer.test_freq=0", "trainer.save_f
 
 
 def _train(recipe: str, root: Path, name: str, overrides: list[str]) -> dict[int, dict]:
-    cfg = load_config(recipe, [f"trainer.output_dir={root}", f"trainer.experiment_name={name}", *COMMON,
-                               *overrides])
+    cfg = load_run(recipe, [f"trainer.output_dir={root}", f"trainer.experiment_name={name}", *COMMON,
+                            *overrides])
     train(cfg)
     metrics = {int(r["step"]): r for r in read_metrics_jsonl(run_dir_of(cfg) / "metrics.jsonl")}
     assert sorted(metrics) == list(range(1, STEPS + 1))
@@ -53,7 +54,7 @@ def _assert_on_policy_first_mini_batch(first: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_ppo_gae_critic_with_kl_in_reward(ray_session, tmp_path):
-    cfg = load_config("tiny_arith_ppo")
+    cfg = load_run("tiny_arith_ppo")
     # One actor and one critic mini-batch per step, so the first update is exactly on-policy.
     prompts = cfg.data.train_batch_size
     m = _train("tiny_arith_ppo", tmp_path, "ppo", [f"actor.ppo_mini_batch_size={prompts}",
@@ -112,7 +113,7 @@ def test_rloo_with_kl_loss(ray_session, tmp_path):
 @pytest.mark.timeout(900)
 def test_remax_with_fixed_kl_in_reward(ray_session, tmp_path):
     beta = 0.05
-    cfg = load_config("tiny_arith_grpo")
+    cfg = load_run("tiny_arith_grpo")
     m = _train("tiny_arith_grpo", tmp_path, "remax",
                ["algorithm.adv_estimator=remax", "algorithm.gamma=1.0", "algorithm.use_kl_in_reward=true",
                 "algorithm.kl_ctrl.type=fixed", f"algorithm.kl_ctrl.kl_coef={beta}", "ref.enabled=true",
@@ -145,7 +146,7 @@ INVALID = [
 @pytest.mark.parametrize("recipe,overrides,key,fragment", INVALID, ids=[i[2] + ":" + i[1][-1] for i in INVALID])
 def test_invalid_algorithm_combinations_are_rejected_at_load(recipe, overrides, key, fragment):
     with pytest.raises(ConfigError) as err:
-        load_config(recipe, overrides)
+        load_run(recipe, overrides)
     assert err.value.key == key
     assert str(err.value).startswith(f"{key}: ") and fragment in str(err.value)
 

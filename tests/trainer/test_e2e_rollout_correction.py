@@ -16,7 +16,7 @@ import math
 
 import pytest
 
-from megaflow.config import load_config
+from megaflow.topology import load_run
 from megaflow.trainer.main import run_dir_of, train
 from megaflow.utils.tracking import read_metrics_jsonl
 
@@ -25,8 +25,8 @@ COMMON = [f"trainer.total_steps={STEPS}", "trainer.test_freq=0", "trainer.save_f
 
 
 def _train(root, name: str, overrides: list[str]) -> list[dict]:
-    cfg = load_config("tiny_arith_grpo", [f"trainer.output_dir={root}", f"trainer.experiment_name={name}", *COMMON,
-                                          *overrides])
+    cfg = load_run("tiny_arith_grpo", [f"trainer.output_dir={root}", f"trainer.experiment_name={name}", *COMMON,
+                                       *overrides])
     train(cfg)
     rows = sorted(read_metrics_jsonl(run_dir_of(cfg) / "metrics.jsonl"), key=lambda r: r["step"])
     assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))

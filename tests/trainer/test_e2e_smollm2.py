@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megaflow.config import load_config
+from megaflow.topology import load_run
 from megaflow.trainer.main import run_dir_of, train
 from megaflow.utils.tracking import read_metrics_jsonl
 
@@ -28,7 +28,7 @@ def test_recipe_paths_are_those_the_readme_prepares():
 
     readme = README.read_text()
     assert "tools/prepare_smollm2.py" in readme and "tools/prepare_gsm8k.py --out data/gsm8k" in readme
-    cfg = load_config(RECIPE)
+    cfg = load_run(RECIPE)
     assert Path(cfg.model.path).expanduser() == DEFAULT_CACHE_DIR.expanduser()
     expected = {f"data/gsm8k/{split}.parquet" for split in GSM8K_SPLITS}
     assert set(cfg.data.train_files) | set(cfg.data.val_files) == expected
@@ -57,7 +57,7 @@ def gsm8k_dir(tmp_path_factory):
 @pytest.mark.timeout(1500)
 def test_smollm2_gsm8k_grpo_runs_one_step(ray_session, tmp_path, smollm2_dir, gsm8k_dir):
     response_length = 16
-    cfg = load_config(RECIPE, [
+    cfg = load_run(RECIPE, [
         f"model.path={smollm2_dir}",  # also checks the recipe's inline hf_config against config.json
         f"data.train_files=[{gsm8k_dir / 'train.parquet'}]", f"data.val_files=[{gsm8k_dir / 'test.parquet'}]",
         "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=2",

@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megaflow.config import load_config
+from megaflow.topology import load_run
 from megaflow.trainer.main import run_dir_of, train
 from megaflow.utils.tracking import read_metrics_jsonl
 
@@ -13,8 +13,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
 def _train(root: Path, name: str, overrides: list[str]) -> tuple[dict[int, dict], Path]:
-    cfg = load_config("tiny_arith_grpo", [f"trainer.output_dir={root}", f"trainer.experiment_name={name}",
-                                          "trainer.logger=[jsonl]", *overrides])
+    cfg = load_run("tiny_arith_grpo", [f"trainer.output_dir={root}", f"trainer.experiment_name={name}",
+                                       "trainer.logger=[jsonl]", *overrides])
     train(cfg)
     run_dir = run_dir_of(cfg)
     return {int(r["step"]): r for r in read_metrics_jsonl(run_dir / "metrics.jsonl")}, run_dir

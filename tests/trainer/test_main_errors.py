@@ -4,9 +4,9 @@ no processes started and nothing written; the dry run reports the same errors.
 (The README's "Bad input" table is run row by row in tests/test_bad_input_table.py.)"""
 import pytest
 
-from megaflow.config import load_config
-from megaflow.trainer.preflight import PreflightError, check_local_resources, preflight
+from megaflow.topology import load_run
 from megaflow.trainer.main import main
+from megaflow.trainer.preflight import PreflightError, check_local_resources, preflight
 
 
 @pytest.mark.parametrize("overrides,expected", [
@@ -40,7 +40,7 @@ def test_debug_env_shows_the_traceback(tmp_path, monkeypatch):
 
 
 def test_preflight_loads_the_data_without_creating_the_run_dir(tmp_path):
-    cfg = load_config("tiny_arith_grpo", [f"trainer.output_dir={tmp_path}", "data.task_args.num_train=40"])
+    cfg = load_run("tiny_arith_grpo", [f"trainer.output_dir={tmp_path}", "data.task_args.num_train=40"])
     inputs = preflight(cfg)
     try:
         assert len(inputs.train_dataset) == 40 and inputs.val_dataset is not None
@@ -69,15 +69,15 @@ def test_dry_run_leaves_no_generated_files(tmp_path, monkeypatch, capsys):
     (["resources.use_gpu=true"], 64, 1, "resources.procs_per_node"),
 ])
 def test_local_resources_that_ray_would_wait_for_forever(overrides, cpus, gpus, key):
-    cfg = load_config("tiny_arith_grpo", overrides)
+    cfg = load_run("tiny_arith_grpo", overrides)
     with pytest.raises(Exception) as err:
         check_local_resources(cfg, cpu_count=cpus, gpu_count=gpus)
     assert str(err.value).startswith(f"{key}: "), err.value
 
 
 def test_local_resources_that_fit_pass():
-    check_local_resources(load_config("tiny_arith_grpo"), cpu_count=2, gpu_count=0)
-    check_local_resources(load_config("tiny_arith_grpo", ["resources.use_gpu=true"]), cpu_count=2, gpu_count=2)
+    check_local_resources(load_run("tiny_arith_grpo"), cpu_count=2, gpu_count=0)
+    check_local_resources(load_run("tiny_arith_grpo", ["resources.use_gpu=true"]), cpu_count=2, gpu_count=2)
     # a cluster run is checked against the cluster when it connects (bounded wait), not here
-    check_local_resources(load_config("tiny_arith_grpo", ["resources.nodes=4", "ray.address=10.0.0.1:6379"]),
+    check_local_resources(load_run("tiny_arith_grpo", ["resources.nodes=4", "ray.address=10.0.0.1:6379"]),
                           cpu_count=1, gpu_count=0)

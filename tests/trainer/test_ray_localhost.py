@@ -17,10 +17,10 @@ REPO = Path(__file__).resolve().parents[2]
 _SCRIPT = textwrap.dedent("""
     import json, os, time
     import psutil, ray
-    from megaflow.config import load_config
+    from megaflow.topology import load_run
     from megaflow.trainer.main import init_ray
 
-    init_ray(load_config("tiny_arith_grpo", ["ray.num_cpus=1"]))
+    init_ray(load_run("tiny_arith_grpo", ["ray.num_cpus=1"]))
 
     @ray.remote(num_cpus=0)
     class Probe:

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from megaflow.config import dump_config, load_config
+from megaflow.config import dump_config
+from megaflow.topology import load_run
 from megaflow.trainer.checkpoint import CheckpointManager, write_trainer_state
 from megaflow.trainer.main import main
 from megaflow.trainer.ppo_trainer import capture_rng_state
@@ -23,8 +24,8 @@ def _args(tmp_path, *extra):
 
 def _checkpoint(tmp_path, step=3, saved_overrides=(), layout=None):
     """A complete checkpoint of run ``r`` at ``step``, saved with ``saved_overrides``."""
-    cfg = load_config(RECIPE, [f"trainer.output_dir={tmp_path}", "trainer.experiment_name=r",
-                               "trainer.total_steps=6", *saved_overrides])
+    cfg = load_run(RECIPE, [f"trainer.output_dir={tmp_path}", "trainer.experiment_name=r",
+                            "trainer.total_steps=6", *saved_overrides])
     mgr = CheckpointManager(tmp_path / "megaflow" / "r" / "checkpoints")
     pending = mgr.begin(step)
     (pending.path / "actor").mkdir()

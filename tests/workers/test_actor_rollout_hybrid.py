@@ -12,7 +12,7 @@ Every expected value is computed independently of the code under test:
   on the same weights; after the update on weights exported from the actor's checkpoint by
   the conversion tool (megatron-core distributed checkpoint -> TP=1 -> HF safetensors);
 * log-probs: the trainer's own recomputation (``compute_log_prob``), position by position;
-* reshard bytes: the formula of ``megaflow.config.hybrid_layout.reshard_cost`` ``(t*p - t_g*p_g)/(t_g*p_g*t*p) * M`` with
+* reshard bytes: the formula of ``megaflow.topology.hybrid_layout.reshard_cost`` ``(t*p - t_g*p_g)/(t_g*p_g*t*p) * M`` with
   M counted here from the HF config (Megatron's vocabulary padding re-stated), plus the
   replicated norms of the folded stages, which the formula leaves out; with tied
   embeddings the stages differ in size (the last stage's output-layer copy is not

@@ -3,23 +3,24 @@ process starts, instead of generating with partly dummy weights), and the contro
 check of a weight sync."""
 import pytest
 
-from megaflow.config import ConfigError, load_config
+from megaflow.config import ConfigError
+from megaflow.topology import load_run
 
 
 def test_pipeline_parallel_generation_is_refused_at_load_with_the_key_named():
     with pytest.raises(ConfigError) as err:
-        load_config("tiny_arith_grpo", ["actor.tp=1", "actor.pp=2", "rollout.pp=2"])
+        load_run("tiny_arith_grpo", ["actor.tp=1", "actor.pp=2", "rollout.pp=2"])
     assert err.value.key == "rollout.pp" and "pipeline-parallel generation is not supported" in str(err.value)
 
 
 def test_non_positive_generation_tp_is_refused():
     with pytest.raises(ConfigError) as err:
-        load_config("tiny_arith_grpo", ["rollout.tp=0"])
+        load_run("tiny_arith_grpo", ["rollout.tp=0"])
     assert err.value.key == "rollout.tp"
 
 
 def test_supported_layouts_load():
-    cfg = load_config("tiny_arith_grpo", ["actor.tp=1", "actor.pp=2", "rollout.pp=1"])
+    cfg = load_run("tiny_arith_grpo", ["actor.tp=1", "actor.pp=2", "rollout.pp=1"])
     assert (cfg.rollout.tp, cfg.rollout.pp) == (1, 1)
 
 
@@ -51,7 +52,7 @@ def test_the_engine_is_built_from_the_config_sections(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
     import megaflow.rollout.vllm_rollout as vllm_rollout
-    from megaflow.config.memory import GIB
+    from megaflow.dryrun.memory import GIB
     from megaflow.workers.actor_rollout import ActorRolloutWorker
     from role_testlib import role_spec
 

@@ -20,7 +20,8 @@ import copy
 import pytest
 import torch
 
-from megaflow.config import ConfigError, config_from_dict
+from megaflow.config import ConfigError
+from megaflow.topology import run_from_dict
 
 HF = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
       "num_key_value_heads": 2, "vocab_size": 16}
@@ -84,8 +85,8 @@ def test_on_policy_ratio_is_one_and_gradient_matches_the_separate_forward():
     model = _model()
     with torch.no_grad():  # the separate old-log-prob pass, one row at a time
         old = torch.cat([_log_probs(model, batch["input_ids"][i:i + 1]) for i in range(ROWS)])
-    off = config_from_dict(_tree())
-    on = config_from_dict(_tree(actor={"on_policy_old_log_probs": True}))
+    off = run_from_dict(_tree())
+    on = run_from_dict(_tree(actor={"on_policy_old_log_probs": True}))
     grad_ref, loss_ref, _, _ = _accumulate(model, off, {**batch, "old_log_probs": old})
     grad_on, loss_on, shares, per_micro = _accumulate(model, on, batch)
 
@@ -119,6 +120,6 @@ def test_on_policy_ratio_is_one_and_gradient_matches_the_separate_forward():
 def test_on_policy_old_log_probs_refuses_what_needs_the_old_log_probs_first(sections, key):
     actor = {**sections.get("actor", {}), "on_policy_old_log_probs": True}
     with pytest.raises(ConfigError) as err:
-        config_from_dict(_tree(**{**sections, "actor": actor}))
+        run_from_dict(_tree(**{**sections, "actor": actor}))
     assert err.value.key == key and "actor.on_policy_old_log_probs" in str(err.value)
-    config_from_dict(_tree(**sections))  # the same config without the knob loads
+    run_from_dict(_tree(**sections))  # the same config without the knob loads

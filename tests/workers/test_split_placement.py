@@ -60,7 +60,8 @@ def _model_dir(tmp_path_factory, tied: bool) -> str:
 def split_config(model_dir: str, gen_tp: int, *, split: bool, extra: tuple[str, ...] = ()):
     """The tiny recipe on ``model_dir``: actor t=2 on pool ``actor`` (2 ranks), the rollout at
     t_g = ``gen_tp`` on pool ``gen`` (2 ranks) when ``split``, else in the actor's processes."""
-    from megaflow.config import config_from_dict, config_to_dict, load_config
+    from megaflow.config import config_to_dict
+    from megaflow.topology import load_run, run_from_dict
 
     overrides = ["actor.tp=2", f"rollout.tp={gen_tp}", "rollout.n=2", "data.train_batch_size=4",
                  "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=4",
@@ -74,9 +75,9 @@ def split_config(model_dir: str, gen_tp: int, *, split: bool, extra: tuple[str, 
                  *extra]
     if split:
         overrides.append("resources.placement.rollout=gen")
-    tree = config_to_dict(load_config("tiny_arith_grpo", overrides))
+    tree = config_to_dict(load_run("tiny_arith_grpo", overrides))
     tree["model"]["hf_config"], tree["model"]["path"] = None, model_dir
-    return config_from_dict(tree)
+    return run_from_dict(tree)
 
 
 def _prompts(meta_info: dict) -> DataProto:
@@ -203,7 +204,7 @@ def test_split_placement_is_refused_where_it_cannot_work(tmp_path):
     with pytest.raises(ConfigError, match=r"trainer\.max_staleness.*>= 1"):
         split_config(model_dir, 1, split=True, extra=("trainer.async_rollout=true", "trainer.max_staleness=0"))
     # The actor's own pool named as the rollout's is the colocated layout, not a split.
-    from megaflow.config.topology import split_rollout_pool
+    from megaflow.topology.sizes import split_rollout_pool
 
     cfg = split_config(model_dir, 1, split=False, extra=("resources.placement.rollout=actor",))
     assert split_rollout_pool(cfg) is None

@@ -1,9 +1,10 @@
-"""Derived sizes of a config and the checks that span sections.
+"""Derived sizes of a config: what the knobs imply for each role, the rollout and the cluster.
 
 Nothing here is stored in the config: each size is a small frozen object computed by a
 pure function of the config, so the trainer and the workers read the same numbers and
-nobody rescales a config in place. The same functions validate: a
-layout that does not divide raises :class:`ConfigError` naming the dotted key.
+nobody rescales a config in place. The same functions check what they compute: a
+layout that does not divide raises :class:`ConfigError` naming the dotted key (and
+:func:`megaflow.topology.validate.validate_config` calls them on every loaded config).
 
 Vocabulary: a *sample* is one (prompt, response) pair; a step has
 ``data.train_batch_size * rollout.n`` samples. A *mini-batch* is one optimizer step; a
@@ -14,15 +15,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
-from megaflow.config.model_spec import ModelSpec, model_spec, resolve_hf_config
-from megaflow.config.layout import pack_pools
-from megaflow.config.roles import GROUP_ESTIMATORS, ROLES
+from megaflow.config.schema import ROLES, Config
 from megaflow.config.typed import ConfigError, check, thaw
-
-if TYPE_CHECKING:
-    from megaflow.config.schema import Config
+from megaflow.topology.model_spec import ModelSpec, model_spec, resolve_hf_config
+from megaflow.topology.placement import pack_pools
 
 TRAINED_ROLES = ("actor", "critic")
 
@@ -187,17 +185,6 @@ def _check_split_rollout_pool(cfg: Config) -> int:
     return world
 
 
-def _check_async_rollout(cfg: Config) -> None:
-    if not cfg.trainer.async_rollout:
-        return
-    check(split_rollout_pool(cfg) is not None, "trainer.async_rollout",
-          "one-step-off generation runs on the rollout's own pool: set {0} to a pool other than the actor's",
-          "resources.placement.rollout")
-    check(cfg.algorithm.adv_estimator != "remax", "trainer.async_rollout",
-          "ReMax's greedy baseline would be generated with newer weights than its batch: use another "
-          "{0} or turn async_rollout off", "algorithm.adv_estimator")
-
-
 def num_samples_per_step(cfg: Config) -> int:
     """Samples (prompt x response pairs) generated and trained on per step."""
     return cfg.data.train_batch_size * cfg.rollout.n
@@ -351,7 +338,7 @@ def micro_batch_sizes(cfg: Config, role: str) -> MicroBatchSizes:
 
     Raises:
         ConfigError: a token budget below the longest sequence (see :func:`token_budgets`).
-        KeyError: ``role`` is not one of :data:`~megaflow.config.roles.ROLES`.
+        KeyError: ``role`` is not one of :data:`~megaflow.config.schema.ROLES`.
     """
     section = getattr(cfg, role)
     update_key, forward_key = MICRO_BATCH_KEYS[role]
@@ -426,111 +413,11 @@ def cluster_requirements(cfg: Config) -> ClusterRequirements:
                                cpus_per_node=procs * res.num_cpus_per_proc)
 
 
-# ---------------------------------------------------------------------------------------
-# validation across sections
-
-
-def _check_roles(cfg: Config) -> None:
-    algo = cfg.algorithm
-    if algo.adv_estimator == "gae":
-        check(cfg.critic.enabled, "critic.enabled", "adv_estimator 'gae' needs a critic: set {0}=true",
-              "critic.enabled")
-    else:
-        check(not cfg.critic.enabled, "critic.enabled",
-              f"a critic is only used by adv_estimator 'gae', not {algo.adv_estimator!r}: set it false")
-    if algo.uses_ref:
-        which = "use_kl_in_reward" if algo.use_kl_in_reward else "use_kl_loss"
-        check(cfg.ref.enabled, "ref.enabled", f"algorithm.{which}=true needs reference log-probs: set {{0}}=true",
-              "ref.enabled")
-    if algo.adv_estimator in GROUP_ESTIMATORS:
-        check(cfg.rollout.n >= 2, "rollout.n",
-              f"adv_estimator {algo.adv_estimator!r} compares the samples of a prompt: needs n >= 2, "
-              f"got {cfg.rollout.n}")
-
-
-def _check_placement(cfg: Config) -> None:
-    """Every enabled role names a pool of ``resources.pools``; a disabled role's entry is not read."""
-    res = cfg.resources
-    for role in enabled_roles(cfg):
-        pool = getattr(res.placement, role)
-        check(pool in res.pools, f"resources.placement.{role}",
-              f"unknown pool {pool!r}; pools: {', '.join(res.pools)}")
-
-
-def _check_inputs(cfg: Config) -> None:
-    check(cfg.model.path is not None or cfg.model.hf_config is not None, "model.path",
-          "set {0} (an HF checkpoint directory) or {1} (an inline HF config for a randomly initialised model)",
-          "model.path", "model.hf_config")
-    check(cfg.model.tokenizer is not None or cfg.model.path is not None, "model.tokenizer",
-          "required when {0} is not set (an HF tokenizer directory, or 'arith')", "model.path")
-    check(bool(cfg.data.train_files) or cfg.data.task is not None, "data.train_files",
-          "no training data: set {0} or {1}", "data.train_files", "data.task")
-
-
-def _check_model_parallel(spec: ModelSpec, role: str, par: RoleParallel) -> None:
-    src = spec.source
-    for name, value in (("num_attention_heads", spec.num_attention_heads),
-                        ("num_key_value_heads", spec.num_key_value_heads),
-                        ("intermediate_size", spec.ffn_hidden_size)):
-        check(value % par.tp == 0, f"{role}.tp",
-              f"tp={par.tp} must divide the model's {name}={value} ({{0}})", f"{src}")
-    stages = par.pp * (par.vpp or 1)
-    check(spec.num_layers % stages == 0, f"{role}.pp",
-          f"pp={par.pp}" + (f" x vpp={par.vpp}" if par.vpp else "")
-          + f" must divide the model's num_hidden_layers={spec.num_layers} ({{0}})", f"{src}")
-
-
-def _check_colocated_meshes(cfg: Config) -> None:
-    """Roles on one pool share one process per rank, hence Megatron's one (process-global)
-    parallel state: their tp, pp, cp and vpp must be equal."""
-    first: dict[str, str] = {}
-    for role in enabled_roles(cfg):
-        pool = getattr(cfg.resources.placement, role)
-        other = first.setdefault(pool, role)
-        for name in ("tp", "pp", "cp", "vpp"):
-            mine, theirs = getattr(getattr(cfg, role), name), getattr(getattr(cfg, other), name)
-            check(mine == theirs, f"{role}.{name}",
-                  f"{name}={mine} differs from {{0}}={theirs}; roles colocated on pool {pool!r} share one "
-                  f"process per rank and one Megatron mesh: use the same {name}, or place {role} on its own "
-                  f"pool (resources.placement.{role})", f"{other}.{name}")
-
-
-def validate_config(cfg: Config) -> None:
-    """Checks across sections, called by ``Config.__post_init__``.
-
-    Inputs set (model, tokenizer, training data); algorithm vs enabled roles; every
-    enabled role placed on a known pool; for every enabled role: world size = tp*pp*cp*dp on its pool, tp dividing the heads, KV heads
-    and FFN size, pp (x vpp) dividing the layers; the rollout's t_g | t and p_g | p (hence
-    t_g dividing the heads too); roles colocated on one pool with equal tp/pp/cp/vpp;
-    batch sizes divisible by mini-batches, DP and micro-batches.
-
-    Raises:
-        ConfigError: the first violated rule, with the dotted key to change.
-    """
-    _check_inputs(cfg)
-    _check_roles(cfg)
-    _check_placement(cfg)
-    for role in enabled_roles(cfg):
-        _check_model_parallel(role_model_spec(cfg, role), role, role_parallel(cfg, role))
-        check(cfg.resources.use_gpu or not getattr(cfg, role).sequence_parallel, f"{role}.sequence_parallel",
-              "not available on CPU (megatron-core's local layer spec refuses it); set it false or {0}=true",
-              "resources.use_gpu")
-    for role in TOKEN_BUDGET_KEYS:
-        if role in enabled_roles(cfg):
-            token_budgets(cfg, role)
-    _check_colocated_meshes(cfg)
-    generation_sizes(cfg)  # t_g | t and p_g | p; with t | heads this gives t_g | heads
-    _check_async_rollout(cfg)
-    for role in TRAINED_ROLES:
-        if role in enabled_roles(cfg):
-            train_batch_sizes(cfg, role)
-
-
 __all__ = [
     "RoleParallel", "GenerationSizes", "TrainBatchSizes", "ClusterRequirements", "enabled_roles", "pools_in_use",
     "role_model_spec", "role_parallel", "generation_sizes", "train_batch_sizes", "num_samples_per_step",
     "max_seq_len", "run_dir_of", "num_training_steps", "lr_schedule_steps", "token_budgets", "TOKEN_BUDGET_KEYS",
-    "cluster_requirements", "validate_config", "TRAINED_ROLES",
+    "cluster_requirements", "TRAINED_ROLES",
     "MICRO_BATCH_KEYS", "MicroBatchSizes", "micro_batch_sizes", "ModelSource", "model_source", "role_hf_config",
     "split_rollout_pool",
 ]

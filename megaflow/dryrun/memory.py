@@ -3,7 +3,7 @@
 Sources and assumptions, per term:
 
 * **Parameters**: exact counts per pipeline stage by formula
-  (:func:`megaflow.config.model_spec.stage_parameters`), times the dtype's bytes.
+  (:func:`megaflow.topology.model_spec.stage_parameters`), times the dtype's bytes.
 * **Gradients and optimizer state**: megatron-core's bytes per parameter
   (Megatron-LM ``docs/source/api-guide/dist_optimizer.md``): gradients are accumulated in
   fp32 (4 bytes); Adam keeps two fp32 moments (8 bytes) plus an fp32 master copy
@@ -46,8 +46,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megaflow.config.model_spec import ModelSpec, padded_vocab_size, stage_parameters
-from megaflow.config.topology import generation_sizes, max_seq_len, role_model_spec
+from megaflow.topology.model_spec import ModelSpec, padded_vocab_size, stage_parameters
+from megaflow.topology.sizes import generation_sizes, max_seq_len, role_model_spec
 
 GIB = 1024 ** 3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -2,24 +2,26 @@
 
 ``build_plan(cfg)`` lays the resource pools on the nodes, builds every role's Megatron
 TP/CP/DP/PP groups (pool ranks), the HybridEngine's generation layout (generation TP
-groups, micro-DP groups; planned by :mod:`megaflow.config.hybrid_layout`) and per-rank
-memory estimates (:mod:`megaflow.config.memory`) for each phase of a step. Colocated roles
+groups, micro-DP groups; planned by :mod:`megaflow.topology.hybrid_layout`) and per-rank
+memory estimates (:mod:`megaflow.dryrun.memory`) for each phase of a step. Colocated roles
 share a process per rank, so a phase's memory is the active role's working set plus what
 the other roles of that pool keep resident (everything not offloaded). A plan whose phase
 exceeds the device memory, or whose rollout has no room for one sequence's KV cache, lists
 the problem with the keys to change; :meth:`Plan.raise_if_infeasible` turns that into an
-error. ``format_plan`` (:mod:`megaflow.config.report`) prints it.
+error. ``format_plan`` (:mod:`megaflow.dryrun.report`) prints it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megaflow.config.layout import MeshGroups, PoolPlacement, generation_layout, megatron_groups, pack_pools
-from megaflow.config.memory import (DTYPE_BYTES, GIB, ParallelShape, RoleMemory, RolloutMemory, cpu_kv_cache_bytes,
-                                    role_memory, rollout_memory)
-from megaflow.config.model_spec import ModelSpec, count_parameters
 from megaflow.config.schema import Config
-from megaflow.config.topology import (
+from megaflow.config.typed import ConfigError
+from megaflow.dryrun.memory import (DTYPE_BYTES, GIB, ParallelShape, RoleMemory, RolloutMemory, cpu_kv_cache_bytes,
+                                    role_memory, rollout_memory)
+from megaflow.topology.hybrid_layout import HybridLayout, ReshardCost, reshard_cost
+from megaflow.topology.model_spec import ModelSpec, count_parameters
+from megaflow.topology.placement import MeshGroups, PoolPlacement, generation_layout, megatron_groups, pack_pools
+from megaflow.topology.sizes import (
     TRAINED_ROLES,
     ClusterRequirements,
     GenerationSizes,
@@ -37,9 +39,7 @@ from megaflow.config.topology import (
     train_batch_sizes,
     uses_distributed_optimizer,
 )
-from megaflow.config.hybrid_layout import HybridLayout, ReshardCost, reshard_cost
-from megaflow.config.split_layout import TransportPlan, plan_split_transport, split_sync_bytes
-from megaflow.config.typed import ConfigError
+from megaflow.topology.split_layout import TransportPlan, plan_split_transport, split_sync_bytes
 
 #: Micro-batch size field of each role's forward-only pass.
 FORWARD_MICRO_BATCH = {"actor": "log_prob_micro_batch_size_per_gpu", "ref": "log_prob_micro_batch_size_per_gpu",
@@ -64,7 +64,7 @@ class RolePlan:
     memory: RoleMemory
     distributed_optimizer: bool = False
     """Whether the update shards the optimizer state over dp (megatron-core's distributed
-    optimizer; :func:`~megaflow.config.topology.uses_distributed_optimizer`); False for
+    optimizer; :func:`~megaflow.topology.sizes.uses_distributed_optimizer`); False for
     forward-only roles."""
 
 

@@ -2,7 +2,7 @@
 
 With ``resources.placement.rollout`` naming a pool of its own, the engines run as replicas
 of TP = t_g on consecutive ranks of that pool; the actor keeps its generation layout
-(:mod:`megaflow.config.hybrid_layout`). For every generation TP rank ``j`` the actor rank of
+(:mod:`megaflow.topology.hybrid_layout`). For every generation TP rank ``j`` the actor rank of
 generation replica 0 holding shard ``j`` broadcasts it to every rollout rank of TP rank
 ``j`` (:func:`plan_split_transport`). The dry-run planner and the weight transport
 (:mod:`megaflow.hybrid_engine.transport`) read the same plan.
@@ -50,7 +50,7 @@ def plan_split_transport(actor_layout, rollout_world_size: int) -> TransportPlan
     """The broadcast groups from an actor's generation layout to a rollout pool.
 
     Args:
-        actor_layout: the actor's :class:`~megaflow.config.hybrid_layout.HybridLayout`
+        actor_layout: the actor's :class:`~megaflow.topology.hybrid_layout.HybridLayout`
             (its ``gen_tp`` is the engines' TP size t_g).
         rollout_world_size: ranks of the rollout pool (a multiple of t_g); rollout rank
             ``r`` is TP rank ``r % t_g`` of replica ``r // t_g`` (vLLM's consecutive groups).

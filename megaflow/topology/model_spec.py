@@ -2,7 +2,7 @@
 
 :func:`resolve_hf_config` finds the HF config of a role (inline ``hf_config`` dict or the
 checkpoint's ``config.json``); :func:`model_spec` validates it and turns it into a
-:class:`ModelSpec`. The planner (:mod:`megaflow.config.topology`), the model builder
+:class:`ModelSpec`. The planner (:mod:`megaflow.topology.sizes`), the model builder
 (:mod:`megaflow.megatron.model`) and the weight mapping (:mod:`megaflow.models.hf_mapping`)
 all read architectures through it, so a config the planner accepts builds in the workers,
 and a feature megaflow cannot build is refused once, at load, naming the field and file.

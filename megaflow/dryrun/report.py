@@ -1,9 +1,9 @@
-"""``format_plan``: the dry run's human-readable report of a :class:`~megaflow.config.plan.Plan`."""
+"""``format_plan``: the dry run's human-readable report of a :class:`~megaflow.dryrun.plan.Plan`."""
 from __future__ import annotations
 
-from megaflow.config.layout import Groups
-from megaflow.config.memory import GIB
-from megaflow.config.plan import Plan, PoolPlan, RolePlan, RolloutPlan
+from megaflow.dryrun.memory import GIB
+from megaflow.dryrun.plan import Plan, PoolPlan, RolePlan, RolloutPlan
+from megaflow.topology.placement import Groups
 
 
 def _span(ranks: tuple[int, ...]) -> str:
@@ -126,7 +126,7 @@ def format_plan(plan: Plan, max_groups: int = 4) -> str:
     generation layout, memory per phase, then problems (or that the layout fits) and notes.
 
     Args:
-        plan: from :func:`megaflow.config.build_plan`.
+        plan: from :func:`megaflow.dryrun.build_plan`.
         max_groups: groups printed per kind before "... (N more)".
     """
     lines = _header(plan) + ["pools"]

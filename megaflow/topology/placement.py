@@ -1,20 +1,17 @@
 """Where ranks go: resource pools on the cluster's nodes and Megatron's process groups.
 
 Pure functions on plain numbers; no processes. The generation layout of the
-3D-HybridEngine is planned by :func:`megaflow.config.hybrid_layout.plan_hybrid_layout`
+3D-HybridEngine is planned by :func:`megaflow.topology.hybrid_layout.plan_hybrid_layout`
 (wrapped here by :func:`generation_layout`, which counts CP replicas as DP) so that the dry
 run prints exactly the groups the workers build.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from megaflow.config.hybrid_layout import HybridLayout, plan_hybrid_layout
+from megaflow.config.schema import ResourcesConfig
 from megaflow.config.typed import ConfigError
-
-if TYPE_CHECKING:
-    from megaflow.config.schema import ResourcesConfig
+from megaflow.topology.hybrid_layout import HybridLayout, plan_hybrid_layout
 
 Groups = tuple[tuple[int, ...], ...]
 

@@ -1,28 +1,51 @@
-"""What one worker role reads: the run's frozen :class:`~megaflow.config.schema.Config` and
-the role's name, with the role's derived sizes computed from them on demand.
+"""What one Megatron worker role reads: the run's frozen :class:`~megaflow.config.schema.Config`
+and the role's name, with the role's derived sizes computed from them on demand.
 
-The workers and the Megatron engine receive a :class:`RoleSpec` and read the config sections
-directly (``spec.section``, ``spec.config.algorithm``, ...; the loss adapters get
-``spec.config`` itself, the vLLM engine a ``VLLMRolloutConfig`` its worker builds from the
-``rollout`` section); sizes that
-are not stored in the config (micro-batches, mini-batch rows per DP rank, the LR decay
-horizon, the model source) come from the pure functions of :mod:`megaflow.config.topology`.
-No setting has a default here: every default lives in the config schema. The object pickles
-as its plain config tree (:meth:`RoleSpec.__reduce__`), so Ray and ``multiprocessing`` ship it
-with their standard picklers and the receiver re-validates it.
+The Megatron workers (actor, ref, critic, reward model) and their engine receive a
+:class:`RoleSpec` and read the config sections directly: the role's own section through
+``spec.section`` (any role) or its typed accessor (``spec.actor``, ``spec.ref``,
+``spec.critic``, ``spec.reward_model``), other sections through ``spec.config.algorithm``
+and the like; the loss adapters get ``spec.config`` itself. The rollout is no
+:class:`RoleSpec` role: the vLLM engine gets a ``VLLMRolloutConfig`` that its worker builds
+from the ``rollout`` section. Sizes that are not stored in the config (micro-batches,
+mini-batch rows per DP rank, the LR decay horizon, the model source) come from the pure
+functions of :mod:`megaflow.topology.sizes`. No setting has a default here: every default
+lives in the config schema. The object pickles as its plain config tree
+(:meth:`RoleSpec.__reduce__`), so Ray and ``multiprocessing`` ship it with their standard
+picklers and the receiver re-validates it (:func:`megaflow.topology.run.run_from_dict`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, TypeVar, Union
 
-from megaflow.config.roles import ROLES
-from megaflow.config.topology import (TRAINED_ROLES, MicroBatchSizes, ModelSource, RoleParallel, lr_schedule_steps,
-                                      micro_batch_sizes, model_source, role_hf_config, role_parallel,
-                                      train_batch_sizes, uses_distributed_optimizer)
+from megaflow.config.schema import ROLES, ActorConfig, Config, CriticConfig, RefConfig, RewardModelConfig
+from megaflow.topology.run import run_from_dict
+from megaflow.topology.sizes import (TRAINED_ROLES, MicroBatchSizes, ModelSource, RoleParallel, lr_schedule_steps,
+                                     micro_batch_sizes, model_source, role_hf_config, role_parallel,
+                                     train_batch_sizes, uses_distributed_optimizer)
 
-if TYPE_CHECKING:
-    from megaflow.config.schema import Config
+#: The config section of a Megatron role.
+RoleSection = Union[ActorConfig, RefConfig, CriticConfig, RewardModelConfig]
+S = TypeVar("S", ActorConfig, RefConfig, CriticConfig, RewardModelConfig)
+
+
+class _OwnSection(Generic[S]):
+    """A typed accessor of one role's section on :class:`RoleSpec`, named after the role
+    (``spec.critic`` is the ``CriticConfig`` of the critic's spec).
+
+    Raises:
+        ValueError: read on another role's spec.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.role = name
+
+    def __get__(self, spec: RoleSpec, owner: type) -> S:
+        if spec.role != self.role:
+            raise ValueError(f"RoleSpec.{self.role}: this is the {spec.role!r} role's spec")
+        return getattr(spec.config, self.role)
+
 
 #: config section -> model head of megaflow.megatron.model.build_gpt_model and the engine
 ROLE_HEADS = {"actor": "lm", "ref": "lm", "critic": "value", "reward_model": "reward"}
@@ -35,7 +58,7 @@ class RoleSpec:
     Args:
         config: the validated run config.
         role: ``"actor"``, ``"ref"``, ``"critic"`` or ``"reward_model"``.
-        training_steps: training steps of the run (:func:`~megaflow.config.topology.num_training_steps`),
+        training_steps: training steps of the run (:func:`~megaflow.topology.sizes.num_training_steps`),
             the horizon of the trained roles' LR decay.
 
     Raises:
@@ -58,9 +81,15 @@ class RoleSpec:
             raise ValueError(f"RoleSpec.training_steps must be >= 1, got {self.training_steps}")
 
     @property
-    def section(self) -> Any:
+    def section(self) -> RoleSection:
         """The role's config section (``config.actor``, ``config.critic``, ...)."""
         return getattr(self.config, self.role)
+
+    # The role's own section, typed: ``spec.actor`` on the actor's spec (ValueError on another role's).
+    actor = _OwnSection[ActorConfig]()
+    ref = _OwnSection[RefConfig]()
+    critic = _OwnSection[CriticConfig]()
+    reward_model = _OwnSection[RewardModelConfig]()
 
     @property
     def head(self) -> str:
@@ -96,14 +125,14 @@ class RoleSpec:
     @property
     def lr_decay_steps(self) -> int:
         """Optimizer step at which the LR decay reaches ``min_lr`` (trained roles only;
-        :func:`~megaflow.config.topology.lr_schedule_steps` over ``training_steps``)."""
+        :func:`~megaflow.topology.sizes.lr_schedule_steps` over ``training_steps``)."""
         self._require_training("lr_decay_steps")
         return lr_schedule_steps(self.config, self.role, self.training_steps)
 
     @property
     def distributed_optimizer(self) -> bool:
         """Megatron's distributed optimizer or the plain one
-        (:func:`~megaflow.config.topology.uses_distributed_optimizer`; trained roles only)."""
+        (:func:`~megaflow.topology.sizes.uses_distributed_optimizer`; trained roles only)."""
         self._require_training("distributed_optimizer")
         return uses_distributed_optimizer(self.config, self.role)
 
@@ -111,11 +140,11 @@ class RoleSpec:
     def shuffle(self) -> bool:
         """Whether a rank's rows are permuted before each PPO epoch is cut into mini-batches:
         ``actor.shuffle`` for the actor; the critic has no such key and keeps the row order."""
-        return self.role == "actor" and self.section.shuffle
+        return self.role == "actor" and self.actor.shuffle
 
     @property
     def model_source(self) -> ModelSource:
-        """The model path or inline HF config of the role (:func:`~megaflow.config.topology.model_source`)."""
+        """The model path or inline HF config of the role (:func:`~megaflow.topology.sizes.model_source`)."""
         return model_source(self.config, self.role)
 
     def hf_config(self) -> dict[str, Any]:
@@ -158,9 +187,7 @@ class RoleSpec:
 
 
 def _rebuild(tree: dict[str, Any], role: str, training_steps: int) -> RoleSpec:
-    from megaflow.config.loader import config_from_dict
-
-    return RoleSpec(config_from_dict(tree), role, training_steps)
+    return RoleSpec(run_from_dict(tree), role, training_steps)
 
 
-__all__ = ["RoleSpec", "ROLE_HEADS"]
+__all__ = ["RoleSpec", "RoleSection", "ROLE_HEADS"]

@@ -1,0 +1,172 @@
+"""The checks that span config sections: what a loaded config must satisfy before any
+process starts.
+
+Each section of :mod:`megaflow.config.schema` checks its own fields when it is built; the
+rules here read several sections at once (the algorithm against the enabled roles, the
+parallel sizes against the model and the resource pools, the pools against the cluster's
+nodes, batch sizes against DP and micro-batches). A new cross-section rule goes here and
+into :func:`validate_config`. :func:`megaflow.topology.load_run` runs it on every config a
+run loads. Errors are :class:`~megaflow.config.typed.ConfigError` naming the dotted key
+to change.
+"""
+from __future__ import annotations
+
+from megaflow.config.schema import GROUP_ESTIMATORS, Config
+from megaflow.config.typed import ConfigError, check
+from megaflow.topology.model_spec import ModelSpec
+from megaflow.topology.placement import pack_pools
+from megaflow.topology.sizes import (TOKEN_BUDGET_KEYS, TRAINED_ROLES, RoleParallel, enabled_roles,
+                                     generation_sizes, role_model_spec, role_parallel, split_rollout_pool,
+                                     token_budgets, train_batch_sizes)
+
+
+def _check_pools_fit(cfg: Config) -> None:
+    """The pools of ``resources.pools`` fit on the cluster's nodes (first fit, in order).
+
+    Raises:
+        ConfigError: at ``resources.pools.<name>...`` (see :func:`~megaflow.topology.placement.pack_pools`).
+    """
+    try:
+        pack_pools(cfg.resources)
+    except ConfigError as err:
+        raise err.with_prefix("resources") from None
+
+
+def _check_async_rollout(cfg: Config) -> None:
+    if not cfg.trainer.async_rollout:
+        return
+    check(split_rollout_pool(cfg) is not None, "trainer.async_rollout",
+          "one-step-off generation runs on the rollout's own pool: set {0} to a pool other than the actor's",
+          "resources.placement.rollout")
+    check(cfg.algorithm.adv_estimator != "remax", "trainer.async_rollout",
+          "ReMax's greedy baseline would be generated with newer weights than its batch: use another "
+          "{0} or turn async_rollout off", "algorithm.adv_estimator")
+
+def _check_roles(cfg: Config) -> None:
+    algo = cfg.algorithm
+    if algo.adv_estimator == "gae":
+        check(cfg.critic.enabled, "critic.enabled", "adv_estimator 'gae' needs a critic: set {0}=true",
+              "critic.enabled")
+    else:
+        check(not cfg.critic.enabled, "critic.enabled",
+              f"a critic is only used by adv_estimator 'gae', not {algo.adv_estimator!r}: set it false")
+    if algo.uses_ref:
+        which = "use_kl_in_reward" if algo.use_kl_in_reward else "use_kl_loss"
+        check(cfg.ref.enabled, "ref.enabled", f"algorithm.{which}=true needs reference log-probs: set {{0}}=true",
+              "ref.enabled")
+    if algo.adv_estimator in GROUP_ESTIMATORS:
+        check(cfg.rollout.n >= 2, "rollout.n",
+              f"adv_estimator {algo.adv_estimator!r} compares the samples of a prompt: needs n >= 2, "
+              f"got {cfg.rollout.n}")
+
+
+def _check_placement(cfg: Config) -> None:
+    """Every enabled role names a pool of ``resources.pools``; a disabled role's entry is not read."""
+    res = cfg.resources
+    for role in enabled_roles(cfg):
+        pool = getattr(res.placement, role)
+        check(pool in res.pools, f"resources.placement.{role}",
+              f"unknown pool {pool!r}; pools: {', '.join(res.pools)}")
+
+
+def _check_inputs(cfg: Config) -> None:
+    check(cfg.model.path is not None or cfg.model.hf_config is not None, "model.path",
+          "set {0} (an HF checkpoint directory) or {1} (an inline HF config for a randomly initialised model)",
+          "model.path", "model.hf_config")
+    check(cfg.model.tokenizer is not None or cfg.model.path is not None, "model.tokenizer",
+          "required when {0} is not set (an HF tokenizer directory, or 'arith')", "model.path")
+    check(bool(cfg.data.train_files) or cfg.data.task is not None, "data.train_files",
+          "no training data: set {0} or {1}", "data.train_files", "data.task")
+
+
+def _check_model_parallel(spec: ModelSpec, role: str, par: RoleParallel) -> None:
+    src = spec.source
+    for name, value in (("num_attention_heads", spec.num_attention_heads),
+                        ("num_key_value_heads", spec.num_key_value_heads),
+                        ("intermediate_size", spec.ffn_hidden_size)):
+        check(value % par.tp == 0, f"{role}.tp",
+              f"tp={par.tp} must divide the model's {name}={value} ({{0}})", f"{src}")
+    stages = par.pp * (par.vpp or 1)
+    check(spec.num_layers % stages == 0, f"{role}.pp",
+          f"pp={par.pp}" + (f" x vpp={par.vpp}" if par.vpp else "")
+          + f" must divide the model's num_hidden_layers={spec.num_layers} ({{0}})", f"{src}")
+
+
+def _check_colocated_meshes(cfg: Config) -> None:
+    """Roles on one pool share one process per rank, hence Megatron's one (process-global)
+    parallel state: their tp, pp, cp and vpp must be equal."""
+    first: dict[str, str] = {}
+    for role in enabled_roles(cfg):
+        pool = getattr(cfg.resources.placement, role)
+        other = first.setdefault(pool, role)
+        for name in ("tp", "pp", "cp", "vpp"):
+            mine, theirs = getattr(getattr(cfg, role), name), getattr(getattr(cfg, other), name)
+            check(mine == theirs, f"{role}.{name}",
+                  f"{name}={mine} differs from {{0}}={theirs}; roles colocated on pool {pool!r} share one "
+                  f"process per rank and one Megatron mesh: use the same {name}, or place {role} on its own "
+                  f"pool (resources.placement.{role})", f"{other}.{name}")
+
+
+def validate_config(cfg: Config) -> None:
+    """Checks across sections, run by :func:`megaflow.topology.load_run` on every loaded config.
+
+    The pools fit on the cluster's nodes; inputs set (model, tokenizer, training data); algorithm vs enabled roles; every
+    enabled role placed on a known pool; for every enabled role: world size = tp*pp*cp*dp on its pool, tp dividing the heads, KV heads
+    and FFN size, pp (x vpp) dividing the layers; the rollout's t_g | t and p_g | p (hence
+    t_g dividing the heads too); roles colocated on one pool with equal tp/pp/cp/vpp;
+    batch sizes divisible by mini-batches, DP and micro-batches.
+
+    Raises:
+        ConfigError: the first violated rule, with the dotted key to change.
+    """
+    _check_pools_fit(cfg)
+    _check_inputs(cfg)
+    _check_roles(cfg)
+    _check_placement(cfg)
+    for role in enabled_roles(cfg):
+        _check_model_parallel(role_model_spec(cfg, role), role, role_parallel(cfg, role))
+        check(cfg.resources.use_gpu or not getattr(cfg, role).sequence_parallel, f"{role}.sequence_parallel",
+              "not available on CPU (megatron-core's local layer spec refuses it); set it false or {0}=true",
+              "resources.use_gpu")
+    for role in TOKEN_BUDGET_KEYS:
+        if role in enabled_roles(cfg):
+            token_budgets(cfg, role)
+    _check_colocated_meshes(cfg)
+    generation_sizes(cfg)  # t_g | t and p_g | p; with t | heads this gives t_g | heads
+    _check_async_rollout(cfg)
+    for role in TRAINED_ROLES:
+        if role in enabled_roles(cfg):
+            train_batch_sizes(cfg, role)
+    if cfg.actor.on_policy_old_log_probs:
+        _check_on_policy_update(cfg)
+
+
+def _check_on_policy_update(cfg: Config) -> None:
+    """``actor.on_policy_old_log_probs`` needs an update that is on-policy by construction
+    (one epoch, one mini-batch of the whole step) and no stage that reads the old log-probs
+    before the update.
+
+    Raises:
+        ConfigError: at the key that breaks it.
+    """
+    key, actor, algo = "actor.on_policy_old_log_probs", cfg.actor, cfg.algorithm
+    check(actor.ppo_epochs == 1, "actor.ppo_epochs",
+          f"must be 1 with {{0}}=true (a second epoch sees updated weights), got {actor.ppo_epochs}", key)
+    check(actor.ppo_mini_batch_size == cfg.data.train_batch_size, "actor.ppo_mini_batch_size",
+          f"must equal data.train_batch_size={cfg.data.train_batch_size} with {{0}}=true (one mini-batch, "
+          f"so no optimizer step comes before a later mini-batch's forward), got {actor.ppo_mini_batch_size}", key)
+    check(not algo.use_kl_in_reward, "algorithm.use_kl_in_reward",
+          "must be false with {0}=true (the reward's KL reads the old log-probs before the update)", key)
+    rc = algo.rollout_correction
+    for sub in ("is_level", "rejection"):
+        check(getattr(rc, sub) == "none", f"algorithm.rollout_correction.{sub}",
+              "must be none with {0}=true (it reads the old log-probs before the update)", key)
+    check(rc.max_mismatch is None, "algorithm.rollout_correction.max_mismatch",
+          "must be null with {0}=true (it reads the old log-probs before the update)", key)
+    check(not rc.bypass, "algorithm.rollout_correction.bypass",
+          "excludes {0}=true: choose one source of the old log-probs", key)
+    check(not cfg.trainer.async_rollout, "trainer.async_rollout",
+          "must be false with {0}=true (one step off corrects with importance weights from the old log-probs)", key)
+
+
+__all__ = ["validate_config"]
