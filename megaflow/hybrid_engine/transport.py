@@ -6,8 +6,11 @@ converted to vLLM's names and layouts and cut into buckets of at most
 ``rollout.weight_sync_bucket_mb`` (:func:`~megaflow.hybrid_engine.rollout_weights.iter_vllm_buckets`). A :class:`WeightTransport` moves those
 buckets into an engine:
 
-* :class:`ColocatedTransport` - the engine lives in the actor's process (the colocated
-  layout, one engine shard per actor rank): buckets go straight into it.
+* :class:`ColocatedTransport` - the engine lives in the caller's process: buckets go
+  straight into it (:func:`load_buckets`). The colocated actor
+  (:meth:`megaflow.workers.actor_rollout.ActorRolloutWorker.sync_rollout_weights`) does
+  not go through this class: its own sync loop calls :func:`load_buckets` directly; only
+  the tests use this class.
 * :class:`BroadcastTransport` - split placement: the engines live on their own resource
   pool with their own ``torch.distributed`` world. For every generation TP rank ``j`` one
   actor rank holding shard ``j`` (the ranks of generation replica 0) broadcasts each

@@ -3,7 +3,9 @@
 megatron-core assumes CUDA in a few places that the CPU path (development, CI, laptops;
 gloo instead of NCCL) reaches. Each accommodation below names the Megatron functions it
 covers and why. :func:`apply_cpu_accommodations` installs them once per process and is
-a no-op when CUDA is available, so none of this is ever on the GPU path.
+a no-op when CUDA is available, so no accommodation is active on the GPU path. The one
+function here that also runs on CUDA, :func:`model_parallel_manual_seed`, is there exactly
+Megatron's ``model_parallel_cuda_manual_seed``.
 
 The accommodations, all minimal and none a copy of Megatron code:
 

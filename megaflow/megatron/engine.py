@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megaflow.megatron.batch import LeftAlignedBatch, left_align_batch, token_budget_groups
-from megaflow.megatron.engine_config import GlobalDenominators
+from megaflow.megatron.denominators import GlobalDenominators
 from megaflow.megatron.logprobs import chunked_vocab_parallel_log_probs, vocab_parallel_log_probs
 from megaflow.megatron.parallel import ParallelInfo
 from megaflow.topology.role_spec import RoleSpec

@@ -1,7 +1,10 @@
 """Megatron parallel state: the ONLY megaflow module that touches ``megatron.core.parallel_state``.
 
-Everything else receives a :class:`ParallelInfo` (ranks, sizes and process groups) and
-passes the groups explicitly to the code that communicates.
+megaflow's own code receives a :class:`ParallelInfo` (ranks, sizes and process groups) and
+passes its groups explicitly to the collectives it calls. megatron-core itself (its models,
+optimizer and pipeline schedules) still reads the process-global state that
+:func:`initialize_parallel` sets up, so a process holds one Megatron mesh: roles colocated
+in one process must share it (checked at load, ``megaflow.topology.validate``).
 
 Rank order is Megatron's default ``tp-cp-ep-dp-pp``: TP fastest, then CP, then DP, then PP.
 So on 8 ranks with tp=2, pp=2 (dp=2): TP groups {0,1} {2,3} {4,5} {6,7}, DP groups {0,2}

@@ -2,18 +2,25 @@
 
 ::
 
-    pool = ResourcePool(process_on_nodes=[4])
-    actor = RayWorkerGroup(pool, ClassWithInitArgs(ActorWorker, config), name_prefix="actor")
+    cfg = load_run("tiny_arith_grpo", ["ref.enabled=true", "algorithm.use_kl_loss=true"])
+    steps = cfg.trainer.total_steps
+    pool = ResourcePool(process_on_nodes=[2])
+    actor = RayWorkerGroup(pool, ClassWithInitArgs(ActorWorker, RoleSpec(cfg, "actor", steps)),
+                           name_prefix="actor")
     actor.init_model()                      # ONE_TO_ALL: runs on every rank
     out = actor.compute_log_prob(batch)     # nd_compute("actor"): split by dp rank, collected
 
 Colocated roles share one process per rank (and so its accelerator and its
 ``torch.distributed`` world)::
 
-    spec = create_colocated_worker_cls({"actor": ClassWithInitArgs(ActorWorker, cfg),
-                                        "ref": ClassWithInitArgs(RefWorker, cfg)})
-    groups = RayWorkerGroup(pool, spec).spawn()   # {"actor": view, "ref": view}
+    both = create_colocated_worker_cls({"actor": ClassWithInitArgs(ActorWorker, RoleSpec(cfg, "actor", steps)),
+                                        "ref": ClassWithInitArgs(RefWorker, RoleSpec(cfg, "ref", steps))})
+    groups = RayWorkerGroup(pool, both).spawn()   # {"actor": view, "ref": view}
     groups["ref"].compute_ref_log_prob(batch)
+
+(``load_run``: :mod:`megaflow.topology`; ``ActorWorker``, ``RefWorker``:
+:mod:`megaflow.workers.megatron_workers`, which take the role's
+:class:`~megaflow.topology.role_spec.RoleSpec`.)
 
 Start-up costs two parallel round trips: all actors report their metadata (rank 0 also a
 free port on its node), then all build their role objects with ``MASTER_ADDR``/

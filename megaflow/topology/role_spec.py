@@ -5,12 +5,14 @@ The Megatron workers (actor, ref, critic, reward model) and their engine receive
 :class:`RoleSpec` and read the config sections directly: the role's own section through
 ``spec.section`` (any role) or its typed accessor (``spec.actor``, ``spec.ref``,
 ``spec.critic``, ``spec.reward_model``), other sections through ``spec.config.algorithm``
-and the like; the loss adapters get ``spec.config`` itself. The rollout is no
-:class:`RoleSpec` role: the vLLM engine gets a ``VLLMRolloutConfig`` that its worker builds
-from the ``rollout`` section. Sizes that are not stored in the config (micro-batches,
-mini-batch rows per DP rank, the LR decay horizon, the model source) come from the pure
-functions of :mod:`megaflow.topology.sizes`. No setting has a default here: every default
-lives in the config schema. The object pickles as its plain config tree
+and the like; the loss adapters get ``spec.config`` itself. The rollout is not a role of
+its own here: its workers receive the actor's spec (the model they serve) and build the
+vLLM engine's ``VLLMRolloutConfig`` from the ``rollout`` section. Sizes that are not
+stored in the config (micro-batches, mini-batch rows per DP rank, the LR decay horizon,
+the model source) come from the pure functions of :mod:`megaflow.topology.sizes`. Every
+default lives in the config schema; the only values filled in here are the meanings the
+schema documents for null (:attr:`RoleSpec.model_overrides`: ``recompute_method`` null is
+uniform, ``recompute_num_layers`` null is 1). The object pickles as its plain config tree
 (:meth:`RoleSpec.__reduce__`), so Ray and ``multiprocessing`` ship it with their standard
 picklers and the receiver re-validates it (:func:`megaflow.topology.run.run_from_dict`).
 """

@@ -5,8 +5,12 @@ Every worker receives the run's frozen config as a
 steps) and reads its sections itself; the actor also gets the tokenizer's EOS and padding
 ids. Roles placed on the same pool (``resources.placement``) share one Ray actor process
 per rank (composed with :func:`~megaflow.single_controller.create_colocated_worker_cls`), so
-they share that process's accelerator and torch.distributed world; the rollout always
-lives inside the actor's processes (:class:`~megaflow.workers.actor_rollout.ActorRolloutWorker`).
+they share that process's accelerator and torch.distributed world. The rollout lives inside
+the actor's processes (:class:`~megaflow.workers.actor_rollout.ActorRolloutWorker`) unless
+``resources.placement.rollout`` names a pool of its own: then that pool runs
+:class:`~megaflow.workers.rollout_worker.RolloutWorker` processes holding only engines, and
+the actor's ranks broadcast their generation shards to them on every weight sync (split
+placement).
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from megaflow.algorithms import clipped_value_loss, compute_policy_loss, entropy_bonus, kl_loss, masked_mean
-from megaflow.megatron.engine_config import GlobalDenominators
+from megaflow.megatron.denominators import GlobalDenominators
 
 if TYPE_CHECKING:
     from megaflow.config.schema import Config

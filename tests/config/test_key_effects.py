@@ -195,7 +195,7 @@ _MASK = [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]
 def _actor_loss(tiny, **sections):
     import torch
 
-    from megaflow.megatron.engine_config import GlobalDenominators
+    from megaflow.megatron.denominators import GlobalDenominators
     from megaflow.workers.losses import actor_loss_fn
 
     old = torch.tensor([[-1.0, -2.0, -1.5], [-0.5, -1.2, -2.2]])
@@ -248,7 +248,7 @@ def test_actor_loss_keys_change_the_worker_loss(tiny):
 def test_critic_loss_keys_change_the_worker_value_loss(tiny):
     import torch
 
-    from megaflow.megatron.engine_config import GlobalDenominators
+    from megaflow.megatron.denominators import GlobalDenominators
     from megaflow.workers.losses import critic_loss_fn
 
     old = [[0.0, 1.0, 2.0], [0.5, -0.5, 0.0]]

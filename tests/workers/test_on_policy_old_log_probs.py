@@ -61,7 +61,7 @@ def _log_probs(model, ids):
 
 def _accumulate(model, cfg, batch):
     """Gradients (one flat vector), loss and summed metric shares of one mini-batch in two micro-batches."""
-    from megaflow.megatron.engine_config import GlobalDenominators
+    from megaflow.megatron.denominators import GlobalDenominators
     from megaflow.workers.losses import actor_loss_fn
 
     loss_fn = actor_loss_fn(cfg)

@@ -1,6 +1,7 @@
-"""The loss denominators of :class:`megaflow.megatron.engine.MegatronEngine`.
+"""The loss denominators of :class:`megaflow.megatron.engine.MegatronEngine`: one small
+value type shared by the engine and the loss adapters (:mod:`megaflow.workers.losses`).
 
-The engine's settings are the role's config sections, read through
+The engine has no settings object of its own: it reads the role's config sections through
 :class:`megaflow.topology.role_spec.RoleSpec`.
 """
 from __future__ import annotations
