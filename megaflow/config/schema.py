@@ -181,6 +181,26 @@ class RolloutCorrectionConfig(Section):
 
 
 @dataclass(frozen=True)
+class FilterGroupsConfig(Section):
+    """Dynamic sampling (DAPO, Yu et al. 2025, section 3.2; megaflow.trainer.dynamic_sampling):
+    drop prompt groups whose rewards do not vary and generate more prompts until the step
+    has data.train_batch_size informative groups."""
+
+    enable: bool = False
+    """Filter groups (needs a group estimator: grpo, dr_grpo, rloo, reinforce_plus_plus_baseline)."""
+    metric: str = "score"
+    """Per-sample value whose spread makes a group informative: 'score' (the sequence
+    reward) or a field the reward function returns (e.g. 'acc', 'format')."""
+    max_extra_rounds: int = 4
+    """Generation rounds after the step's own before the batch is completed with
+    uninformative groups (logged as filter_groups/cap_reached, filter_groups/padded_groups)."""
+
+    def validate(self) -> None:
+        check_positive(self, "max_extra_rounds", allow_zero=True)
+        check(self.metric.isidentifier(), "metric", f"must be 'score' or a reward field name, got {self.metric!r}")
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig(Section):
     """Advantage estimation and KL regularisation (megaflow.algorithms)."""
 
@@ -206,6 +226,8 @@ class AlgorithmConfig(Section):
     """KL estimator of the loss term ("+": straight-through gradient of k2)."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Importance weights / rejection for the rollout-vs-trainer log-prob gap, bypass mode."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """Dynamic sampling: train only on prompt groups whose rewards vary (DAPO)."""
 
     def validate(self) -> None:
         check(0.0 <= self.gamma <= 1.0, "gamma", f"must lie in [0, 1], got {self.gamma}")

@@ -32,8 +32,10 @@ import numpy as np
 import torch
 
 from megaflow.protocol import DataProto
+from megaflow.rewards.manager import reward_metrics
 from megaflow.trainer.checkpoint import (TRAINER_STATE_FILE, CheckpointManager, read_trainer_state,
                                          write_trainer_state)
+from megaflow.trainer.dynamic_sampling import fill_informative
 from megaflow.trainer.stages import (add_advantages, balance_batch, bypass_old_log_probs, check_rollout_batch,
                                      compute_data_metrics, kl_in_reward, rollout_correction, scores_as_rewards)
 from megaflow.trainer.worker_api import (ActorRolloutGroup, CriticGroup, RefGroup, RewardModelGroup, RolloutGroup,
@@ -46,6 +48,8 @@ if TYPE_CHECKING:
 #: The prompt tensors the rollout's outputs replace (its ``input_ids``, ``attention_mask``
 #: and ``position_ids`` cover prompt and response).
 ROLLOUT_REPLACES = ("input_ids", "attention_mask", "position_ids")
+#: Sampling-seed distance between the dynamic-sampling rounds of one step (steps are 1 apart).
+ROUND_SEED_STRIDE = 1_000_003
 
 
 @dataclass
@@ -211,15 +215,19 @@ class RayPPOTrainer:
         g, algo, t = self.groups, self.cfg.algorithm, {}
         with _timer("sync", t):  # the actor's weights -> the rollout engines; versions checked on every rank
             sync_metrics = self.rollout_pipeline.sync(self)
-        with _timer("gen", t):
-            batch, rollout_metrics = self.rollout_pipeline.generate(self, prompts)
+        with _timer("gen", t):  # with algorithm.filter_groups: generation rounds and their rewards
+            if algo.filter_groups.enable:
+                batch, rollout_metrics = self.generate_informative(prompts)
+            else:
+                batch, rollout_metrics = self.rollout_pipeline.generate(self, prompts)
         check_rollout_batch(batch)  # the layout every later worker call relies on, checked once here
         rollout_metrics.update(sync_metrics)
         if algo.adv_estimator == "remax":
             with _timer("gen_greedy", t):
                 batch = self.add_greedy_baseline(prompts, batch)
-        with _timer("reward", t):
-            batch = self.score(batch)
+        if not algo.filter_groups.enable:  # dynamic sampling scored every round already
+            with _timer("reward", t):
+                batch = self.score(batch, keep_reward_fields=True)
         balance_metrics = {}
         if self.cfg.trainer.balance_batch:  # equal token totals per actor DP rank for every later phase
             batch, balance_metrics = balance_batch(batch, g.actor.mesh_info("actor").dp_size)
@@ -251,6 +259,7 @@ class RayPPOTrainer:
             metrics.update(_update_metrics(g.actor.update_actor(inputs_for(ActorRolloutGroup.update_actor,
                                                                            actor_batch))))
         metrics.update(compute_data_metrics(batch, self.cfg.rollout.response_length))
+        metrics.update(reward_metrics(batch))  # reward/<part>/mean and per data source, every step
         metrics.update(rollout_metrics)
         metrics.update(balance_metrics)
         metrics.update(t)
@@ -269,9 +278,15 @@ class RayPPOTrainer:
         """
         return self._generate(prompts, n, greedy=greedy)[0]
 
-    def _generate(self, prompts: DataProto, n: int, *, greedy: bool) -> tuple[DataProto, dict[str, float]]:
-        """:meth:`rollout` and the rollout's metrics (engine weight version, reshard figures)."""
+    def _generate(self, prompts: DataProto, n: int, *, greedy: bool,
+                  sampling_round: int = 0) -> tuple[DataProto, dict[str, float]]:
+        """:meth:`rollout` and the rollout's metrics (engine weight version, reshard figures).
+
+        ``sampling_round``: a dynamic-sampling round of the step (> 0 moves the sampling
+        seed by :data:`ROUND_SEED_STRIDE` per round, so no two rounds share request seeds)."""
         prompts, gen_in = self._generation_request(prompts, n, greedy=greedy)
+        if sampling_round:
+            gen_in.meta_info["seed"] += sampling_round * ROUND_SEED_STRIDE
         return self._join_rollout(prompts, self.rollout_pipeline.generate_sequences(self, gen_in), n)
 
     def _generation_request(self, prompts: DataProto, n: int, *, greedy: bool,
@@ -309,6 +324,29 @@ class RayPPOTrainer:
                 "top_k": -1 if greedy else r.top_k, "response_length": r.response_length,
                 "do_sample": not greedy,
                 "seed": self.cfg.trainer.seed * 100_003 + (self.global_step if step is None else step)}
+
+    def generate_informative(self, prompts: DataProto) -> tuple[DataProto, dict[str, float]]:
+        """Dynamic sampling (``algorithm.filter_groups``): the step's scored batch of
+        ``len(prompts)`` groups with reward variance, generating further prompt batches
+        from the loader as needed (:func:`~megaflow.trainer.dynamic_sampling.fill_informative`).
+
+        Returns the batch (``token_level_scores`` and the ``reward_*`` fields included) and
+        the first round's rollout metrics plus ``filter_groups/*``.
+        """
+        fg, n = self.cfg.algorithm.filter_groups, self.cfg.rollout.n
+        first: dict[str, float] = {}
+
+        def generate_round(index: int) -> DataProto:
+            if index == 0:
+                batch, metrics = self.rollout_pipeline.generate(self, prompts)
+                first.update(metrics)
+            else:
+                batch, _ = self._generate(self.next_prompts(), n, greedy=False, sampling_round=index)
+            return self.score(batch, keep_reward_fields=True)
+
+        batch, metrics = fill_informative(generate_round, len(prompts), max_extra_rounds=fg.max_extra_rounds,
+                                          metric=fg.metric)
+        return batch, {**first, **metrics}
 
     def add_greedy_baseline(self, prompts: DataProto, batch: DataProto) -> DataProto:
         """ReMax (Li et al. 2023): the reward of each prompt's greedy response is its baseline."""
