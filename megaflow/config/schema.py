@@ -282,6 +282,9 @@ class TrainerConfig(Section):
     """Validate every N steps and after the last; 0: never."""
     val_before_train: bool = False
     """Validate once before the first step."""
+    val_max_samples: int | None = None
+    """Validate on at most N prompts: a fixed subset drawn with data.seed (the same prompts at
+    every validation and in every run with that seed); null: every validation prompt."""
     balance_batch: bool = False
     """Reorder each step's samples so every actor DP rank gets about the same number of tokens
     (sequence-length balancing); changes which samples share a mini-batch."""
@@ -317,7 +320,7 @@ class TrainerConfig(Section):
     on it; enforced per sample in async_rollout mode (which needs >= 1)."""
 
     def validate(self) -> None:
-        check_positive(self, "total_epochs", "total_steps", "max_ckpt_to_keep")
+        check_positive(self, "total_epochs", "total_steps", "max_ckpt_to_keep", "val_max_samples")
         check(self.save_freq >= -1, "save_freq", f"must be >= -1, got {self.save_freq}")
         check_positive(self, "test_freq", "console_every", "max_staleness", allow_zero=True)
         check(not self.async_rollout or self.max_staleness >= 1, "max_staleness",

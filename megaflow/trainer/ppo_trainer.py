@@ -227,7 +227,7 @@ class RayPPOTrainer:
                 batch = self.add_greedy_baseline(prompts, batch)
         if not algo.filter_groups.enable:  # dynamic sampling scored every round already
             with _timer("reward", t):
-                batch = self.score(batch, keep_reward_fields=True)
+                batch = self.score(batch)
         balance_metrics = {}
         if self.cfg.trainer.balance_batch:  # equal token totals per actor DP rank for every later phase
             batch, balance_metrics = balance_batch(batch, g.actor.mesh_info("actor").dp_size)
@@ -354,11 +354,11 @@ class RayPPOTrainer:
         baseline = greedy.batch["token_level_scores"].sum(-1).repeat_interleave(self.cfg.rollout.n)
         return batch.union(DataProto.from_dict({"baseline_rewards": baseline}))
 
-    def score(self, batch: DataProto, keep_reward_fields: bool = False) -> DataProto:
+    def score(self, batch: DataProto, keep_reward_fields: bool = True) -> DataProto:
         """Add ``token_level_scores``: rule rewards, plus reward-model scores when configured.
 
         ``keep_reward_fields`` also keeps the reward function's per-sample non-tensor fields
-        (``reward_score``, ``reward_acc``, ...).
+        (``reward_score``, ``reward_acc``, ..., the reward's parts: logged every step).
         """
         scored = self.reward_fn(batch)
         extra = [k for k in scored.non_tensor_batch if k.startswith("reward_")] if keep_reward_fields else []
@@ -378,14 +378,18 @@ class RayPPOTrainer:
         total = total_steps if total_steps is not None else tr.total_steps
         self.resume()
         last: dict[str, float] = {}
+        eta = EtaClock(tr.test_freq if self.val_loader is not None else -1, total)
         if getattr(tr, "val_before_train", False) and self.global_step == 0 and self.val_loader is not None:
-            self._log(self.validate(), self.global_step)
+            val_metrics = self.validate()
+            eta.validated(val_metrics.get("timing_s/validation"))
+            self._log(val_metrics, self.global_step)
         while self.global_step < total:
             prompts = self.rollout_pipeline.next_prompts(self)  # one step off: the batch already in flight
             step_start = time.perf_counter()
             metrics = self.train_step(prompts)
             self.global_step += 1
             metrics["timing_s/step"] = time.perf_counter() - step_start
+            eta.stepped(metrics["timing_s/step"])
             metrics.update(self.rollout_pipeline.step_done())
             bad = non_finite_metrics(metrics, self._clip_grads())
             if bad:
@@ -394,6 +398,8 @@ class RayPPOTrainer:
             is_last = self.global_step == total
             if self.val_loader is not None and _due(tr.test_freq, self.global_step, is_last, at_end_when_zero=False):
                 metrics.update(self.validate())
+                eta.validated(metrics.get("timing_s/validation"))
+            metrics["timing_s/eta"] = eta.remaining(self.global_step)
             self._log(metrics, self.global_step)
             if self.checkpoints is not None and _due(tr.save_freq, self.global_step, is_last, at_end_when_zero=True):
                 self.save_checkpoint()
@@ -440,10 +446,15 @@ class RayPPOTrainer:
         (``val/acc/...``) where the reward function returns one (GSM8K, arith).
         The engines are synced to the actor's weights first (generation never syncs).
         """
+        start = time.perf_counter()
         self.sync_rollout_weights()
         greedy = not self.cfg.rollout.val_do_sample
-        scored = [self.score(self.rollout(prompts, 1, greedy=greedy), keep_reward_fields=True)
-                  for prompts in self.val_loader]
+        scored = []
+        total = len(getattr(self.val_loader, "dataset", ()))
+        with _progress(getattr(self, "tracker", None), total, "validation") as bar:
+            for prompts in self.val_loader:
+                scored.append(self.score(self.rollout(prompts, 1, greedy=greedy), keep_reward_fields=True))
+                bar.update(len(prompts))
         if not scored:
             return {}
         batch = DataProto.concat(scored)
@@ -458,6 +469,7 @@ class RayPPOTrainer:
             metrics[f"val/score/{s}"] = scores[torch.as_tensor(sel)].mean().item()
             if acc is not None:
                 metrics[f"val/acc/{s}"] = float(np.nanmean(acc[sel].astype(float)))
+        metrics["timing_s/validation"] = time.perf_counter() - start
         return metrics
 
     def _log(self, metrics: dict[str, float], step: int) -> None:
@@ -520,6 +532,52 @@ def _due(freq: int, step: int, is_last: bool, *, at_end_when_zero: bool) -> bool
     if freq < 0 or (freq == 0 and not at_end_when_zero):
         return False
     return is_last or (freq > 0 and step % freq == 0)
+
+
+def _progress(tracker: Any, total: int, desc: str) -> Any:
+    """A bar for a long phase (validation) under the step bar: the tracker's
+    :meth:`~megaflow.utils.tracking.Tracking.progress`, or a silent one without it."""
+    progress = getattr(tracker, "progress", None)
+    if progress is None:
+        from tqdm import tqdm
+
+        return tqdm(total=total, disable=True)
+    return progress(total, desc)
+
+
+class EtaClock:
+    """Time left in :meth:`RayPPOTrainer.fit`, validation included.
+
+    ``remaining(step) = (total - step) x mean step time + validations left x mean
+    validation time``, with the validations left counted from ``trainer.test_freq``'s
+    cadence (:func:`_due`); before the first validation its time is unknown and counts 0.
+
+    Args:
+        test_freq: ``trainer.test_freq`` (negative: no validation set).
+        total: the run's last step.
+    """
+
+    def __init__(self, test_freq: int, total: int) -> None:
+        self.test_freq, self.total = test_freq, total
+        self.step_s: list[float] = []
+        self.val_s: list[float] = []
+
+    def stepped(self, seconds: float) -> None:
+        """A training step took ``seconds`` (validation excluded)."""
+        self.step_s.append(seconds)
+
+    def validated(self, seconds: float | None) -> None:
+        """A validation took ``seconds`` (None: nothing was validated)."""
+        if seconds is not None:
+            self.val_s.append(seconds)
+
+    def remaining(self, step: int) -> float:
+        """Seconds left after ``step`` (0 once ``step`` is the last)."""
+        vals = sum(_due(self.test_freq, s, s == self.total, at_end_when_zero=False)
+                   for s in range(step + 1, self.total + 1))
+        mean_step = sum(self.step_s) / len(self.step_s) if self.step_s else 0.0
+        mean_val = sum(self.val_s) / len(self.val_s) if self.val_s else 0.0
+        return (self.total - step) * mean_step + vals * mean_val
 
 
 def _kl_in_reward_stage(trainer: RayPPOTrainer, batch: DataProto) -> tuple[DataProto, dict[str, float]]:

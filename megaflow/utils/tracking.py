@@ -52,7 +52,11 @@ KEY_FIGURES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("grad_norm", ("actor/grad_norm",)),
     ("step_s", ("timing_s/step",)),
     ("val", ("val/score/mean",)),
+    ("eta", ("timing_s/eta",)),
 )
+#: The bar's layout: tqdm's default without its own remaining time (from the step rate, which
+#: misses validation); the ``eta`` figure (``timing_s/eta``, RayPPOTrainer.fit) counts validation.
+BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}, {rate_fmt}{postfix}]"
 
 
 def key_figures(metrics: Mapping[str, float]) -> dict[str, float]:
@@ -79,7 +83,7 @@ class _ConsoleBackend:
         figures = key_figures(metrics)
         if figures:
             total = f"/{self.last_step}" if self.last_step is not None else ""
-            self.write(f"[step {step}{total}] " + "  ".join(f"{k}={_fmt(v)}" for k, v in figures.items()))
+            self.write(f"[step {step}{total}] " + "  ".join(f"{k}={_fmt_figure(k, v)}" for k, v in figures.items()))
 
     def close(self) -> None:
         pass
@@ -174,7 +178,7 @@ class Tracking:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, initial=initial_step, desc=experiment, unit="step",
-                            dynamic_ncols=True)
+                            dynamic_ncols=True, bar_format=BAR_FORMAT)
         self._last_step = initial_step
         factories = {
             "console": lambda: _ConsoleBackend(self.write, console_every, total_steps),
@@ -197,6 +201,15 @@ class Tracking:
         else:
             print(line, flush=True)
 
+    def progress(self, total: int, desc: str) -> Any:
+        """A bar for a long phase inside a step (validation: ``total`` prompts), below the
+        step bar and removed when closed (use it as a context manager); silent when the
+        run has no step bar."""
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, unit="prompt", leave=False, dynamic_ncols=True,
+                    position=1, disable=self.bar is None)
+
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Log one step. Values that are not numeric scalars are dropped."""
         scalars = {}
@@ -216,7 +229,7 @@ class Tracking:
         if step > self._last_step:
             self.bar.update(step - self._last_step)
             self._last_step = step
-        postfix = {k: _fmt(v) for k, v in key_figures(scalars).items()}
+        postfix = {k: _fmt_figure(k, v) for k, v in key_figures(scalars).items()}
         if postfix:
             self.bar.set_postfix(postfix, refresh=True)
 
@@ -297,6 +310,15 @@ def read_metrics_jsonl(path: str | Path) -> list[dict[str, Any]]:
             raise ValueError(f"{path}, line {lineno}: not a metrics record ({exc})") from exc
         by_step.setdefault(step, {}).update(record)
     return [by_step[s] for s in sorted(by_step)]
+
+
+def _fmt_figure(label: str, value: float) -> str:
+    """A key figure as shown: the ``eta`` as [h:]mm:ss, others by :func:`_fmt`."""
+    if label == "eta":
+        from tqdm import tqdm
+
+        return tqdm.format_interval(max(0.0, value))
+    return _fmt(value)
 
 
 def _fmt(value: float) -> str:

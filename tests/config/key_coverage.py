@@ -238,6 +238,8 @@ KEYS: dict[str, Consumed | Refused] = {
     "trainer.test_freq": consumed(KE + "test_validation_runs_only_with_val_files_and_a_cadence_or_a_pre_train_check"),
     "trainer.val_before_train": consumed(
         KE + "test_validation_runs_only_with_val_files_and_a_cadence_or_a_pre_train_check"),
+    "trainer.val_max_samples": consumed(
+        "tests/trainer/test_validation_bounds.py::test_val_max_samples_is_a_fixed_seeded_subset_reaching_the_val_loader"),
     "trainer.balance_batch": consumed(
         "tests/trainer/test_ppo_trainer_fake.py::test_balance_batch_gives_each_dp_rank_equal_rows_and_balanced_tokens"),
     "trainer.output_dir": consumed(KE + "test_run_directory_is_output_dir_project_experiment",

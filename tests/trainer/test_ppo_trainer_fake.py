@@ -266,3 +266,15 @@ def test_filter_groups_trains_on_the_informative_groups_of_extra_rounds(tmp_path
     assert metrics["filter_groups/kept_share"] == pytest.approx(metrics["filter_groups/informative_groups"]
                                                                  / (2 * len(rounds)))
     assert "timing_s/reward" not in metrics  # scored inside the generation rounds
+
+
+def test_fit_logs_an_eta_that_reaches_zero_at_the_last_step(tmp_path):
+    logged = []
+    trainer, _ = run(tmp_path, total_steps=3)
+    trainer.tracker = SimpleNamespace(log=lambda metrics, step: logged.append((step, dict(metrics))),
+                                      write=print)
+    trainer.fit()
+    etas = {step: m["timing_s/eta"] for step, m in logged}
+    steps = {step: m["timing_s/step"] for step, m in logged}
+    assert etas[3] == 0.0
+    assert etas[1] == pytest.approx(2 * steps[1]) and etas[2] == pytest.approx((steps[1] + steps[2]) / 2)
