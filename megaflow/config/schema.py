@@ -303,6 +303,12 @@ class TrainerConfig(Section):
     """Seed of model init, sampling and shuffling."""
     logger: tuple[Logger, ...] = ("console", "jsonl")
     """Metric sinks: console, jsonl, tensorboard, wandb."""
+    generations_every: int = 10
+    """Log sample generations of the training batch (prompt, response, reward parts) every N
+    steps and after the last; 0: only those of validation."""
+    generations_count: int = 3
+    """Samples per log (one per prompt group), to the console, generations.jsonl and
+    TensorBoard; also at every validation (its first prompts); 0: none."""
     console_every: int = 10
     """With the console logger: a short line of key figures every N steps (and after the
     last); 0: only the progress bar. Every metric goes to the other sinks every step."""
@@ -322,7 +328,8 @@ class TrainerConfig(Section):
     def validate(self) -> None:
         check_positive(self, "total_epochs", "total_steps", "max_ckpt_to_keep", "val_max_samples")
         check(self.save_freq >= -1, "save_freq", f"must be >= -1, got {self.save_freq}")
-        check_positive(self, "test_freq", "console_every", "max_staleness", allow_zero=True)
+        check_positive(self, "test_freq", "console_every", "max_staleness", "generations_every", "generations_count",
+                       allow_zero=True)
         check(not self.async_rollout or self.max_staleness >= 1, "max_staleness",
               f"{{0}}=true generates each batch one actor version ahead: needs >= 1, got {self.max_staleness}",
               "async_rollout")

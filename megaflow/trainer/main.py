@@ -288,7 +288,8 @@ def _train(cfg, inputs) -> dict[str, float]:
                       initial_step=resume_point.step if resume_point is not None else 0,  # the bar counts this run's steps
                       console_every=cfg.trainer.console_every) as tracker:
             trainer = RayPPOTrainer(cfg, groups, reward_fn, train_loader, val_loader, tracker, checkpoints,
-                                    config_yaml=dump_config(cfg))
+                                    config_yaml=dump_config(cfg),
+                                    decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
             metrics = _fit_naming_lost_workers(trainer, groups, total_steps)
             if cfg.trainer.export_hf:
                 groups.actor.export_hf(str(run_dir / "hf"))

@@ -36,6 +36,7 @@ from megaflow.rewards.manager import reward_metrics
 from megaflow.trainer.checkpoint import (TRAINER_STATE_FILE, CheckpointManager, read_trainer_state,
                                          write_trainer_state)
 from megaflow.trainer.dynamic_sampling import fill_informative
+from megaflow.trainer.generations import sample_generations
 from megaflow.trainer.stages import (add_advantages, balance_batch, bypass_old_log_probs, check_rollout_batch,
                                      compute_data_metrics, kl_in_reward, rollout_correction, scores_as_rewards)
 from megaflow.trainer.worker_api import (ActorRolloutGroup, CriticGroup, RefGroup, RewardModelGroup, RolloutGroup,
@@ -185,11 +186,14 @@ class RayPPOTrainer:
             progress bar: :class:`megaflow.utils.tracking.Tracking`).
         checkpoints: where checkpoints go (None disables saving).
         config_yaml: the resolved config as YAML, written into every checkpoint.
+        decode: token ids -> text (the tokenizer's ``decode``), for the sample generations
+            (``trainer.generations_*``); None: none are logged.
     """
 
     def __init__(self, cfg: Config, groups: WorkerGroups, reward_fn: Callable[[DataProto], DataProto],
                  train_loader: Any, val_loader: Any = None, tracker: Any = None,
-                 checkpoints: CheckpointManager | None = None, config_yaml: str | None = None):
+                 checkpoints: CheckpointManager | None = None, config_yaml: str | None = None,
+                 decode: Callable[[list[int]], str] | None = None):
         self.cfg = cfg
         self.groups = groups
         self.reward_fn = reward_fn
@@ -198,6 +202,8 @@ class RayPPOTrainer:
         self.tracker = tracker
         self.checkpoints = checkpoints
         self.config_yaml = config_yaml
+        self.decode = decode
+        self.generations: list[dict[str, Any]] = []  # the last step's samples (trainer.generations_*)
         algo = cfg.algorithm
         from megaflow.algorithms import build_kl_controller
 
@@ -260,6 +266,7 @@ class RayPPOTrainer:
                                                                            actor_batch))))
         metrics.update(compute_data_metrics(batch, self.cfg.rollout.response_length))
         metrics.update(reward_metrics(batch))  # reward/<part>/mean and per data source, every step
+        self.generations = _samples(self, batch, self.cfg.trainer.generations_every > 0)
         metrics.update(rollout_metrics)
         metrics.update(balance_metrics)
         metrics.update(t)
@@ -401,6 +408,8 @@ class RayPPOTrainer:
                 eta.validated(metrics.get("timing_s/validation"))
             metrics["timing_s/eta"] = eta.remaining(self.global_step)
             self._log(metrics, self.global_step)
+            if _due(tr.generations_every, self.global_step, is_last, at_end_when_zero=False):
+                _log_generations(self, self.generations, "train")
             if self.checkpoints is not None and _due(tr.save_freq, self.global_step, is_last, at_end_when_zero=True):
                 self.save_checkpoint()
             last = metrics
@@ -470,6 +479,7 @@ class RayPPOTrainer:
             if acc is not None:
                 metrics[f"val/acc/{s}"] = float(np.nanmean(acc[sel].astype(float)))
         metrics["timing_s/validation"] = time.perf_counter() - start
+        _log_generations(self, _samples(self, batch), "val")
         return metrics
 
     def _log(self, metrics: dict[str, float], step: int) -> None:
@@ -532,6 +542,22 @@ def _due(freq: int, step: int, is_last: bool, *, at_end_when_zero: bool) -> bool
     if freq < 0 or (freq == 0 and not at_end_when_zero):
         return False
     return is_last or (freq > 0 and step % freq == 0)
+
+
+def _samples(trainer: Any, batch: DataProto, wanted: bool = True) -> list[dict[str, Any]]:
+    """``trainer.generations_count`` decoded samples of ``batch``
+    (:func:`~megaflow.trainer.generations.sample_generations`); none without a decoder."""
+    decode = getattr(trainer, "decode", None)
+    if not wanted or decode is None:
+        return []
+    return sample_generations(batch, decode, trainer.cfg.trainer.generations_count)
+
+
+def _log_generations(trainer: Any, records: list[dict[str, Any]], split: str) -> None:
+    """Sample generations of ``split`` at the trainer's step to its tracker (if it logs them)."""
+    log = getattr(getattr(trainer, "tracker", None), "log_generations", None)
+    if log is not None and records:
+        log(records, trainer.global_step, split)
 
 
 def _progress(tracker: Any, total: int, desc: str) -> Any:

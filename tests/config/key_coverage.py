@@ -250,6 +250,11 @@ KEYS: dict[str, Consumed | Refused] = {
     "trainer.max_ckpt_to_keep": consumed("tests/trainer/test_checkpoint.py::test_keep_last_prunes_old_complete_only"),
     "trainer.export_hf": consumed(E2E_TINY + "test_default_recipe_learns_on_policy"),
     "trainer.logger": consumed(KE + "test_trainer_logger_picks_the_runs_metric_sinks"),
+    "trainer.generations_every": consumed(
+        "tests/trainer/test_generations.py::test_training_logs_samples_every_n_steps_and_after_the_last"),
+    "trainer.generations_count": consumed(
+        "tests/trainer/test_generations.py::test_training_logs_samples_every_n_steps_and_after_the_last",
+        "tests/trainer/test_generations.py::test_every_validation_logs_its_first_prompts"),
     "trainer.console_every": consumed("tests/tracking/test_tracking.py::test_console_line_every_n_steps_and_after_the_last"),
     "trainer.experiment_name": consumed(KE + "test_run_directory_is_output_dir_project_experiment",
                                         "tests/config/test_config_loader.py::test_recipe_path_and_invalid_yaml"),

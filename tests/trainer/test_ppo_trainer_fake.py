@@ -107,7 +107,8 @@ def make_cfg(tmp_path, total_steps=3, resume="disable", balance_batch=False, fil
                    verify_sync=False, weight_sync_bucket_mb=512),
         actor=ns(optim=ns(clip_grad=1.0), on_policy_old_log_probs=False),
         trainer=ns(total_steps=total_steps, test_freq=0, save_freq=1, seed=7, resume=resume,
-                   balance_batch=balance_batch, async_rollout=False, max_staleness=1))
+                   balance_batch=balance_batch, async_rollout=False, max_staleness=1, generations_every=2,
+                   generations_count=1))
 
 
 def run(tmp_path, total_steps, resume="disable", balance_batch=False, filter_groups=None):
