@@ -353,6 +353,11 @@ class RayPPOTrainer:
 
         batch, metrics = fill_informative(generate_round, len(prompts), max_extra_rounds=fg.max_extra_rounds,
                                           metric=fg.metric)
+        if metrics["filter_groups/cap_reached"]:
+            _say(self, f"[megaflow] step {self.global_step + 1}: {int(metrics['filter_groups/informative_groups'])} "
+                       f"informative groups of {len(prompts)} after {int(metrics['filter_groups/rounds'])} generation "
+                       f"rounds (algorithm.filter_groups.max_extra_rounds={fg.max_extra_rounds}); completed with "
+                       f"{int(metrics['filter_groups/padded_groups'])} groups of equal rewards")
         return batch, {**first, **metrics}
 
     def add_greedy_baseline(self, prompts: DataProto, batch: DataProto) -> DataProto:
@@ -529,11 +534,7 @@ class RayPPOTrainer:
         self.train_loader.load_state_dict(state["train_loader"])
         self._train_iter = None
         restore_rng_state(state["rng"], tensors)
-        message = f"[megaflow] resumed from {path} at step {self.global_step}"
-        if self.tracker is not None:
-            self.tracker.write(message)  # above the progress bar, not on its line
-        else:
-            print(message, flush=True)
+        _say(self, f"[megaflow] resumed from {path} at step {self.global_step}")
 
 
 def _due(freq: int, step: int, is_last: bool, *, at_end_when_zero: bool) -> bool:
@@ -551,6 +552,14 @@ def _samples(trainer: Any, batch: DataProto, wanted: bool = True) -> list[dict[s
     if not wanted or decode is None:
         return []
     return sample_generations(batch, decode, trainer.cfg.trainer.generations_count)
+
+
+def _say(trainer: Any, message: str) -> None:
+    """One console line, above the progress bar when the trainer has a tracker."""
+    if getattr(trainer, "tracker", None) is not None:
+        trainer.tracker.write(message)  # above the progress bar, not on its line
+    else:
+        print(message, flush=True)
 
 
 def _log_generations(trainer: Any, records: list[dict[str, Any]], split: str) -> None:

@@ -88,9 +88,8 @@ class _ConsoleBackend:
             self.write(f"[step {step}{total}] " + "  ".join(f"{k}={_fmt_figure(k, v)}" for k, v in figures.items()))
 
     def log_generations(self, records: Sequence[Mapping[str, Any]], step: int, split: str) -> None:
-        self.write(f"[step {step}] {split} samples:")
-        for record in records:
-            self.write(_generation_lines(record))
+        # one write: the bar is redrawn once, below the whole block
+        self.write("\n".join([f"[step {step}] {split} samples:"] + [_generation_lines(r) for r in records]))
 
     def close(self) -> None:
         pass

@@ -269,6 +269,24 @@ def test_filter_groups_trains_on_the_informative_groups_of_extra_rounds(tmp_path
     assert "timing_s/reward" not in metrics  # scored inside the generation rounds
 
 
+def test_filter_groups_cap_says_so_on_the_console(tmp_path, capsys):
+    from megaflow.config.schema import FilterGroupsConfig
+
+    def flat(batch):
+        out = reward_fn(batch)
+        out.batch["token_level_scores"].zero_()  # no group has any spread
+        return out
+
+    actor = FakeActor()
+    cfg = make_cfg(tmp_path, 1, filter_groups=FilterGroupsConfig(enable=True, max_extra_rounds=1))
+    trainer = RayPPOTrainer(cfg, WorkerGroups(actor=actor), flat, Loader())
+    metrics = trainer.train_step(trainer.next_prompts())
+    assert [c[0] for c in actor.calls].count("generate") == 2 and len(actor.updates[0]) == 6
+    assert metrics["filter_groups/cap_reached"] == 1.0 and metrics["filter_groups/padded_groups"] == 2.0
+    assert ("step 1: 0 informative groups of 2 after 2 generation rounds "
+            "(algorithm.filter_groups.max_extra_rounds=1)") in capsys.readouterr().out
+
+
 def test_fit_logs_an_eta_that_reaches_zero_at_the_last_step(tmp_path):
     logged = []
     trainer, _ = run(tmp_path, total_steps=3)
