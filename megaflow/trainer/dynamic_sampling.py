@@ -58,8 +58,8 @@ def split_groups(batch: DataProto, metric: str = "score") -> tuple[list[str], li
     """The batch's groups split into (informative, uninformative) uids, in first-row order.
 
     A group (the rows sharing a ``uid``) is informative when its metric values
-    (:func:`group_metric`) are not all equal (max > min; a NaN value counts as no
-    spread for that row's group only when every value is NaN).
+    (:func:`group_metric`) are not all equal (max > min over its non-NaN values; a group
+    whose values are all NaN is not informative).
 
     Raises:
         KeyError: no ``uid`` field, or an unknown ``metric``.
