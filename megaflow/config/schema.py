@@ -188,6 +188,26 @@ class RolloutCorrectionConfig(Section):
 
 
 @dataclass(frozen=True)
+class FilterGroupsConfig(Section):
+    """Dynamic sampling (DAPO, Yu et al. 2025, section 3.2; megaflow.trainer.dynamic_sampling):
+    drop prompt groups whose rewards do not vary and generate more prompts until the step
+    has data.train_batch_size informative groups."""
+
+    enable: bool = False
+    """Filter groups (needs a group estimator: grpo, dr_grpo, rloo, reinforce_plus_plus_baseline)."""
+    metric: str = "score"
+    """Per-sample value whose spread makes a group informative: 'score' (the sequence
+    reward) or a field the reward function returns (e.g. 'acc', 'format')."""
+    max_extra_rounds: int = 4
+    """Generation rounds after the step's own before the batch is completed with
+    uninformative groups (logged as filter_groups/cap_reached, filter_groups/padded_groups)."""
+
+    def validate(self) -> None:
+        check_positive(self, "max_extra_rounds", allow_zero=True)
+        check(self.metric.isidentifier(), "metric", f"must be 'score' or a reward field name, got {self.metric!r}")
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig(Section):
     """Advantage estimation and KL regularisation (megaflow.algorithms)."""
 
@@ -213,6 +233,8 @@ class AlgorithmConfig(Section):
     """KL estimator of the loss term ("+": straight-through gradient of k2)."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Importance weights / rejection for the rollout-vs-trainer log-prob gap, bypass mode."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """Dynamic sampling: train only on prompt groups whose rewards vary (DAPO)."""
 
     def validate(self) -> None:
         check(0.0 <= self.gamma <= 1.0, "gamma", f"must lie in [0, 1], got {self.gamma}")
@@ -573,6 +595,9 @@ class TrainerConfig(Section):
     """Validate every N steps and after the last; 0: never."""
     val_before_train: bool = False
     """Validate once before the first step."""
+    val_max_samples: int | None = None
+    """Validate on at most N prompts: a fixed subset drawn with data.seed (the same prompts at
+    every validation and in every run with that seed); null: every validation prompt."""
     balance_batch: bool = False
     """Reorder each step's samples so every actor DP rank gets about the same number of tokens
     (sequence-length balancing); changes which samples share a mini-batch."""
@@ -591,6 +616,12 @@ class TrainerConfig(Section):
     """Seed of model init, sampling and shuffling."""
     logger: tuple[Logger, ...] = ("console", "jsonl")
     """Metric sinks: console, jsonl, tensorboard, wandb."""
+    generations_every: int = 10
+    """Log sample generations of the training batch (prompt, response, reward parts) every N
+    steps and after the last; 0: only those of validation."""
+    generations_count: int = 3
+    """Samples per log (one per prompt group), to the console, generations.jsonl and
+    TensorBoard; also at every validation (its first prompts); 0: none."""
     console_every: int = 10
     """With the console logger: a short line of key figures every N steps (and after the
     last); 0: only the progress bar. Every metric goes to the other sinks every step."""
@@ -608,9 +639,10 @@ class TrainerConfig(Section):
     on it; enforced per sample in async_rollout mode (which needs >= 1)."""
 
     def validate(self) -> None:
-        check_positive(self, "total_epochs", "total_steps", "max_ckpt_to_keep")
+        check_positive(self, "total_epochs", "total_steps", "max_ckpt_to_keep", "val_max_samples")
         check(self.save_freq >= -1, "save_freq", f"must be >= -1, got {self.save_freq}")
-        check_positive(self, "test_freq", "console_every", "max_staleness", allow_zero=True)
+        check_positive(self, "test_freq", "console_every", "max_staleness", "generations_every", "generations_count",
+                       allow_zero=True)
         check(not self.async_rollout or self.max_staleness >= 1, "max_staleness",
               f"{{0}}=true generates each batch one actor version ahead: needs >= 1, got {self.max_staleness}",
               "async_rollout")

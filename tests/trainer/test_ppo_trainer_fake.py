@@ -94,24 +94,27 @@ def reward_fn(batch: DataProto) -> DataProto:
     return DataProto.from_dict({"token_level_scores": out})
 
 
-def make_cfg(tmp_path, total_steps=3, resume="disable", balance_batch=False):
-    from megaflow.config.schema import RolloutCorrectionConfig
+def make_cfg(tmp_path, total_steps=3, resume="disable", balance_batch=False, filter_groups=None):
+    from megaflow.config.schema import FilterGroupsConfig, RolloutCorrectionConfig
 
     ns = SimpleNamespace
     return ns(
         algorithm=ns(adv_estimator="grpo", gamma=1.0, lam=1.0, norm_adv_by_std=True, use_kl_in_reward=False,
                      kl_penalty="k1", kl_ctrl=ns(type="fixed", kl_coef=0.001, target_kl=None, horizon=None),
-                     rollout_correction=RolloutCorrectionConfig()),
+                     rollout_correction=RolloutCorrectionConfig(),
+                     filter_groups=filter_groups or FilterGroupsConfig()),
         rollout=ns(n=3, temperature=1.0, top_p=1.0, top_k=-1, response_length=R, val_do_sample=False,
                    verify_sync=False, weight_sync_bucket_mb=512),
         actor=ns(optim=ns(clip_grad=1.0), on_policy_old_log_probs=False),
         trainer=ns(total_steps=total_steps, test_freq=0, save_freq=1, seed=7, resume=resume,
-                   balance_batch=balance_batch, async_rollout=False, max_staleness=1))
+                   balance_batch=balance_batch, async_rollout=False, max_staleness=1, generations_every=2,
+                   generations_count=1))
 
 
-def run(tmp_path, total_steps, resume="disable", balance_batch=False):
+def run(tmp_path, total_steps, resume="disable", balance_batch=False, filter_groups=None):
     actor = FakeActor()
-    trainer = RayPPOTrainer(make_cfg(tmp_path, total_steps, resume, balance_batch), WorkerGroups(actor=actor), reward_fn,
+    cfg = make_cfg(tmp_path, total_steps, resume, balance_batch, filter_groups)
+    trainer = RayPPOTrainer(cfg, WorkerGroups(actor=actor), reward_fn,
                             Loader(), checkpoints=CheckpointManager(tmp_path / "ckpt"))
     return trainer, actor
 
@@ -210,3 +213,87 @@ def test_balance_batch_gives_each_dp_rank_equal_rows_and_balanced_tokens(tmp_pat
     uids = step_batches[0].non_tensor_batch["uid"]
     assert torch.equal(step_batches[0].batch["attention_mask"], batch.batch["attention_mask"])
     assert sorted(np.unique(uids, return_counts=True)[1].tolist()) == [3, 3]
+
+
+def test_filter_groups_trains_on_the_informative_groups_of_extra_rounds(tmp_path, step_batches, monkeypatch):
+    """algorithm.filter_groups: every generated round is scored; the update gets the first
+    train_batch_size groups whose scores vary (a hand filter over the rounds), the extra
+    rounds draw new prompts with their own seeds."""
+    from megaflow.config.schema import FilterGroupsConfig
+    import megaflow.trainer.ppo_trainer as ppo
+
+    rounds = []
+    real_score = RayPPOTrainer.score
+
+    def spy_score(self, batch, keep_reward_fields=False):
+        out = real_score(self, batch, keep_reward_fields)
+        rounds.append(out)
+        return out
+
+    monkeypatch.setattr(RayPPOTrainer, "score", spy_score)
+    def reward_with_flat_groups(batch):
+        """reward_fn, but the first prompt of every round scores 1 on each sample (no variance)."""
+        out = reward_fn(batch)
+        first = batch.non_tensor_batch["uid"] == batch.non_tensor_batch["uid"][0]
+        scores = out.batch["token_level_scores"]
+        scores[torch.as_tensor(first)] = 0.0
+        scores[torch.as_tensor(first), 0] = 1.0
+        return out
+
+    actor = FakeActor()
+    cfg = make_cfg(tmp_path, 1, filter_groups=FilterGroupsConfig(enable=True, max_extra_rounds=3))
+    trainer = RayPPOTrainer(cfg, WorkerGroups(actor=actor), reward_with_flat_groups, Loader(),
+                            checkpoints=CheckpointManager(tmp_path / "ckpt"))
+    metrics = trainer.train_step(trainer.next_prompts())
+    gens = [c for c in actor.calls if c[0] == "generate"]
+    assert len(gens) == len(rounds) >= 2  # one prompt of each 2-prompt round is flat: 2 rounds at least
+    assert len({c[2]["seed"] for c in gens}) == len(gens)
+    assert gens[1][2]["seed"] - gens[0][2]["seed"] == ppo.ROUND_SEED_STRIDE
+    good = []
+    for batch in rounds:
+        scores = batch.batch["token_level_scores"].sum(-1)
+        uids = batch.non_tensor_batch["uid"]
+        for uid in dict.fromkeys(uids.tolist()):
+            rows = np.nonzero(uids == uid)[0]
+            if len(set(scores[rows].tolist())) > 1:
+                good.append((batch, rows))
+    good = good[:2]
+    expected = torch.cat([b.batch["responses"][rows] for b, rows in good])
+    assert torch.equal(actor.updates[0].batch["responses"], expected)
+    assert step_batches[0].non_tensor_batch["ground_truth"].tolist() == \
+        [g for b, rows in good for g in b.non_tensor_batch["ground_truth"][rows].tolist()]
+    assert metrics["filter_groups/informative_groups"] == sum(
+        len({u for u in b.non_tensor_batch["uid"]}) - 1 for b in rounds)  # all but the flat first prompt
+    assert metrics["filter_groups/kept_share"] == pytest.approx(metrics["filter_groups/informative_groups"]
+                                                                 / (2 * len(rounds)))
+    assert "timing_s/reward" not in metrics  # scored inside the generation rounds
+
+
+def test_filter_groups_cap_says_so_on_the_console(tmp_path, capsys):
+    from megaflow.config.schema import FilterGroupsConfig
+
+    def flat(batch):
+        out = reward_fn(batch)
+        out.batch["token_level_scores"].zero_()  # no group has any spread
+        return out
+
+    actor = FakeActor()
+    cfg = make_cfg(tmp_path, 1, filter_groups=FilterGroupsConfig(enable=True, max_extra_rounds=1))
+    trainer = RayPPOTrainer(cfg, WorkerGroups(actor=actor), flat, Loader())
+    metrics = trainer.train_step(trainer.next_prompts())
+    assert [c[0] for c in actor.calls].count("generate") == 2 and len(actor.updates[0]) == 6
+    assert metrics["filter_groups/cap_reached"] == 1.0 and metrics["filter_groups/padded_groups"] == 2.0
+    assert ("step 1: 0 informative groups of 2 after 2 generation rounds "
+            "(algorithm.filter_groups.max_extra_rounds=1)") in capsys.readouterr().out
+
+
+def test_fit_logs_an_eta_that_reaches_zero_at_the_last_step(tmp_path):
+    logged = []
+    trainer, _ = run(tmp_path, total_steps=3)
+    trainer.tracker = SimpleNamespace(log=lambda metrics, step: logged.append((step, dict(metrics))),
+                                      write=print)
+    trainer.fit()
+    etas = {step: m["timing_s/eta"] for step, m in logged}
+    steps = {step: m["timing_s/step"] for step, m in logged}
+    assert etas[3] == 0.0
+    assert etas[1] == pytest.approx(2 * steps[1]) and etas[2] == pytest.approx((steps[1] + steps[2]) / 2)
