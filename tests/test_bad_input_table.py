@@ -4,7 +4,8 @@ starts with exit code 2, no traceback, and a message containing the table's text
 Rows are read from README.md, so the table and the behaviour cannot drift apart. An
 input starting with ``make train`` runs through the Makefile's checks (``make -n``, which
 prints the trainer command instead of running it) and then through the trainer's
-``main()`` in-process on the default recipe; ``tools/...`` rows run the tool's ``main``.
+``main()`` in-process on the default recipe, and again as a dry run, which must exit with the
+same code and the same lines; ``tools/...`` rows run the tool's ``main``.
 ``<...>`` placeholders are built here (see ``FIXTURES``).
 """
 from __future__ import annotations
@@ -143,12 +144,15 @@ def test_bad_input_row(command, note, expected, tmp_path, model_dir, capsys, mon
     output = tmp_path / "outputs"
     if words[0] == "make":
         rc, err, trainer_args = _run_make(words[1:], tmp_path)
-        if trainer_args is not None:  # make forwarded it: the trainer must refuse it
+        if trainer_args is not None:  # make forwarded it: the trainer must refuse it, and so must its dry run
             from megaflow.trainer.main import main
 
-            rc = main([*trainer_args[:2], f"trainer.output_dir={output}", *trainer_args[2:]])
+            args = [*trainer_args[:2], f"trainer.output_dir={output}", *trainer_args[2:]]
+            rc = main(args)
             err = capsys.readouterr().err
             assert not output.exists(), "the run directory was created before the input was checked"
+            assert main(["--dry-run", *args]) == rc
+            assert capsys.readouterr().err == err, "the dry run reports other lines than the run"
     else:
         rc = _load_tool(Path(words[0]).stem).main(words[1:])
         err = capsys.readouterr().err

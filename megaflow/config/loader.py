@@ -21,17 +21,16 @@ YAML would otherwise keep the second silently.
 from __future__ import annotations
 
 import copy
-import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import yaml
 
+from megaflow.config.overrides import key_parts, parse_value, split_override
 from megaflow.config.schema import Config
 from megaflow.config.typed import ConfigError, build_section
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
-_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
 
 
 def list_recipes(recipes_dir: Path = RECIPES_DIR) -> list[str]:
@@ -121,25 +120,20 @@ def merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def parse_override(item: str) -> tuple[str, Any]:
-    """``"actor.optim.lr=1e-6"`` -> ``("actor.optim.lr", 1e-6)`` (value typed as YAML).
+    """``"actor.optim.lr=1e-6"`` -> ``("actor.optim.lr", 1e-6)`` (value typed as YAML; the key
+    syntax, quoted key parts and the checks of mapping values: :mod:`megaflow.config.overrides`).
 
     Raises:
         ConfigError: no ``=``, a malformed key, an empty value (``key=``: null is written
             ``key=null``; the shell strips quotes, so a typed ``key=''`` arrives as ``key=``
             too) or a value that is not valid YAML.
     """
-    key, sep, raw = item.partition("=")
-    key = key.strip()
-    if not sep or not _KEY.match(key):
-        raise ConfigError("", f"override {item!r}: expected key.sub=value (e.g. trainer.total_steps=10)")
+    key, _, raw = split_override(item)
     if not raw.strip():
         raise ConfigError(key, f"override {item!r} has no value; write {key}=null for null, or the value "
                                "itself (an empty value is refused: it is most often a shell variable that "
                                "expanded to nothing)")
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError as err:
-        raise ConfigError(key, f"override value {raw!r} is not valid YAML: {err}") from None
+    value = parse_value(key, raw)
     return key, value
 
 
@@ -153,7 +147,7 @@ def apply_override(tree: dict[str, Any], key: str, value: Any) -> dict[str, Any]
         ConfigError: a prefix of ``key`` holds a value that is not a mapping.
     """
     out = copy.deepcopy(tree)
-    node, parts = out, key.split(".")
+    node, parts = out, key_parts(key)
     for i, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):

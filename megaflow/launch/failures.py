@@ -19,6 +19,8 @@ every role and rank they hosted, the rank that failed first, and how to resume::
 from __future__ import annotations
 
 import re
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
@@ -270,25 +272,61 @@ def worker_lost_error(error: BaseException, placements: Sequence[RankProcess],
                            rank=failed.rank if failed else None, dead_nodes=tuple(n.ip for n in dead_nodes), lost=lost)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the controller's main thread where Ctrl-C raises KeyboardInterrupt, so
+    that both unwind the same way (worker groups and Ray stopped, nothing half-written)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop: a second SIGTERM must not cut the clean-up short
+    raise Terminated()
+
+
+def stop_cleanly_on_sigterm() -> Any:
+    """Make SIGTERM raise :class:`Terminated` in this process's main thread (a no-op elsewhere).
+    Call it again after ``ray.init``, which installs its own handler (``sys.exit(15)``).
+
+    Returns:
+        The handler it replaced (for ``signal.signal`` to restore), or None off the main thread.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+#: Exit codes of a run stopped by a signal: 128 + the signal's number, as a shell reports it.
+EXIT_SIGINT, EXIT_SIGTERM = 128 + signal.SIGINT, 128 + signal.SIGTERM
+
+
+def exit_code_of(interrupt: BaseException) -> int:
+    """143 for a :class:`Terminated` (or a :class:`RunInterrupted` by SIGTERM), else 130."""
+    by_sigterm = isinstance(interrupt, Terminated) or getattr(interrupt, "by_sigterm", False)
+    return EXIT_SIGTERM if by_sigterm else EXIT_SIGINT
+
+
 class RunInterrupted(Exception):
-    """The user interrupted the run (Ctrl-C); the message says where it stopped and how to go on.
+    """The user interrupted the run (Ctrl-C, or SIGTERM with ``by_sigterm``); the message says
+    where it stopped and how to go on.
 
     Attributes:
         step: the last completed step.
         checkpoint: the newest complete checkpoint, or None.
+        by_sigterm: stopped by SIGTERM rather than Ctrl-C.
     """
 
-    def __init__(self, step: int, checkpoint: Any = None) -> None:
-        super().__init__(step, checkpoint)
-        self.step, self.checkpoint = step, checkpoint
+    def __init__(self, step: int, checkpoint: Any = None, by_sigterm: bool = False) -> None:
+        super().__init__(step, checkpoint, by_sigterm)
+        self.step, self.checkpoint, self.by_sigterm = step, checkpoint, by_sigterm
 
     def __str__(self) -> str:
+        what = "stopped by SIGTERM" if self.by_sigterm else "interrupted"
         if self.checkpoint is None:
-            return (f"interrupted after step {self.step}; no checkpoint was complete yet, so a restart begins at "
+            return (f"{what} after step {self.step}; no checkpoint was complete yet, so a restart begins at "
                     "step 0 (trainer.save_freq sets how often one is saved)")
-        return (f"interrupted after step {self.step}; the newest checkpoint is {self.checkpoint}: start again "
+        return (f"{what} after step {self.step}; the newest checkpoint is {self.checkpoint}: start again "
                 "with the same trainer.output_dir and trainer.resume=auto to continue from it")
 
 
 __all__ = ["RankProcess", "WorkerLostError", "placements_of", "is_worker_death", "worker_lost_error",
-           "dead_placements", "find_dead_ranks", "RunInterrupted", "RESUME_HINT"]
+           "dead_placements", "find_dead_ranks", "RunInterrupted", "RESUME_HINT",
+           "Terminated", "stop_cleanly_on_sigterm", "exit_code_of", "EXIT_SIGINT", "EXIT_SIGTERM"]

@@ -128,6 +128,22 @@ class CheckpointManager:
         found = self.complete_checkpoints()
         return found[-1][1] if found else None
 
+    def skipped_newer(self, step: int) -> list[tuple[Path, str]]:
+        """What ``resume=auto`` passes over to resume at ``step`` (-1: none is complete):
+        each newer ``global_step_N`` directory that is not complete, or a save in progress or
+        interrupted (``.incomplete-``), with the reason, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for p in self.root.iterdir():
+            m = _STEP_DIR.match(p.name)
+            final = final_name_of(p)
+            if m and int(m.group(1)) > step and not (p / COMPLETE_MARKER).is_file():
+                found.append((int(m.group(1)), p, f"no {COMPLETE_MARKER} marker: a damaged or unfinished save"))
+            elif final is not None and (fm := _STEP_DIR.match(final)) and int(fm.group(1)) > step:
+                found.append((int(fm.group(1)), p, "a save that was interrupted or is still being written"))
+        return [(p, why) for _, p, why in sorted(found)]
+
     def resolve(self, resume: str) -> Path | None:
         """Map ``trainer.resume`` to a checkpoint: ``disable`` -> None, ``auto`` -> latest
         complete (or None), anything else -> that path, which must be a complete checkpoint.
@@ -159,8 +175,9 @@ class CheckpointManager:
         """Delete the ``.incomplete-`` directories of saves that never completed (a crash or
         a kill during a save) and stray temporary ``latest`` files; returns what was removed.
 
-        Call it at start-up, before this run saves anything (a save in progress of another
-        run writing the same directory would be removed too).
+        Call it only while holding the run directory's lock (:mod:`megaflow.utils.run_lock`;
+        the trainer does, at start-up, before this run saves anything): a save in progress of
+        another run writing the same directory would be removed too.
         """
         removed = remove_temporary_siblings(self.root)
         if self.root.is_dir():

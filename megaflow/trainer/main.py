@@ -8,7 +8,9 @@ message names the dotted key, file or value; found before any process starts, by
 dry run too: :mod:`megaflow.trainer.preflight`; ``MEGAFLOW_DEBUG=1`` adds the traceback); 3 the cluster is missing resources or a
 worker process/node died (the message names what is missing, or the node, role and rank); 4 a
 training-health check stopped the run (``algorithm.rollout_correction.max_mismatch``, a
-non-finite loss or gradient norm); 130 interrupted (Ctrl-C), with where it stopped and how to resume.
+non-finite loss or gradient norm); 130 interrupted (Ctrl-C) and 143 stopped by SIGTERM, with where it
+stopped and how to resume (one line; worker groups and Ray shut down, the newest complete checkpoint
+untouched). A second run on the same run directory is refused (exit 2) naming the holder of its lock.
 """
 from __future__ import annotations
 
@@ -16,13 +18,17 @@ import argparse
 import contextlib
 import os
 import random
+import shutil
+import signal
 import sys
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import numpy as np
 
 from megaflow.topology.sizes import run_dir_of
 from megaflow.utils import startup_gc
+from megaflow.utils.run_lock import RunDirLock, RunDirLockedError
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -166,6 +172,9 @@ def init_ray(cfg) -> None:
         with exported_env({**worker_env(), **node_env()}):
             ray.init(address="local", num_cpus=r.num_cpus, dashboard_host=r.dashboard_host, **kwargs,
                      **loopback_ray_options())
+    from megaflow.launch.failures import stop_cleanly_on_sigterm
+
+    stop_cleanly_on_sigterm()  # ray.init replaced it with sys.exit(15)
 
 
 def _stop_local_ray(cfg) -> None:
@@ -183,14 +192,14 @@ def _stop_local_ray(cfg) -> None:
 def _fit_naming_lost_workers(trainer, groups, total_steps: int) -> dict[str, float]:
     """``trainer.fit`` where a dead worker process or node becomes a
     :class:`~megaflow.launch.failures.WorkerLostError` naming node, role and rank."""
-    from megaflow.launch.failures import (RunInterrupted, find_dead_ranks, is_worker_death, placements_of,
-                                          worker_lost_error)
+    from megaflow.launch.failures import (RunInterrupted, Terminated, find_dead_ranks, is_worker_death,
+                                          placements_of, worker_lost_error)
 
     try:
         return trainer.fit(total_steps)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (Terminated)
         latest = trainer.checkpoints.latest() if trainer.checkpoints is not None else None
-        raise RunInterrupted(trainer.global_step, latest) from None
+        raise RunInterrupted(trainer.global_step, latest, by_sigterm=isinstance(stop, Terminated)) from None
     except Exception as err:  # noqa: BLE001 - re-raised unchanged unless a worker died
         placements = placements_of(groups.named())
         dead = find_dead_ranks(err, placements)  # whoever raised, blame the rank that is actually dead
@@ -224,60 +233,133 @@ class _StartupClock:
         return f"{total:.1f} s to the workers' readiness: " + ", ".join(f"{n} {s:.1f} s" for n, s in self.laps)
 
 
-def train(cfg, inputs=None) -> dict[str, float]:
+def train(cfg, inputs=None, *, watchdog=None) -> dict[str, float]:
     """Run training for a loaded, validated config; returns the last step's metrics.
 
     Args:
         inputs: what :func:`megaflow.trainer.preflight.preflight` returned for ``cfg``
-            (None: it runs here first). Nothing is created (not even the run directory)
-            before those checks passed.
+            (None: it runs here first). Nothing is created before those checks passed but
+            the run directory's lock (:mod:`megaflow.utils.run_lock`), under which the
+            checks of :func:`prepare_run` run again; a directory created for the lock is
+            removed again when they refuse.
+        watchdog: the controller's :class:`~megaflow.launch.watchdog.Watchdog`, told the
+            local Ray's processes (None: Ray's helpers are left to Ray).
 
     Raises:
         ConfigError: a pre-start check failed (a :class:`PreflightError` listing them).
+        RunDirLockedError: another run holds the run directory.
+        RunInterrupted: Ctrl-C or SIGTERM during training.
     """
     startup_gc.pause()  # until the workers are ready (megaflow.utils.startup_gc says why)
     try:
-        return _train(cfg, inputs)
+        return _train(cfg, inputs, watchdog)
     finally:
         startup_gc.resume(freeze=False)  # a no-op once _train resumed it after start-up
 
 
-def _train(cfg, inputs) -> dict[str, float]:
-    from megaflow.config import config_to_dict, dump_config
+@dataclass
+class Prepared:
+    """What the checks before the first step built, for the run to use: the prompt loaders,
+    the number of steps, the checkpoint to resume from (or None) and the reward function."""
+
+    train_loader: Any
+    val_loader: Any
+    total_steps: int
+    resume_point: Any
+    reward_fn: Any
+
+
+def prepare_run(cfg, inputs) -> Prepared:
+    """The checks that need the loaded data, run by the dry run and by the run (under the run
+    directory's lock) alike: the run's length, ``trainer.resume`` (verified, same layout and
+    config, not already finished), the LR schedules' horizons and the reward functions.
+
+    Raises:
+        ConfigError: naming the key (exit code 2).
+    """
     from megaflow.topology import lr_schedule_steps, num_training_steps
-    from megaflow.trainer.checkpoint import CheckpointManager
-    from megaflow.trainer.ppo_trainer import RayPPOTrainer
-    from megaflow.trainer.roles import build_worker_groups, shutdown_worker_groups
+    from megaflow.trainer.resume import check_not_finished, check_resume
+
+    train_loader, val_loader, num_prompts = build_loaders(cfg, inputs)
+    total_steps = num_training_steps(cfg, num_prompts)
+    resume_point = check_resume(cfg)
+    check_not_finished(resume_point, total_steps)  # a finished run says so before anything starts
+    for role in ("actor", "critic"):  # the LR decay horizon needs the run length: check it before Ray starts
+        if role == "actor" or cfg.critic.enabled:
+            lr_schedule_steps(cfg, role, total_steps)
+    reward_fn = build_reward_fn(cfg, inputs.tokenizer, inputs.reward_functions)
+    return Prepared(train_loader, val_loader, total_steps, resume_point, reward_fn)
+
+
+def _say_where_it_starts(cfg, prepared: Prepared) -> None:
+    """Print which checkpoint the run resumes from and which newer saves it passes over."""
+    from megaflow.trainer.resume import describe_resume
+
+    line = describe_resume(cfg, prepared.resume_point)
+    if line is not None:
+        print(line, flush=True)
+
+
+def _lock_run_dir(cfg, inputs) -> tuple[RunDirLock, Prepared]:
+    """Take the run directory's lock (:mod:`megaflow.utils.run_lock`), then run
+    :func:`prepare_run` under it, so that no other run changes the checkpoints between the
+    resume checks and this run's use of them. On a refusal the lock is released, the
+    generated task files are removed and so are the directories created for the lock.
+
+    Raises:
+        RunDirLockedError: another live run holds the directory.
+        ConfigError: a check of :func:`prepare_run` failed.
+    """
+    run_dir = run_dir_of(cfg)
+    created = next((p for p in (run_dir, *run_dir.parents) if p.parent.exists()), None)
+    created = created if created is not None and not created.exists() else None
+    lock = RunDirLock(run_dir)
+    try:
+        lock.acquire()
+        return lock, prepare_run(cfg, inputs)
+    except BaseException:
+        inputs.discard_generated()
+        held = lock.held
+        lock.release()
+        if held and created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+
+
+def _train(cfg, inputs, watchdog) -> dict[str, float]:
     from megaflow.trainer.preflight import preflight
-    from megaflow.utils.tracking import Tracking, filter_known_warnings
 
     if inputs is None:
         inputs = preflight(cfg)
-    tokenizer = inputs.tokenizer
+    lock, prepared = _lock_run_dir(cfg, inputs)
     try:
-        train_loader, val_loader, num_prompts = build_loaders(cfg, inputs)
-        total_steps = num_training_steps(cfg, num_prompts)
-        from megaflow.trainer.resume import check_not_finished, check_resume
+        return _train_locked(cfg, inputs, prepared, watchdog)
+    finally:
+        lock.release()
 
-        resume_point = check_resume(cfg)
-        check_not_finished(resume_point, total_steps)  # a finished run says so before anything starts
-        for role in ("actor", "critic"):  # the LR decay horizon needs the run length: check it before Ray starts
-            if role == "actor" or cfg.critic.enabled:
-                lr_schedule_steps(cfg, role, total_steps)
-        reward_fn = build_reward_fn(cfg, tokenizer, inputs.reward_functions)
-    except BaseException:
-        inputs.discard_generated()
-        raise
-    run_dir = run_dir_of(cfg)  # created only now that every input was checked
-    run_dir.mkdir(parents=True, exist_ok=True)
+
+def _train_locked(cfg, inputs, prepared: Prepared, watchdog) -> dict[str, float]:
+    from megaflow.config import config_to_dict, dump_config
+    from megaflow.trainer.checkpoint import CheckpointManager
+    from megaflow.trainer.ppo_trainer import RayPPOTrainer
+    from megaflow.trainer.roles import build_worker_groups, shutdown_worker_groups
+    from megaflow.utils.tracking import Tracking, filter_known_warnings
+
+    tokenizer, total_steps, resume_point = inputs.tokenizer, prepared.total_steps, prepared.resume_point
+    run_dir = run_dir_of(cfg)
+    _say_where_it_starts(cfg, prepared)
     inputs.keep_generated(run_dir / "data")
     seed_everything(cfg.trainer.seed)
     filter_known_warnings()
     checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.trainer.max_ckpt_to_keep)
-    for stale in checkpoints.remove_partials():
+    for stale in checkpoints.remove_partials():  # safe: this process holds the run directory's lock
         print(f"[megaflow] removed {stale} (left by an interrupted save)", flush=True)
     startup = _StartupClock()
     init_ray(cfg)
+    if watchdog is not None and _started_ray:
+        from megaflow.launch.watchdog import local_ray_pids
+
+        watchdog.track(local_ray_pids())
     startup.lap("Ray")
     groups = build_worker_groups(cfg, tokenizer, total_steps)
     startup_gc.resume(freeze=False)
@@ -288,8 +370,8 @@ def _train(cfg, inputs) -> dict[str, float]:
                       config=config_to_dict(cfg), total_steps=total_steps,
                       initial_step=resume_point.step if resume_point is not None else 0,  # the bar counts this run's steps
                       console_every=cfg.trainer.console_every) as tracker:
-            trainer = RayPPOTrainer(cfg, groups, reward_fn, train_loader, val_loader, tracker, checkpoints,
-                                    config_yaml=dump_config(cfg),
+            trainer = RayPPOTrainer(cfg, groups, prepared.reward_fn, prepared.train_loader, prepared.val_loader,
+                                    tracker, checkpoints, config_yaml=dump_config(cfg),
                                     decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
             metrics = _fit_naming_lost_workers(trainer, groups, total_steps)
             if cfg.trainer.export_hf:
@@ -315,10 +397,26 @@ def _report_config_error(exc: Exception) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``make train``: exit code 0, 1, 2, 3, 4, 130 or 143 (see the module docstring)."""
     args = parse_args(argv)
+    from megaflow.launch.failures import stop_cleanly_on_sigterm
+    from megaflow.launch.watchdog import Watchdog
+
+    previous = stop_cleanly_on_sigterm()
+    watchdog = Watchdog.start()  # Ray's helpers and the temporary files go with this process, however it ends
+    try:
+        return _main(args, watchdog)
+    finally:
+        watchdog.close()
+        if previous is not None:  # main() called in a program (a test) leaves its handler as it was
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args: argparse.Namespace, watchdog) -> int:
     from megaflow.config import ConfigError
     from megaflow.dryrun import build_plan, format_plan
     from megaflow.topology import load_run
+    from megaflow.launch.failures import exit_code_of
     from megaflow.trainer.preflight import preflight
 
     try:
@@ -332,28 +430,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_plan(plan), file=sys.stderr)
         print("megaflow: this layout does not fit the configured resources (see the plan above)", file=sys.stderr)
         return 1
-    # Files, data, the tokenizer and this machine, before any process starts; a dry run
-    # reports the same problems (after its plan) and the same exit code.
+    # Files, data, the tokenizer, this machine, the run's length and trainer.resume, before
+    # any process starts; a dry run runs the same checks (after its plan), with the same
+    # lines and exit code.
+    inputs = None
     try:
         inputs = preflight(cfg)
-        from megaflow.trainer.resume import check_resume
-
-        check_resume(cfg)  # trainer.resume: exists, verified, same layout and config (dry run too)
+        prepared = prepare_run(cfg, inputs)
+        if args.dry_run:
+            _say_where_it_starts(cfg, prepared)
+            return 0 if plan.fits else 1
+        return _run(cfg, inputs, watchdog)
     except ConfigError as exc:
         return _report_config_error(exc)
-    if args.dry_run:
+    except KeyboardInterrupt as exc:
+        print(f"megaflow: {'stopped by SIGTERM' if exit_code_of(exc) == 143 else 'interrupted'} before training "
+              "started; nothing was saved", file=sys.stderr)
+        return exit_code_of(exc)
+    finally:
         if inputs is not None:
-            inputs.discard_generated()
-        return 0 if plan.fits else 1
+            inputs.discard_generated()  # a no-op once the run moved them into its directory
+        _stop_local_ray(cfg)
+
+
+def _run(cfg, inputs, watchdog) -> int:
+    """:func:`train`, its expected failures turned into a line and an exit code."""
+    from megaflow.config import ConfigError
     from megaflow.launch.cluster import ClusterNotReadyError
-    from megaflow.launch.failures import RunInterrupted, WorkerLostError
+    from megaflow.launch.failures import RunInterrupted, WorkerLostError, exit_code_of
     from megaflow.trainer.ppo_trainer import NonFiniteMetricsError
     from megaflow.trainer.stages import RolloutMismatchError
 
     try:
-        train(cfg, inputs)
+        train(cfg, inputs, watchdog=watchdog)
     except ConfigError as exc:
         return _report_config_error(exc)
+    except RunDirLockedError as exc:
+        print(f"megaflow: {exc}", file=sys.stderr)
+        return 2
     except (WorkerLostError, ClusterNotReadyError) as exc:
         print(f"megaflow: {exc}", file=sys.stderr)
         return 3
@@ -362,12 +476,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 4
     except RunInterrupted as exc:
         print(f"megaflow: {exc}", file=sys.stderr)
-        return 130
-    except KeyboardInterrupt:
-        print("megaflow: interrupted before training started; nothing was saved", file=sys.stderr)
-        return 130
-    finally:
-        _stop_local_ray(cfg)
+        return exit_code_of(exc)
     return 0
 
 

@@ -1,18 +1,20 @@
 """Checks of a loaded config against its files and this machine, before any process starts.
 
-:func:`load_config` checks what the config says by itself (types, ranges, topology).
+:func:`megaflow.topology.load_run` checks what the config says by itself (types, ranges, topology).
 What it points at is checked here, by :func:`preflight`, which ``make train`` (and
 ``DRY_RUN=1``, with the same messages) runs before Ray, Megatron or vLLM start:
 
 * lengths: ``data.max_prompt_length + rollout.response_length`` within the model's
-  ``max_position_embeddings``;
+  ``max_position_embeddings``; ``recompute_num_layers`` within one pipeline stage's layers;
+* seeds: ``trainer.seed`` and ``data.seed`` in numpy's range [0, 2**32);
 * the tokenizer (``model.tokenizer``, else ``model.path``): a built-in name or a
   directory that loads, whose vocabulary fits the model's ``vocab_size``;
 * model directories (``model.path``, ``critic.path``, ``reward_model.path``): the
   converter's checks (:func:`megaflow.models.convert.check_hf_dir`: config.json, every
   safetensors file readable, no tensor missing, extra or mis-shaped);
 * data: ``data.task_args`` against the task's parameters; every row of the prompt files
-  (``reward_model.ground_truth`` set, a ``data_source`` that has a reward);
+  (``reward_model.ground_truth`` set, a ``data_source`` that has a reward); at least one
+  batch (``data.train_batch_size``) of training prompts;
 * ``reward.functions``: each ``module:function`` imports and is callable;
 * ``trainer.output_dir``: the run directory can be created (nothing is created here);
 * resources of a local run (no ``ray.address``): one node, enough CPUs for the pools
@@ -189,6 +191,64 @@ def check_output_dir(cfg: Config) -> None:
         raise ConfigError("trainer.output_dir", f"cannot create the run directory {target}: {problem}")
 
 
+#: Seeds numpy's legacy generator takes (``np.random.seed``: 0 <= seed < 2**32).
+SEED_LIMIT = 2**32
+
+
+def check_seeds(cfg: Config) -> None:
+    """``trainer.seed`` and ``data.seed`` are integers in [0, 2**32) (numpy's seeds).
+
+    Raises:
+        ConfigError: at the seed's key, naming the value.
+    """
+    for key, value in (("trainer.seed", cfg.trainer.seed), ("data.seed", cfg.data.seed)):
+        if not 0 <= value < SEED_LIMIT:
+            raise ConfigError(key, f"must be in [0, 2**32) (numpy's seed range), got {value}")
+
+
+def check_recompute_layers(cfg: Config) -> None:
+    """With full recomputation, ``<role>.recompute_num_layers`` (actor, and critic when enabled)
+    is at most the layers of one pipeline stage (``num_hidden_layers / (pp * vpp)``).
+
+    Raises:
+        ConfigError: at ``<role>.recompute_num_layers``, naming the stage's layer count.
+    """
+    from megaflow.topology import role_parallel
+
+    roles = [("actor", cfg.model.path, cfg.model.hf_config, "model")]
+    if cfg.critic.enabled:
+        critic_path = cfg.critic.path or cfg.model.path
+        roles.append(("critic", critic_path, cfg.model.hf_config if cfg.critic.path is None else None,
+                      "critic" if cfg.critic.path else "model"))
+    for role, path, inline, prefix in roles:
+        section = getattr(cfg, role)
+        if section.recompute_granularity != "full" or section.recompute_num_layers is None:
+            continue
+        try:
+            hf, _ = resolve_hf_config(path, inline, prefix)
+        except ConfigError:
+            continue  # reported by the checks of the model's files
+        layers = hf.get("num_hidden_layers")
+        parallel = role_parallel(cfg, role)
+        chunks = parallel.pp * (parallel.vpp or 1)
+        if isinstance(layers, int) and section.recompute_num_layers > layers // chunks:
+            raise ConfigError(f"{role}.recompute_num_layers",
+                              f"{section.recompute_num_layers} is more than the {layers // chunks} layers of one "
+                              f"pipeline stage (num_hidden_layers={layers}, pp={parallel.pp}, "
+                              f"vpp={parallel.vpp or 1})")
+
+
+def check_batch_fits(cfg: Config, train: Any, key: str) -> None:
+    """One step's prompts (``data.train_batch_size``) fit in the training set.
+
+    Raises:
+        ConfigError: at ``data.train_batch_size``, naming both sizes and the data's key.
+    """
+    if cfg.data.train_batch_size > len(train):
+        raise ConfigError("data.train_batch_size", f"{cfg.data.train_batch_size} prompts per step but the training "
+                                                   f"set ({key}) has only {len(train)}: not one step can be drawn")
+
+
 def check_local_resources(cfg: Config, *, cpu_count: int | None = None, gpu_count: int | None = None) -> None:
     """A run without ``ray.address`` starts a one-node Ray here: the pools must fit it.
 
@@ -319,7 +379,9 @@ def load_datasets(cfg: Config, tokenizer: Any, task: Any = None) -> Inputs:
     if d.task is not None:
         from megaflow.data.arith import write_arith_dataset
 
-        generated = Path(tempfile.mkdtemp(prefix="megaflow-task-"))
+        from megaflow.launch.watchdog import temp_prefix
+
+        generated = Path(tempfile.mkdtemp(prefix=temp_prefix("task")))  # removed by the watchdog if killed
         files = write_arith_dataset(generated, task)
         train_files, val_files = [str(files["train"])], [str(files["val"])]
         train_key = val_key = "data.task_args"
@@ -387,6 +449,8 @@ def preflight(cfg: Config, *, load_data: bool = True) -> Inputs | None:
             return None, False
 
     attempt(check_sequence_length, cfg)
+    attempt(check_seeds, cfg)
+    attempt(check_recompute_layers, cfg)
     task, task_ok = attempt(check_task_args, cfg)
     functions, _ = attempt(resolve_reward_functions, cfg)
     attempt(check_output_dir, cfg)
@@ -399,6 +463,8 @@ def preflight(cfg: Config, *, load_data: bool = True) -> Inputs | None:
             inputs, _ = attempt(load_datasets, cfg, tokenizer, task)
             if inputs is not None:
                 inputs.reward_functions = functions or {}
+                attempt(check_batch_fits, cfg, inputs.train_dataset,
+                        "data.task_args" if cfg.data.task is not None else "data.train_files")
     if problems:
         if inputs is not None:
             inputs.discard_generated()
@@ -408,4 +474,5 @@ def preflight(cfg: Config, *, load_data: bool = True) -> Inputs | None:
 
 __all__ = ["preflight", "PreflightError", "Inputs", "check_sequence_length", "check_task_args",
            "resolve_reward_functions", "check_output_dir", "check_local_resources", "check_model_dirs",
-           "load_tokenizer", "load_datasets", "tokenizer_source", "uses_validation"]
+           "load_tokenizer", "load_datasets", "tokenizer_source", "uses_validation", "check_seeds",
+           "check_recompute_layers", "check_batch_fits"]

@@ -171,6 +171,22 @@ def check_resume(cfg, manager: CheckpointManager | None = None) -> ResumePoint |
     return ResumePoint(path=path, step=int(state["global_step"]))
 
 
+def describe_resume(cfg, point: ResumePoint | None, manager: CheckpointManager | None = None) -> str | None:
+    """The line saying where the run starts: the checkpoint taken (and why: ``trainer.resume``
+    named it, or it is the newest complete one) and each newer save passed over with the
+    reason; None for a fresh run with nothing to pass over."""
+    manager = manager or run_checkpoints(cfg)
+    mode = cfg.trainer.resume
+    skipped = manager.skipped_newer(point.step if point is not None else -1) if mode == "auto" else []
+    passed = "; skipped newer: " + ", ".join(f"{p.name} ({why})" for p, why in skipped) if skipped else ""
+    if point is not None:
+        why = "the newest complete checkpoint (trainer.resume=auto)" if mode == "auto" else "named by trainer.resume"
+        return f"[megaflow] resuming from {point.path} at step {point.step}: {why}{passed}"
+    if skipped:
+        return f"[megaflow] starting at step 0: no complete checkpoint in {manager.root}{passed}"
+    return None
+
+
 def check_not_finished(point: ResumePoint | None, total_steps: int) -> None:
     """Refuse to resume a run that already reached its last step.
 
@@ -186,4 +202,4 @@ def check_not_finished(point: ResumePoint | None, total_steps: int) -> None:
 
 
 __all__ = ["RESUME_MAY_DIFFER", "ResumePoint", "run_checkpoints", "config_differences", "layout_differences",
-           "check_resume", "check_not_finished"]
+           "check_resume", "check_not_finished", "describe_resume"]

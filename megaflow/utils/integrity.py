@@ -136,6 +136,28 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
+def confined_path(root: str | os.PathLike, relative: Any, entry: str) -> Path:
+    """``root / relative`` for a path read from a checkpoint's own metadata (a manifest entry,
+    a distributed checkpoint's ``.metadata``), refused unless it resolves inside ``root``
+    (symbolic links followed): a crafted entry must not make a load read another file.
+
+    Args:
+        entry: what to name in the error (the metadata file and the item).
+
+    Raises:
+        IntegrityError: ``relative`` is not a relative path string, or leads outside ``root``.
+    """
+    root = Path(root)
+    if not isinstance(relative, (str, os.PathLike)) or not str(relative) or Path(relative).is_absolute():
+        raise IntegrityError(f"{entry}: path {relative!r} is not a relative path inside {root}; refused")
+    path = root / relative
+    base = root.resolve()
+    if not path.resolve().is_relative_to(base):
+        raise IntegrityError(f"{entry}: path {str(relative)!r} leads outside the checkpoint directory {root}; "
+                             "refused")
+    return path
+
+
 def verify_manifest(root: str | os.PathLike, *, checksums: bool = True) -> int:
     """Check every file under ``root`` against its manifest, sealed subdirectories included.
 
@@ -152,6 +174,8 @@ def verify_manifest(root: str | os.PathLike, *, checksums: bool = True) -> int:
     root = Path(root)
     manifest = read_manifest(root)
     listed: dict[str, dict] = manifest["files"]
+    for rel in [*listed, *manifest.get("sealed", [])]:
+        confined_path(root, rel, f"{root / MANIFEST_FILE} (entry {rel!r})")
     files, sealed = _walk(root)
     missing = sorted(set(listed) - set(files))
     if missing:
@@ -294,7 +318,8 @@ def load_tensors(path: str | os.PathLike) -> Any:
 def check_dcp_pickles(dcp_dir: str | os.PathLike) -> Any:
     """Read every pickle of a megatron-core / torch distributed checkpoint safely (see module doc).
 
-    Checks the ``.metadata`` index (restricted unpickler), each byte item it lists (the
+    Checks the ``.metadata`` index (restricted unpickler), that every file it refers to lies
+    inside ``dcp_dir`` (:func:`confined_path`), each byte item it lists (the
     byte range of its file, with ``torch.load(weights_only=True)``) and every ``*.pt``
     file (``common.pt`` and sharded objects).
 
@@ -309,11 +334,14 @@ def check_dcp_pickles(dcp_dir: str | os.PathLike) -> Any:
     dcp_dir = Path(dcp_dir)
     metadata = read_dcp_metadata(dcp_dir)
     storage = metadata.storage_data or {}
+    paths = {index: confined_path(dcp_dir, getattr(info, "relative_path", None),
+                                  f"{dcp_dir / '.metadata'} (item {getattr(index, 'fqn', index)!r})")
+             for index, info in storage.items()}
     for index, info in storage.items():
         item = metadata.state_dict_metadata.get(index.fqn)
         if not isinstance(item, BytesStorageMetadata):
             continue
-        path = dcp_dir / info.relative_path
+        path = paths[index]
         source = f"{path} (item {index.fqn!r})"
         if getattr(info, "transform_descriptors", None):
             raise IntegrityError(f"{source} is stored with transforms {info.transform_descriptors}, which "
@@ -331,5 +359,5 @@ def check_dcp_pickles(dcp_dir: str | os.PathLike) -> Any:
 
 
 __all__ = ["MANIFEST_FILE", "IntegrityError", "read_json", "file_sha256", "write_manifest", "read_manifest",
-           "verify_manifest", "RestrictedUnpickler", "read_dcp_metadata", "check_dcp_pickles",
+           "verify_manifest", "confined_path", "RestrictedUnpickler", "read_dcp_metadata", "check_dcp_pickles",
            "load_tensors"]
