@@ -8,7 +8,7 @@ pool as ``world_size / (tp * pp * cp)`` (:mod:`megaflow.config.topology`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Mapping, get_args
 
 from megaflow.config.typed import Section, check, check_positive
@@ -21,9 +21,21 @@ GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
 RecomputeGranularity = Literal["none", "selective", "full"]
 RecomputeMethod = Literal["uniform", "block"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-PolicyLoss = Literal["ppo", "gspo", "cispo"]
+PolicyLoss = Literal["ppo", "gspo", "cispo", "geo_mean", "sapo", "gpg", "clip_cov", "kl_cov", "dro", "dppo_tv",
+                     "dppo_kl"]
 LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
 POLICY_LOSSES: tuple[str, ...] = get_args(PolicyLoss)
+_CLIP_BAND = ("clip_ratio_low", "clip_ratio_high")
+#: The actor keys each policy loss reads (besides loss_agg_mode); a non-default value of a
+#: key in another loss's list is refused at load (megaflow.workers.losses passes exactly these).
+POLICY_LOSS_KEYS: dict[str, tuple[str, ...]] = {
+    "ppo": (*_CLIP_BAND, "clip_ratio_c"), "gspo": (*_CLIP_BAND, "clip_ratio_c"), "cispo": _CLIP_BAND,
+    "geo_mean": _CLIP_BAND, "sapo": ("tau_pos", "tau_neg"), "gpg": (),
+    "clip_cov": (*_CLIP_BAND, "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), "kl_cov": ("kl_cov_ratio", "ppo_kl_coef"),
+    "dro": ("dro_beta",), "dppo_tv": (*_CLIP_BAND, "clip_ratio_c"), "dppo_kl": (*_CLIP_BAND, "clip_ratio_c"),
+}
+#: Losses defined per sequence: they need loss_agg_mode=seq-mean-token-mean (verl ignores the mode for them).
+SEQUENCE_MEAN_LOSSES = ("geo_mean", "sapo")
 
 
 @dataclass(frozen=True)
@@ -157,15 +169,38 @@ class ActorConfig(TrainedRoleConfig):
     shuffle: bool = True
     """Reshuffle the samples into mini-batches each PPO epoch (seeded by trainer.seed)."""
     policy_loss: PolicyLoss = "ppo"
-    """Token-level clipped PPO surrogate, GSPO's sequence-level ratio (Zheng et al. 2025), or
-    CISPO's truncated importance weight x advantage x log-prob (MiniMax-M1, 2025; upper bound
-    1 + clip_ratio_high; needs clip_ratio_c=null)."""
+    """The policy loss under verl's names (megaflow.algorithms.policy_loss_family; ppo is
+    verl's vanilla): ppo (token-level clipped surrogate), gspo (sequence-level ratio, Zheng et
+    al. 2025), cispo (clipped IS weight x advantage x log-prob, MiniMax-M1 2025), geo_mean
+    (GMPO; bounds are log-ratio bounds), sapo (sigmoid gate, tau_pos/tau_neg), gpg (plain
+    -A log-prob), clip_cov / kl_cov (covariance-selected gradient cut / KL penalty, Cui et al.
+    2025), dro (quadratic log-ratio penalty, dro_beta), dppo_tv / dppo_kl (probability-space
+    trust region; clip_ratio_low/high are divergence bounds, clip_ratio_c the ratio
+    truncation). Keys a loss does not read must keep their defaults (clip_ratio_c must be
+    null); geo_mean and sapo need loss_agg_mode=seq-mean-token-mean."""
     clip_ratio_low: float = 0.2
-    """Lower clip range: ratio >= 1 - clip_ratio_low."""
+    """Lower clip range: ratio >= 1 - clip_ratio_low (CISPO: the lower bound of its IS weight)."""
     clip_ratio_high: float = 0.2
     """Upper clip range: ratio <= 1 + clip_ratio_high (0.28 for DAPO's clip-higher)."""
     clip_ratio_c: float | None = 3.0
-    """Dual-clip bound for negative advantages (Ye et al. 2020); None disables it."""
+    """Dual-clip bound for negative advantages (Ye et al. 2020); None disables it. DPPO: the
+    truncation of its detached ratio weight."""
+    tau_pos: float = 1.0
+    """SAPO: gate temperature where the advantage is > 0."""
+    tau_neg: float = 1.05
+    """SAPO: gate temperature where the advantage is <= 0."""
+    clip_cov_ratio: float = 0.0002
+    """Clip-Cov: fraction of valid tokens (at least one) whose gradient is cut."""
+    clip_cov_lb: float = 1.0
+    """Clip-Cov: lower bound of the covariance band the cut tokens are drawn from."""
+    clip_cov_ub: float = 5.0
+    """Clip-Cov: upper bound of that band."""
+    kl_cov_ratio: float = 0.0002
+    """KL-Cov: fraction of valid tokens (at least one, the highest covariance) penalised."""
+    ppo_kl_coef: float = 0.1
+    """KL-Cov: coefficient of the |log-ratio| penalty."""
+    dro_beta: float = 0.1
+    """DRO: coefficient of the quadratic log-ratio penalty."""
     loss_agg_mode: LossAggMode = "token-mean"
     """How per-token losses are averaged (megaflow.algorithms.aggregation)."""
     entropy_coeff: float = 0.0
@@ -180,8 +215,25 @@ class ActorConfig(TrainedRoleConfig):
         check(self.clip_ratio_low < 1.0, "clip_ratio_low", f"must be < 1, got {self.clip_ratio_low}")
         check(self.clip_ratio_c is None or self.clip_ratio_c > 1.0, "clip_ratio_c",
               f"the dual-clip bound must be > 1 (or null to disable), got {self.clip_ratio_c}")
-        check(self.policy_loss != "cispo" or self.clip_ratio_c is None, "clip_ratio_c",
-              "must be null with {0}='cispo' (CISPO's weight is already bounded; no dual clip)", "policy_loss")
+        check_positive(self, "tau_pos", "tau_neg", "clip_cov_ratio", "kl_cov_ratio", "dro_beta")
+        check_positive(self, "ppo_kl_coef", allow_zero=True)
+        check(self.clip_cov_lb < self.clip_cov_ub, "clip_cov_lb",
+              f"must be < {{0}}={self.clip_cov_ub}, got {self.clip_cov_lb}", "clip_cov_ub")
+        self._check_policy_loss_keys()
+
+    def _check_policy_loss_keys(self) -> None:
+        """Refuse a key the chosen policy loss does not read (clip_ratio_c not null, another
+        non-default value) and a loss_agg_mode a per-sequence loss cannot take."""
+        reads = POLICY_LOSS_KEYS[self.policy_loss]
+        check(self.clip_ratio_c is None or "clip_ratio_c" in reads, "clip_ratio_c",
+              f"must be null with {{0}}={self.policy_loss!r} (that loss takes no dual clip)", "policy_loss")
+        defaults = {f.name: f.default for f in fields(self)}
+        for key in sorted({k for keys in POLICY_LOSS_KEYS.values() for k in keys} - set(reads) - {"clip_ratio_c"}):
+            check(getattr(self, key) == defaults[key], key,
+                  f"is not read by {{0}}={self.policy_loss!r}; leave it at {defaults[key]}", "policy_loss")
+        check(self.policy_loss not in SEQUENCE_MEAN_LOSSES or self.loss_agg_mode == "seq-mean-token-mean",
+              "loss_agg_mode", f"must be 'seq-mean-token-mean' with {{0}}={self.policy_loss!r} (a per-sequence "
+              f"loss; verl ignores the mode for it), got {self.loss_agg_mode!r}", "policy_loss")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from megaflow.algorithms import clipped_value_loss, compute_policy_loss, entropy_bonus, kl_loss, masked_mean
+from megaflow.config.roles import POLICY_LOSS_KEYS
 from megaflow.megatron.engine_config import GlobalDenominators
 
 if TYPE_CHECKING:
@@ -35,9 +36,10 @@ def needs_entropy(cfg: Config) -> bool:
 
 
 def actor_loss_fn(cfg: Config) -> Callable:
-    """``pg_loss - entropy_coeff * entropy + kl_loss_coef * kl`` (PPO/GSPO/CISPO; GRPO KL loss).
+    """``pg_loss - entropy_coeff * entropy + kl_loss_coef * kl`` (any ``actor.policy_loss``; GRPO KL loss).
 
-    Reads ``actor.policy_loss``, ``clip_ratio_low``/``high``/``c``, ``loss_agg_mode``,
+    Reads ``actor.policy_loss`` and the actor keys that loss reads
+    (:data:`megaflow.config.roles.POLICY_LOSS_KEYS`: clip ranges, SAPO's temperatures, ...), ``loss_agg_mode``,
     ``entropy_coeff``, ``algorithm.use_kl_loss``/``kl_loss_coef``/``kl_loss_type``, and
     ``rollout.response_length`` as the ``seq-mean-token-sum-norm`` constant. A micro-batch
     field ``rollout_is_weights`` (rollout correction) multiplies the per-token policy loss;
@@ -50,6 +52,7 @@ def actor_loss_fn(cfg: Config) -> Callable:
     actor, algo, norm_length = cfg.actor, cfg.algorithm, cfg.rollout.response_length
     with_entropy = needs_entropy(cfg)
     on_policy = actor.on_policy_old_log_probs
+    loss_keys = {key: getattr(actor, key) for key in POLICY_LOSS_KEYS[actor.policy_loss]}
 
     def loss_fn(outputs: dict, mb: dict, den: GlobalDenominators):
         mask = mb["response_mask"]
@@ -57,8 +60,7 @@ def actor_loss_fn(cfg: Config) -> Callable:
         old = outputs["log_probs"].detach() if on_policy else mb["old_log_probs"]
         pg, pg_metrics = compute_policy_loss(
             actor.policy_loss, outputs["log_probs"], old, mb["advantages"], mask,
-            clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
-            clip_ratio_c=actor.clip_ratio_c, is_weights=mb.get("rollout_is_weights"), **agg)
+            is_weights=mb.get("rollout_is_weights"), **loss_keys, **agg)
         loss, metrics = pg, {"actor/pg_loss": pg.detach()}
         metrics.update(_shares("actor", pg_metrics, mask, den))
         if on_policy and "rollout_log_probs" in mb:

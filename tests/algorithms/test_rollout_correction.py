@@ -101,9 +101,9 @@ def test_weights_multiply_the_ppo_token_loss():
 def test_cispo_matches_hand_formula_and_keeps_every_token_gradient():
     lp = torch.tensor([[-0.5, -2.0, -0.4], [-0.2, -1.0, -1.0], [0.0, 0.0, 0.0]], requires_grad=True)
     adv = torch.tensor([[1.0, -1.0, 0.5], [2.0, 0.0, -0.5], [0.0, 0.0, 0.0]])
-    loss, metrics = cispo_policy_loss(lp, OLD, adv, MASK, clip_ratio_high=0.2)
+    loss, metrics = cispo_policy_loss(lp, OLD, adv, MASK, clip_ratio_low=0.99, clip_ratio_high=0.2)
     ratio = (lp.detach() - OLD).exp()
-    weight = ratio.clamp_max(1.2)
+    weight = ratio.clamp(0.01, 1.2)  # MiniMax-M1's setting: the lower bound never binds here
     expected = -(weight * adv * lp.detach() * MASK).sum() / 5
     assert float(loss.detach()) == pytest.approx(float(expected), rel=1e-6)
     loss.backward()
