@@ -203,11 +203,22 @@ def truncated_is_weights(train_log_probs: torch.Tensor, rollout_log_probs: torch
     w = torch.where(valid, log_ratio.exp().clamp_max(threshold), torch.zeros_like(log_ratio))
     if not batch_normalize:
         return w, 1.0
-    if level == "token":
-        mean = w.sum() / valid.sum().clamp_min(1)
-    else:
+    return batch_normalize_weights(w, response_mask, per_sequence=level == "sequence")
+
+
+def batch_normalize_weights(weights: torch.Tensor, response_mask: torch.Tensor, *,
+                            per_sequence: bool) -> tuple[torch.Tensor, float]:
+    """Divide non-negative weights ``[batch, response_len]`` by their batch mean (verl's
+    ``rollout_is_batch_normalize``): the mean over valid tokens, or with ``per_sequence``
+    (one weight per row) over the rows with valid tokens. A mean <= 1e-8 leaves them as they
+    are. Returns ``(weights, divisor)`` (divisor 1.0 when unchanged)."""
+    valid = response_mask != 0
+    w = torch.where(valid, weights, torch.zeros_like(weights))
+    if per_sequence:
         rows = valid.any(-1)
         mean = (w.amax(-1) * rows).sum() / rows.sum().clamp_min(1)
+    else:
+        mean = w.sum() / valid.sum().clamp_min(1)
     factor = float(mean)
     return (w / mean, factor) if factor > 1e-8 else (w, 1.0)
 
@@ -336,4 +347,5 @@ def bypass_policy_loss(
 
 __all__ = ["ESTIMATORS", "REJECTION_OPTIONS", "BYPASS_LOSS_TYPES", "RejectionBand", "parse_rejection",
            "token_divergence", "rejection_statistic", "chained_rejection_mask", "truncated_is_weights",
+           "batch_normalize_weights",
            "icepop_weight_band", "offpolicy_metrics", "bypass_policy_loss"]

@@ -146,6 +146,27 @@ class RolloutCorrectionConfig(Section):
     seq_sum/seq_mean. Required with a rejection mode."""
     rejection_upper: float | None = None
     """Upper bound of the accepted band (same units as rejection_lower)."""
+    rs: str | None = None
+    """verl's rollout_rs: rejection options, comma-separated and AND-ed: token_k1|k2|k3,
+    seq_sum_k1|k2|k3, seq_mean_k1|k2|k3, seq_max_k2|k3 (k1 = log(pi_rollout / pi_old) per token,
+    k2 = delta^2 / 2, k3 = exp(delta) - 1 - delta; megaflow.algorithms.off_policy). Needs
+    rs_threshold; excludes rejection."""
+    rs_threshold: str | None = None
+    """verl's rollout_rs_threshold: one value for every rs option or one per option
+    (comma-separated); a k1 entry is 'lower_upper' (ratios) or u meaning [1/u, u], a k2/k3 entry
+    an upper bound."""
+    is_batch_normalize: bool = False
+    """Divide the truncated weights by their batch mean (token: over valid tokens; sequence,
+    geometric: over the rows with valid tokens), verl's rollout_is_batch_normalize."""
+    icepop_lower: float | None = None
+    """IcePop weight band (with icepop_upper; needs is_level): importance ratios outside
+    [icepop_lower, icepop_upper] get weight 0 before truncation; unlike rejection the tokens
+    stay in the loss's denominators."""
+    icepop_upper: float | None = None
+    """Upper end of the IcePop weight band."""
+    is_weight_tokens: Literal["kept", "valid"] = "kept"
+    """With rejection and sequence/geometric weights: take each row's weight over its kept
+    tokens (megaflow) or over every valid token (valid: verl's choice)."""
     bypass: bool = False
     """Use the rollout's log-probs as the old policy's (pi_old = pi_rollout) and skip the
     old-log-prob forward pass; excludes is_level and rejection (delta would be 0)."""
@@ -166,7 +187,9 @@ class RolloutCorrectionConfig(Section):
             if self.rejection in ("token", "geometric"):
                 check(lower > 0, "rejection_lower",
                       f"bounds a ratio with {{0}}={self.rejection!r}: must be > 0, got {lower}", "rejection")
+        self._validate_verl_surface()
         if self.bypass:
+            check(self.rs is None, "rs", "must be null with {0}=true (delta would be 0: nothing to reject)", "bypass")
             check(self.is_level == "none", "is_level",
                   "must be none with {0}=true (the rollout's log-probs are then the old ones: every weight is 1)",
                   "bypass")
@@ -174,10 +197,31 @@ class RolloutCorrectionConfig(Section):
                   "must be none with {0}=true (the rollout's log-probs are then the old ones: nothing to reject)",
                   "bypass")
 
+    def _validate_verl_surface(self) -> None:
+        """rs/rs_threshold parse (verl's syntax), the IcePop band, the knobs that need weights."""
+        check((self.rs is None) == (self.rs_threshold is None), "rs_threshold",
+              "must be set together with {0} (and only with it)", "rs")
+        check(self.rs is None or self.rejection == "none", "rs", "excludes {0}: choose one way to reject", "rejection")
+        if self.rs is not None:
+            from megaflow.algorithms.off_policy import parse_rejection
+
+            try:
+                parse_rejection(self.rs, self.rs_threshold)
+            except ValueError as err:
+                check(False, "rs", str(err))
+        band = (self.icepop_lower, self.icepop_upper)
+        check((band[0] is None) == (band[1] is None), "icepop_lower", "must be set together with {0}", "icepop_upper")
+        if band[0] is not None:
+            check(0 < band[0] <= band[1], "icepop_lower", f"needs 0 < lower <= {{0}}, got [{band[0]}, {band[1]}]",
+                  "icepop_upper")
+        for key, used in (("icepop_lower", band[0] is not None), ("is_batch_normalize", self.is_batch_normalize),
+                          ("is_weight_tokens", self.is_weight_tokens != "kept")):
+            check(not used or self.is_level != "none", key, "needs importance weights ({0} is none)", "is_level")
+
     @property
     def active(self) -> bool:
         """Whether weights or rejection change the actor's update."""
-        return self.is_level != "none" or self.rejection != "none"
+        return self.is_level != "none" or self.rejection != "none" or self.rs is not None
 
 
 @dataclass(frozen=True)

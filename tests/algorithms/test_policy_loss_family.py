@@ -95,6 +95,7 @@ def test_geo_mean_clips_log_ratios_by_advantage_sign_and_cuts_their_gradient():
 
 def test_geo_mean_uses_the_geometric_mean_of_the_rows_is_weights():
     lp, old, a, mask = _inputs()
+    lp = lp.detach()
     w = torch.tensor([[0.5, 2.0, 1.0], [0.9, 0.4, 7.0]], dtype=torch.float64)
     plain, _ = geo_mean_policy_loss(lp, old, a, mask)
     weighted, _ = geo_mean_policy_loss(lp, old, a, mask, is_weights=w)

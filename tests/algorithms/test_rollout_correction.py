@@ -59,16 +59,16 @@ def test_metrics_by_hand_including_an_all_rejected_batch():
     assert m["mismatch_mean"] == pytest.approx(sum(abs(d) for d in deltas) / 5)
     assert m["mismatch_max"] == pytest.approx(1.0)
     assert m["token_mult_prob_error"] == pytest.approx(sum(math.exp(abs(d)) for d in deltas) / 5)
-    assert m["seq_kl"] == pytest.approx((-sum(D0) - sum(D1)) / 2)  # the empty row is not a sequence
+    assert m["seq_sum_kl"] == pytest.approx((-sum(D0) - sum(D1)) / 2)  # the empty row is not a sequence
     assert m["weight_mean"] == pytest.approx(float(w.sum()) / 5) and m["weight_max"] == pytest.approx(2.0)
-    assert m["rejected_token_fraction"] == 1.0 and m["rejected_seq_fraction"] == 1.0
+    assert m["rejected_token_fraction"] == 1.0 and m["fully_rejected_seq_fraction"] == 1.0
 
 
 def test_empty_batch_metrics_are_neutral():
     empty = torch.zeros_like(MASK)
     m = rollout_correction_metrics(OLD, ROLLOUT, empty, weights=torch.zeros(3, 3), kept_mask=empty)
-    assert m == dict(mismatch_mean=0.0, mismatch_max=0.0, token_mult_prob_error=1.0, seq_kl=0.0, weight_mean=0.0,
-                     weight_max=0.0, rejected_token_fraction=0.0, rejected_seq_fraction=0.0)
+    assert m == dict(mismatch_mean=0.0, mismatch_max=0.0, token_mult_prob_error=1.0, seq_sum_kl=0.0, weight_mean=0.0,
+                     weight_max=0.0, rejected_token_fraction=0.0, fully_rejected_seq_fraction=0.0)
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -52,6 +52,7 @@ LOSSES = "tests/algorithms/test_losses.py::"
 ADV = "tests/algorithms/test_advantages.py::"
 E2E_ALGO = "tests/trainer/test_e2e_algorithms.py::"
 E2E_RC = "tests/trainer/test_e2e_rollout_correction.py::"
+RC_STAGE = "tests/config/test_config_rollout_correction.py::"
 E2E_TINY = "tests/trainer/test_e2e_tiny.py::"
 WORKER_KNOBS = "tests/megatron/test_worker_knobs.py::"
 SCALE = "tests/megatron/test_scale_knobs.py::"
@@ -154,6 +155,15 @@ KEYS: dict[str, Consumed | Refused] = {
     "algorithm.rollout_correction.rejection_lower": consumed(E2E_RC + "test_cispo_with_tis_and_icepop_learns"),
     "algorithm.rollout_correction.rejection_upper": consumed(E2E_RC + "test_cispo_with_tis_and_icepop_learns"),
     "algorithm.rollout_correction.bypass": consumed(E2E_RC + "test_bypass_skips_the_old_log_prob_pass_and_learns"),
+    "algorithm.rollout_correction.rs": consumed(RC_STAGE + "test_stage_chained_verl_rejection_with_verls_metrics"),
+    "algorithm.rollout_correction.rs_threshold": consumed(
+        RC_STAGE + "test_stage_chained_verl_rejection_with_verls_metrics"),
+    "algorithm.rollout_correction.is_batch_normalize": consumed(
+        RC_STAGE + "test_icepop_weight_band_and_batch_normalisation"),
+    "algorithm.rollout_correction.icepop_lower": consumed(RC_STAGE + "test_icepop_weight_band_and_batch_normalisation"),
+    "algorithm.rollout_correction.icepop_upper": consumed(RC_STAGE + "test_icepop_weight_band_and_batch_normalisation"),
+    "algorithm.rollout_correction.is_weight_tokens": consumed(
+        RC_STAGE + "test_is_weight_tokens_chooses_kept_or_every_valid_token"),
     "algorithm.rollout_correction.max_mismatch": consumed(E2E_RC + "test_cispo_with_tis_and_icepop_learns"),
     # ------------------------------------------------------------------ actor
     **_parallel("actor"),

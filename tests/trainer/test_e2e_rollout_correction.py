@@ -50,8 +50,8 @@ def test_cispo_with_tis_and_icepop_learns(ray_session, tmp_path):
         "algorithm.rollout_correction.rejection=token", "algorithm.rollout_correction.rejection_lower=0.5",
         "algorithm.rollout_correction.rejection_upper=2.0", "algorithm.rollout_correction.max_mismatch=0.5"])
     for row in rows:
-        for key in ("mismatch_mean", "mismatch_max", "token_mult_prob_error", "seq_kl", "weight_mean",
-                    "weight_max", "rejected_token_fraction", "rejected_seq_fraction"):
+        for key in ("mismatch_mean", "mismatch_max", "token_mult_prob_error", "seq_sum_kl", "weight_mean",
+                    "weight_max", "rejected_token_fraction", "fully_rejected_seq_fraction"):
             assert f"rollout_corr/{key}" in row, key
         # vLLM and the trainer agree to fp32 noise here: weights ~1, nothing rejected
         assert row["rollout_corr/mismatch_max"] < 1e-3 and row["rollout_corr/rejected_token_fraction"] == 0.0
