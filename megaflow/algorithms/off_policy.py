@@ -282,6 +282,7 @@ def bypass_policy_loss(
     log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, advantages: torch.Tensor,
     response_mask: torch.Tensor, *, loss_type: str = "ppo_clip", is_level: str | None = None,
     is_threshold: float = 2.0, is_batch_normalize: bool = False, rejection: list[RejectionBand] | None = None,
+    weights_over_kept: bool = False,
     clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float | None = None,
     loss_agg_mode: str = "token-mean", global_num_tokens: Count | None = None,
     global_num_seqs: Count | None = None, norm_length: int | float | None = None,
@@ -290,7 +291,8 @@ def bypass_policy_loss(
 
     Inside the loss, under no_grad, every micro-batch: the IS weights (current vs rollout
     log-prob, :func:`truncated_is_weights`) and the rejection mask
-    (:func:`chained_rejection_mask`). Then
+    (:func:`chained_rejection_mask`); the weights are taken over every valid token (verl) or,
+    with ``weights_over_kept``, over the kept ones. Then
 
     * ``"reinforce"``: ``L_t = -A_t * log_probs_t * sg[w_t]`` (w = 1 without IS) on the kept
       tokens (Williams 1992, REINFORCE, with truncated IS);
@@ -318,7 +320,8 @@ def bypass_policy_loss(
                     else (response_mask, {"rollout_rs_masked_fraction": 0.0}))
         weights = None
         if is_level is not None:
-            weights, _ = truncated_is_weights(log_probs, rollout_log_probs, response_mask, level=is_level,
+            over = kept if weights_over_kept else response_mask
+            weights, _ = truncated_is_weights(log_probs, rollout_log_probs, over, level=is_level,
                                               threshold=is_threshold, batch_normalize=is_batch_normalize)
     n_tok = valid.sum() if global_num_tokens is None else global_num_tokens
     n_seq = valid.any(-1).sum() if global_num_seqs is None else global_num_seqs

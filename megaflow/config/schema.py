@@ -169,7 +169,13 @@ class RolloutCorrectionConfig(Section):
     tokens (megaflow) or over every valid token (valid: verl's choice)."""
     bypass: bool = False
     """Use the rollout's log-probs as the old policy's (pi_old = pi_rollout) and skip the
-    old-log-prob forward pass; excludes is_level and rejection (delta would be 0)."""
+    old-log-prob forward pass. With is_level (token/sequence), rs or bypass_loss_type=reinforce
+    the actor's loss is verl's bypass loss: weights and rejection recomputed inside the loss,
+    every micro-batch, from the current vs the rollout log-probs (rejected tokens stay in the
+    global denominators). Excludes rejection and the IcePop band."""
+    bypass_loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
+    """Bypass loss: ppo_clip (PPO's clipped surrogate with ratio pi / pi_rollout; no IS weight,
+    the ratio is one) or reinforce (-A x log-prob x detached weight). reinforce needs bypass."""
     max_mismatch: float | None = None
     """Stop the run when the step's mean |delta| (nats) exceeds this; null: never."""
 
@@ -188,14 +194,13 @@ class RolloutCorrectionConfig(Section):
                 check(lower > 0, "rejection_lower",
                       f"bounds a ratio with {{0}}={self.rejection!r}: must be > 0, got {lower}", "rejection")
         self._validate_verl_surface()
+        check(self.bypass or self.bypass_loss_type == "ppo_clip", "bypass_loss_type", "needs {0}=true", "bypass")
         if self.bypass:
-            check(self.rs is None, "rs", "must be null with {0}=true (delta would be 0: nothing to reject)", "bypass")
-            check(self.is_level == "none", "is_level",
-                  "must be none with {0}=true (the rollout's log-probs are then the old ones: every weight is 1)",
-                  "bypass")
+            check(self.is_level in ("none", "token", "sequence"), "is_level",
+                  "must be none, token or sequence with {0}=true (verl's bypass weights)", "bypass")
+            check(self.icepop_lower is None, "icepop_lower", "is not supported with {0}=true", "bypass")
             check(self.rejection == "none", "rejection",
-                  "must be none with {0}=true (the rollout's log-probs are then the old ones: nothing to reject)",
-                  "bypass")
+                  "must be none with {0}=true (use rs: the bypass loss rejects with verl's options)", "bypass")
 
     def _validate_verl_surface(self) -> None:
         """rs/rs_threshold parse (verl's syntax), the IcePop band, the knobs that need weights."""
@@ -217,6 +222,11 @@ class RolloutCorrectionConfig(Section):
         for key, used in (("icepop_lower", band[0] is not None), ("is_batch_normalize", self.is_batch_normalize),
                           ("is_weight_tokens", self.is_weight_tokens != "kept")):
             check(not used or self.is_level != "none", key, "needs importance weights ({0} is none)", "is_level")
+
+    @property
+    def bypass_loss(self) -> bool:
+        """Whether the actor's loss is the bypass loss (weights/rejection inside the loss)."""
+        return self.bypass and (self.is_level != "none" or self.rs is not None or self.bypass_loss_type != "ppo_clip")
 
     @property
     def active(self) -> bool:
@@ -491,6 +501,9 @@ class Config(Section):
         validate_config(self)
         if self.actor.on_policy_old_log_probs:
             _check_on_policy_update(self)
+        check(not self.algorithm.rollout_correction.bypass_loss or self.actor.policy_loss == "ppo",
+              "actor.policy_loss", "must be ppo when {0} makes the actor's loss the bypass loss (weights, rs or "
+              "reinforce with bypass=true)", "algorithm.rollout_correction.bypass")
 
 
 def _check_on_policy_update(cfg: Config) -> None:
@@ -513,6 +526,8 @@ def _check_on_policy_update(cfg: Config) -> None:
     for sub in ("is_level", "rejection"):
         check(getattr(rc, sub) == "none", f"algorithm.rollout_correction.{sub}",
               "must be none with {0}=true (it reads the old log-probs before the update)", key)
+    check(rc.rs is None, "algorithm.rollout_correction.rs",
+          "must be null with {0}=true (it reads the old log-probs before the update)", key)
     check(rc.max_mismatch is None, "algorithm.rollout_correction.max_mismatch",
           "must be null with {0}=true (it reads the old log-probs before the update)", key)
     check(not rc.bypass, "algorithm.rollout_correction.bypass",

@@ -220,6 +220,8 @@ def rollout_correction(batch: DataProto, rc: Any, *, step: int) -> tuple[DataPro
     if "rollout_log_probs" not in b.keys() or "old_log_probs" not in b.keys():
         return batch, {}
     old, rollout, mask = b["old_log_probs"], b["rollout_log_probs"], b["response_mask"]
+    if rc.bypass:  # old = rollout: any weights / rejection happen inside the actor's (bypass) loss
+        return batch, {f"rollout_corr/{k}": v for k, v in rollout_correction_metrics(old, rollout, mask).items()}
     extra: dict[str, torch.Tensor] = {}
     kept, verl_metrics = _rejection(old, rollout, mask, rc)
     weights = None

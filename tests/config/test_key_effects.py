@@ -299,6 +299,33 @@ def test_policy_loss_family_keys_change_the_worker_loss(tiny):
     assert _actor_loss(tiny, actor={**wide, "clip_cov_ratio": 0.0002}) != pytest.approx(-0.4 / 5, abs=1e-3)
 
 
+def test_bypass_loss_recomputes_weights_and_rejection_in_the_worker_loss(tiny):
+    import math
+
+    tokens = _valid_tokens()
+    w = {(b, t): min(math.exp(_LOG_RATIO[b][t]), 2.0) for b, t in tokens}
+    # token_k1 = -x in [log 0.6, log 1.5]: x = -0.7 and -0.5 are rejected, the other three kept
+    kept = [(b, t) for b, t in tokens if math.log(0.6) <= -_LOG_RATIO[b][t] <= math.log(1.5)]
+    assert kept == [(0, 0), (0, 2), (1, 0)]
+
+    def bypass(**rc):
+        return _actor_loss(tiny, algorithm={"rollout_correction": {"bypass": True, **rc}})
+
+    reinforce = {"bypass_loss_type": "reinforce", "is_level": "token", "is_threshold": 2.0}
+    # -A log p w on the kept tokens over the 5 tokens of the engine's (pre-rejection) denominator
+    assert bypass(**reinforce) == pytest.approx(
+        sum(-_ADV[b][t] * _log_prob(b, t) * w[(b, t)] for b, t in tokens) / 5, rel=1e-5)
+    assert bypass(**reinforce, rs="token_k1", rs_threshold="0.6_1.5") == pytest.approx(
+        sum(-_ADV[b][t] * _log_prob(b, t) * w[(b, t)] for b, t in kept) / 5, rel=1e-5)
+    mean_w = sum(w.values()) / 5  # is_batch_normalize: over the micro-batch's valid tokens
+    assert bypass(**reinforce, is_batch_normalize=True) == pytest.approx(
+        sum(-_ADV[b][t] * _log_prob(b, t) * w[(b, t)] / mean_w for b, t in tokens) / 5, rel=1e-5)
+    # ppo_clip: PPO on the kept tokens, no IS weight (the ratio pi / pi_rollout already is one)
+    ppo = _ppo_tokens(0.2, 0.2)
+    assert bypass(is_level="token", rs="token_k1", rs_threshold="0.6_1.5") == pytest.approx(
+        sum(ppo[b][t] for b, t in kept) / 5, rel=1e-5)
+
+
 @pytest.mark.parametrize("actor, key, related", [
     ({"tau_pos": 2.0}, "actor.tau_pos", "actor.policy_loss"),
     ({"policy_loss": "gpg"}, "actor.clip_ratio_c", "actor.policy_loss"),
@@ -308,10 +335,16 @@ def test_policy_loss_family_keys_change_the_worker_loss(tiny):
     ({"policy_loss": "dro", "clip_ratio_c": None, "clip_ratio_high": 0.28}, "actor.clip_ratio_high",
      "actor.policy_loss"),
     ({"policy_loss": "clip_cov", "clip_ratio_c": None, "clip_cov_lb": 6.0}, "actor.clip_cov_lb", "actor.clip_cov_ub"),
+    ({"policy_loss": "gspo", "_rc": {"bypass": True, "is_level": "token"}}, "actor.policy_loss",
+     "algorithm.rollout_correction.bypass"),
+    ({"_rc": {"bypass_loss_type": "reinforce"}}, "algorithm.rollout_correction.bypass_loss_type",
+     "algorithm.rollout_correction.bypass"),
 ])
 def test_policy_loss_keys_a_loss_cannot_take_are_refused_naming_both(tiny, actor, key, related):
+    actor = dict(actor)
+    rc = actor.pop("_rc", {})
     with pytest.raises(ConfigError) as err:
-        config_from_dict(tiny(actor=actor))
+        config_from_dict(tiny(actor=actor, algorithm={"rollout_correction": rc}))
     assert err.value.key == key and related in str(err.value)
 
 
