@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Mapping, get_args
 
 from megaflow.config.layout import pack_pools
@@ -123,6 +123,25 @@ class KLControlConfig(Section):
         check_positive(self, "target_kl", "horizon")
 
 
+_GEO = {"rs": "seq_mean_k1", "rs_threshold": "0.999_1.001"}
+_K3 = {"rs": "seq_mean_k3", "rs_threshold": "0.01"}
+_TOKEN_IS, _SEQ_IS = {"is_level": "token"}, {"is_level": "sequence", "is_weight_tokens": "valid"}
+_BYPASS_PG = {"bypass": True, "bypass_loss_type": "reinforce"}
+#: verl 0.9.1's named rollout-correction presets (RolloutCorrectionConfig class methods, their
+#: default thresholds) as values of algorithm.rollout_correction.
+ROLLOUT_CORRECTION_PRESETS: dict[str, dict[str, Any]] = {
+    "disabled": {}, "decoupled_token_is": _TOKEN_IS, "decoupled_seq_is": {"is_level": "sequence"},
+    "decoupled_seq_is_rs": {**_SEQ_IS, "rs": "seq_sum_k1", "rs_threshold": "0.5_2.0"},
+    "decoupled_geo_rs": _GEO, "decoupled_geo_rs_seq_tis": {**_SEQ_IS, **_GEO},
+    "decoupled_geo_rs_token_tis": {**_TOKEN_IS, **_GEO}, "decoupled_k3_rs": _K3,
+    "decoupled_k3_rs_seq_tis": {**_SEQ_IS, **_K3}, "decoupled_k3_rs_token_tis": {**_TOKEN_IS, **_K3},
+    "bypass_ppo_clip": {"bypass": True}, "bypass_ppo_clip_geo_rs": {"bypass": True, **_GEO},
+    "bypass_ppo_clip_k3_rs": {"bypass": True, **_K3}, "bypass_pg_is": {**_BYPASS_PG, "is_level": "sequence"},
+    "bypass_pg_geo_rs": {**_BYPASS_PG, **_GEO}, "bypass_pg_geo_rs_seq_tis": {**_BYPASS_PG, **_SEQ_IS, **_GEO},
+    "bypass_pg_geo_rs_token_tis": {**_BYPASS_PG, **_TOKEN_IS, **_GEO},
+}
+
+
 @dataclass(frozen=True)
 class RolloutCorrectionConfig(Section):
     """Correction for the gap between the rollout engine's and the trainer's log-probs
@@ -154,7 +173,7 @@ class RolloutCorrectionConfig(Section):
     rs_threshold: str | None = None
     """verl's rollout_rs_threshold: one value for every rs option or one per option
     (comma-separated); a k1 entry is 'lower_upper' (ratios) or u meaning [1/u, u], a k2/k3 entry
-    an upper bound."""
+    an upper bound. A string: quote a single number in YAML ('0.01')."""
     is_batch_normalize: bool = False
     """Divide the truncated weights by their batch mean (token: over valid tokens; sequence,
     geometric: over the rows with valid tokens), verl's rollout_is_batch_normalize."""
@@ -178,6 +197,23 @@ class RolloutCorrectionConfig(Section):
     the ratio is one) or reinforce (-A x log-prob x detached weight). reinforce needs bypass."""
     max_mismatch: float | None = None
     """Stop the run when the step's mean |delta| (nats) exceeds this; null: never."""
+    preset: str | None = None
+    """One of verl's named presets (ROLLOUT_CORRECTION_PRESETS: decoupled_token_is,
+    decoupled_seq_is_rs, decoupled_geo_rs(_seq_tis|_token_tis), decoupled_k3_rs(...),
+    bypass_ppo_clip(_geo_rs|_k3_rs), bypass_pg_is, bypass_pg_geo_rs(...), disabled), with verl's
+    default thresholds; it sets the keys it names (a different explicit value of one of them is
+    refused). Sequence IS with rejection takes verl's is_weight_tokens=valid."""
+
+    def __post_init__(self) -> None:
+        if self.preset is not None:
+            check(self.preset in ROLLOUT_CORRECTION_PRESETS, "preset",
+                  f"unknown preset {self.preset!r}; valid: {', '.join(ROLLOUT_CORRECTION_PRESETS)}")
+            defaults = {f.name: f.default for f in fields(self)}
+            for key, value in ROLLOUT_CORRECTION_PRESETS[self.preset].items():
+                check(getattr(self, key) in (defaults[key], value), key,
+                      f"is set by {{0}}={self.preset!r} to {value!r}; remove it or the preset", "preset")
+                object.__setattr__(self, key, value)
+        super().__post_init__()
 
     def validate(self) -> None:
         check_positive(self, "is_threshold", "max_mismatch")

@@ -102,6 +102,36 @@ def test_icepop_weight_band_and_batch_normalisation(tiny):
     assert float(w[1, 2]) == pytest.approx(2.0 / mean) and float(w[0, 0]) == pytest.approx(math.exp(0.2) / mean)
 
 
+@pytest.mark.parametrize("preset, explicit", [
+    ("decoupled_geo_rs_token_tis", dict(is_level="token", rs="seq_mean_k1", rs_threshold="0.999_1.001")),
+    ("decoupled_k3_rs_seq_tis", dict(is_level="sequence", is_weight_tokens="valid", rs="seq_mean_k3",
+                                     rs_threshold="0.01")),
+    ("decoupled_seq_is_rs", dict(is_level="sequence", is_weight_tokens="valid", rs="seq_sum_k1",
+                                 rs_threshold="0.5_2.0")),
+    ("bypass_pg_is", dict(bypass=True, bypass_loss_type="reinforce", is_level="sequence")),
+    ("bypass_ppo_clip_geo_rs", dict(bypass=True, rs="seq_mean_k1", rs_threshold="0.999_1.001")),
+])
+def test_verl_presets_set_verls_keys(tiny, preset, explicit):
+    import dataclasses
+
+    rc = _rc(tiny, preset=preset)
+    assert dataclasses.replace(rc, preset=None) == _rc(tiny, **explicit)
+    assert _rc(tiny, preset=preset, **explicit) == rc  # restating the preset's own values is allowed
+    if not rc.bypass:  # the stage applies exactly what the explicit keys apply
+        with_preset, with_keys = _weights_and_mask(tiny, preset=preset), _weights_and_mask(tiny, **explicit)
+        torch.testing.assert_close(with_preset[0], with_keys[0])
+        assert with_preset[1] == with_keys[1] and with_preset[2] == with_keys[2]
+
+
+def test_a_preset_refuses_a_different_value_of_its_keys(tiny):
+    with pytest.raises(ConfigError) as err:
+        _rc(tiny, preset="decoupled_k3_rs", rs="token_k3")
+    assert err.value.key == "algorithm.rollout_correction.rs" and "algorithm.rollout_correction.preset" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        _rc(tiny, preset="tis")
+    assert err.value.key == "algorithm.rollout_correction.preset" and "decoupled_token_is" in str(err.value)
+
+
 @pytest.mark.parametrize("values, key, fragment", [
     (dict(rs="token_k1"), "algorithm.rollout_correction.rs_threshold", "set together with"),
     (dict(rs="token_k4", rs_threshold="2"), "algorithm.rollout_correction.rs", "seq_max_k3"),
