@@ -186,6 +186,11 @@ class RolloutCorrectionConfig(Section):
     is_weight_tokens: Literal["kept", "valid"] = "kept"
     """With rejection and sequence/geometric weights: take each row's weight over its kept
     tokens (megaflow) or over every valid token (valid: verl's choice)."""
+    reject_scope: Literal["actor", "batch"] = "actor"
+    """Where the rejection mask (and the weights) take effect: actor (megaflow) replaces the
+    response mask of the actor's update batch only; batch (verl) replaces the step batch's
+    response mask before KL-in-reward, advantages (GAE, whitening, group statistics), the
+    critic's update and the data metrics, so rejected tokens leave those too."""
     bypass: bool = False
     """Use the rollout's log-probs as the old policy's (pi_old = pi_rollout) and skip the
     old-log-prob forward pass. With is_level (token/sequence), rs or bypass_loss_type=reinforce
@@ -258,6 +263,10 @@ class RolloutCorrectionConfig(Section):
         for key, used in (("icepop_lower", band[0] is not None), ("is_batch_normalize", self.is_batch_normalize),
                           ("is_weight_tokens", self.is_weight_tokens != "kept")):
             check(not used or self.is_level != "none", key, "needs importance weights ({0} is none)", "is_level")
+        check(self.reject_scope == "actor" or self.rejection != "none" or self.rs is not None, "reject_scope",
+              "needs a rejection ({0} or rs)", "rejection")
+        check(self.reject_scope == "actor" or not self.bypass, "reject_scope",
+              "must be actor with {0}=true (the bypass loss rejects inside the update)", "bypass")
 
     @property
     def bypass_loss(self) -> bool:

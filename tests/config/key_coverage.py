@@ -157,6 +157,8 @@ KEYS: dict[str, Consumed | Refused] = {
     "algorithm.rollout_correction.bypass": consumed(E2E_RC + "test_bypass_skips_the_old_log_prob_pass_and_learns"),
     "algorithm.rollout_correction.bypass_loss_type": consumed(
         KE + "test_bypass_loss_recomputes_weights_and_rejection_in_the_worker_loss"),
+    "algorithm.rollout_correction.reject_scope": consumed(
+        "tests/trainer/test_ppo_trainer_fake.py::test_reject_scope_actor_or_whole_batch"),
     "algorithm.rollout_correction.preset": consumed(RC_STAGE + "test_verl_presets_set_verls_keys"),
     "algorithm.rollout_correction.rs": consumed(RC_STAGE + "test_stage_chained_verl_rejection_with_verls_metrics"),
     "algorithm.rollout_correction.rs_threshold": consumed(

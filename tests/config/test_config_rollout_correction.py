@@ -146,6 +146,9 @@ def test_a_preset_refuses_a_different_value_of_its_keys(tiny):
      "0 < lower"),
     (dict(is_batch_normalize=True), "algorithm.rollout_correction.is_batch_normalize", "needs importance"),
     (dict(is_weight_tokens="valid"), "algorithm.rollout_correction.is_weight_tokens", "needs importance"),
+    (dict(reject_scope="batch"), "algorithm.rollout_correction.reject_scope", "needs a rejection"),
+    (dict(bypass=True, rs="token_k2", rs_threshold="1", reject_scope="batch"),
+     "algorithm.rollout_correction.reject_scope", "must be actor with"),
 ])
 def test_verl_rollout_correction_keys_are_refused_by_key(tiny, values, key, fragment):
     with pytest.raises(ConfigError) as err:

@@ -6,6 +6,11 @@
   skipped (no ``timing_s/old_log_prob``), and the first update is still on-policy up to the
   rollout/trainer mismatch.
 
+* each policy loss of the 2025-26 family (geo_mean, sapo, gpg, clip_cov, kl_cov, dro, dppo_tv,
+  dppo_kl) with two mini-batches per step, so that the second optimizer step of each step is
+  off-policy and the losses differ (with one on-policy mini-batch every one of them has the
+  gradient -A grad log pi at ratio 1, and their runs coincide).
+
 Each run is short (8 steps) but long enough to learn: the mean reward of the last three
 steps is well above the first step's (the default recipe goes from about 0.02 to about
 0.1 in six steps).
@@ -69,4 +74,30 @@ def test_bypass_skips_the_old_log_prob_pass_and_learns(ray_session, tmp_path):
         assert "timing_s/old_log_prob" not in row and "timing_s/update_actor" in row
         assert row["rollout_corr/mismatch_max"] == 0.0
         assert abs(row["actor/approx_kl"]) < 1e-5  # ratio pi / pi_rollout: one mini-batch, on-policy
+    _learns(rows)
+
+
+# the recipe's clip-higher 0.28 back to the default for the losses that read no clip band
+_NO_CLIP_BAND = ["actor.clip_ratio_high=0.2"]
+# the keys each loss needs besides its name (no dual clip; per-sequence losses take seq-mean-token-mean)
+POLICY_LOSS_OVERRIDES = {
+    "geo_mean": ["actor.clip_ratio_c=null", "actor.loss_agg_mode=seq-mean-token-mean", "actor.clip_ratio_low=0.4",
+                 "actor.clip_ratio_high=0.4"],
+    "sapo": ["actor.clip_ratio_c=null", "actor.loss_agg_mode=seq-mean-token-mean", *_NO_CLIP_BAND],
+    "gpg": ["actor.clip_ratio_c=null", *_NO_CLIP_BAND],
+    "clip_cov": ["actor.clip_ratio_c=null"],
+    "kl_cov": ["actor.clip_ratio_c=null", *_NO_CLIP_BAND],
+    "dro": ["actor.clip_ratio_c=null", *_NO_CLIP_BAND],
+    "dppo_tv": ["actor.clip_ratio_low=0.15", "actor.clip_ratio_high=0.15"],
+    "dppo_kl": ["actor.clip_ratio_low=0.05", "actor.clip_ratio_high=0.05"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("loss", sorted(POLICY_LOSS_OVERRIDES))
+def test_policy_loss_learns_on_the_tiny_recipe(ray_session, tmp_path, loss):
+    rows = _train(tmp_path, loss, [f"actor.policy_loss={loss}", "actor.ppo_mini_batch_size=8",
+                                   *POLICY_LOSS_OVERRIDES[loss]])
+    assert all("actor/pg_loss" in r for r in rows)
     _learns(rows)
