@@ -77,6 +77,22 @@ def test_bypass_skips_the_old_log_prob_pass_and_learns(ray_session, tmp_path):
     _learns(rows)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("overrides", [
+    # verl's bypass REINFORCE with token TIS and Geo-RS: weights/rejection inside the worker's loss
+    ["algorithm.rollout_correction.preset=bypass_pg_geo_rs_token_tis"],
+    # decoupled K3-RS with token TIS, rejecting in the whole step batch (verl's scope)
+    ["algorithm.rollout_correction.preset=decoupled_k3_rs_token_tis", "algorithm.rollout_correction.reject_scope=batch"],
+], ids=["bypass_pg_geo_rs_token_tis", "decoupled_k3_rs_token_tis_batch"])
+def test_verl_presets_learn(ray_session, tmp_path, overrides):
+    rows = _train(tmp_path, "preset", overrides)
+    for row in rows:  # vLLM and the trainer agree to fp32 noise: nothing is rejected
+        rejected = row.get("actor/rollout_rs_masked_fraction", row.get("rollout_corr/rollout_rs_masked_fraction"))
+        assert rejected == 0.0, row
+    _learns(rows)
+
+
 # the recipe's clip-higher 0.28 back to the default for the losses that read no clip band
 _NO_CLIP_BAND = ["actor.clip_ratio_high=0.2"]
 # the keys each loss needs besides its name (no dual clip; per-sequence losses take seq-mean-token-mean)
