@@ -28,14 +28,24 @@ from megaflow.algorithms.kl import (
 )
 from megaflow.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from megaflow.algorithms.policy_loss import (
-    POLICY_LOSSES,
     cispo_policy_loss,
     clipped_surrogate,
-    compute_policy_loss,
     entropy_bonus,
     entropy_from_logits,
     gspo_policy_loss,
     ppo_policy_loss,
+)
+from megaflow.algorithms.policy_loss_family import (
+    POLICY_LOSSES,
+    clip_cov_policy_loss,
+    compute_policy_loss,
+    dppo_kl_policy_loss,
+    dppo_tv_policy_loss,
+    dro_policy_loss,
+    geo_mean_policy_loss,
+    gpg_policy_loss,
+    kl_cov_policy_loss,
+    sapo_policy_loss,
 )
 from megaflow.algorithms.rollout_correction import (
     IS_LEVELS,
@@ -49,6 +59,14 @@ from megaflow.algorithms.value_loss import clipped_value_loss
 
 __all__ = [
     "cispo_policy_loss",
+    "clip_cov_policy_loss",
+    "dppo_kl_policy_loss",
+    "dppo_tv_policy_loss",
+    "dro_policy_loss",
+    "geo_mean_policy_loss",
+    "gpg_policy_loss",
+    "kl_cov_policy_loss",
+    "sapo_policy_loss",
     "IS_LEVELS",
     "REJECTION_MODES",
     "importance_weights",

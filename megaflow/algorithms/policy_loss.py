@@ -6,16 +6,14 @@ All losses take ``[batch, response_len]`` tensors, return ``(loss, metrics)`` wh
 split invariance) and ``metrics`` are detached 0-d tensors computed under ``no_grad``
 as token means over this call's valid tokens (0 when there is none).
 
-Policy losses share one keyword signature (``POLICY_LOSSES`` / :func:`compute_policy_loss`)
-so the trainer selects one by name.
+The registry of every policy loss by name (``POLICY_LOSSES`` / ``compute_policy_loss``) is in
+:mod:`megaflow.algorithms.policy_loss_family`, with the GMPO/SAPO/GPG/Clip-Cov/KL-Cov/DRO/DPPO losses.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from megaflow.algorithms._checks import check_choice, check_same_shape, check_tensor
+from megaflow.algorithms._checks import check_same_shape, check_tensor
 from megaflow.algorithms.aggregation import Count, aggregate_loss
 from megaflow.algorithms.masked import masked_mean
 
@@ -220,18 +218,19 @@ def cispo_policy_loss(
 
     MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
     Attention" (arXiv:2506.13585), the CISPO objective: the per-token loss is
-    ``-sg[min(r_t, 1 + clip_ratio_high)] * A_t * log pi(y_t)`` with
-    ``r_t = exp(log_probs - old_log_probs)``. Unlike PPO's clip, no token's gradient is
-    dropped: the weight is truncated from above (the paper imposes no lower bound, so
-    ``clip_ratio_low`` is not used), and every token keeps ``A_t grad log pi(y_t)``
-    scaled by it. Aggregated with the same modes and global denominators as the other
+    ``-sg[clip(r_t, 1 - clip_ratio_low, 1 + clip_ratio_high)] * A_t * log pi(y_t)`` with
+    ``r_t = exp(log_probs - old_log_probs)`` (the paper's eq. with both bounds
+    ``eps_IS_low`` / ``eps_IS_high``; MiniMax-M1 sets the lower one so wide that it never
+    binds, which ``clip_ratio_low`` close to 1 reproduces). Unlike PPO's clip, no token's
+    gradient is dropped: every token keeps ``A_t grad log pi(y_t)`` scaled by the
+    clipped weight. Aggregated with the same modes and global denominators as the other
     losses.
 
     Not combinable with a dual clip (``clip_ratio_c`` must be None: the weight is already
     bounded) nor with sequence-level ratios (CISPO's weight is per token).
 
     Args and returns: as :func:`ppo_policy_loss`; ``clip_fraction`` is the fraction of
-    tokens whose weight was truncated, ``dual_clip_fraction`` is always 0.
+    tokens whose weight was clipped (either bound), ``dual_clip_fraction`` is always 0.
 
     Raises:
         ValueError: as :func:`ppo_policy_loss`, and ``clip_ratio_c`` not None.
@@ -242,26 +241,12 @@ def cispo_policy_loss(
     log_probs, old_log_probs, advantages = _zero_masked(response_mask, log_probs, old_log_probs, advantages)
     log_ratio = torch.clamp(log_probs - old_log_probs, -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
     ratio = log_ratio.detach().exp()
-    upper = 1.0 + clip_ratio_high
-    weight = ratio.clamp_max(upper)
+    weight = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss_mat = -weight * advantages * log_probs
     aggregation = dict(mode=loss_agg_mode, global_num_tokens=global_num_tokens,
                        global_num_seqs=global_num_seqs, norm_length=norm_length)
-    return _finish(loss_mat, log_ratio, ratio > upper, torch.zeros_like(ratio, dtype=torch.bool), response_mask,
+    return _finish(loss_mat, log_ratio, weight != ratio, torch.zeros_like(ratio, dtype=torch.bool), response_mask,
                    aggregation, is_weights)
-
-
-PolicyLoss = Callable[..., "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
-POLICY_LOSSES: dict[str, PolicyLoss] = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss}
-
-
-def compute_policy_loss(name: str, *args, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Dispatch to ``POLICY_LOSSES[name]`` (``"ppo"``, ``"gspo"`` or ``"cispo"``) with the shared signature.
-
-    Raises:
-        ValueError: unknown name, listing the valid ones.
-    """
-    return POLICY_LOSSES[check_choice("policy loss", name, POLICY_LOSSES)](*args, **kwargs)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -143,10 +143,10 @@ def rollout_correction_metrics(old_log_probs: torch.Tensor, rollout_log_probs: t
     * ``mismatch_mean`` / ``mismatch_max``: masked mean and max of ``|delta_t|`` (nats);
     * ``token_mult_prob_error``: masked mean of ``exp(|delta_t|)`` (NeMo-RL's metric; 1 when
       the two policies agree);
-    * ``seq_kl``: mean over sequences of ``sum_t (log pi_rollout - log pi_old)``, the k1
+    * ``seq_sum_kl``: mean over sequences of ``sum_t (log pi_rollout - log pi_old)``, the k1
       estimate of ``KL(pi_rollout || pi_old)`` per sequence from the rollout's own samples;
     * with ``weights``: ``weight_mean`` / ``weight_max`` over valid tokens;
-    * with ``kept_mask``: ``rejected_token_fraction`` and ``rejected_seq_fraction``
+    * with ``kept_mask``: ``rejected_token_fraction`` and ``fully_rejected_seq_fraction``
       (sequences with valid tokens of which none is kept, over sequences with valid tokens).
 
     Empty batches (no valid token) give 0 for every statistic (1 for the multiplicative error).
@@ -160,7 +160,7 @@ def rollout_correction_metrics(old_log_probs: torch.Tensor, rollout_log_probs: t
         "mismatch_mean": float(abs_delta.sum() / n) if n else 0.0,
         "mismatch_max": float(abs_delta.max()) if n else 0.0,
         "token_mult_prob_error": float((abs_delta.exp() * valid).sum() / n) if n else 1.0,
-        "seq_kl": float((-delta.sum(-1))[has_tokens].sum() / n_seq) if n_seq else 0.0,
+        "seq_sum_kl": float((-delta.sum(-1))[has_tokens].sum() / n_seq) if n_seq else 0.0,
     }
     if weights is not None:
         out["weight_mean"] = float((weights * valid).sum() / n) if n else 0.0
@@ -169,7 +169,7 @@ def rollout_correction_metrics(old_log_probs: torch.Tensor, rollout_log_probs: t
         kept = (kept_mask != 0) & valid
         out["rejected_token_fraction"] = float(1.0 - kept.sum() / n) if n else 0.0
         rejected_seqs = has_tokens & ~kept.any(-1)
-        out["rejected_seq_fraction"] = float(rejected_seqs.sum() / n_seq) if n_seq else 0.0
+        out["fully_rejected_seq_fraction"] = float(rejected_seqs.sum() / n_seq) if n_seq else 0.0
     return out
 
 

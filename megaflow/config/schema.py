@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Mapping, get_args
 
 from megaflow.config.typed import ConfigError, Section, check, check_positive
@@ -45,7 +45,8 @@ Logger = Literal["console", "jsonl", "tensorboard", "wandb"]
 RecomputeGranularity = Literal["none", "selective", "full"]
 RecomputeMethod = Literal["uniform", "block"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-PolicyLoss = Literal["ppo", "gspo", "cispo"]
+PolicyLoss = Literal["ppo", "gspo", "cispo", "geo_mean", "sapo", "gpg", "clip_cov", "kl_cov", "dro", "dppo_tv",
+                     "dppo_kl"]
 
 ADV_ESTIMATORS: tuple[str, ...] = get_args(AdvEstimator)
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
@@ -53,6 +54,17 @@ KL_LOSS_TYPES: tuple[str, ...] = get_args(KLLossType)
 LOGGERS: tuple[str, ...] = get_args(Logger)
 LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
 POLICY_LOSSES: tuple[str, ...] = get_args(PolicyLoss)
+_CLIP_BAND = ("clip_ratio_low", "clip_ratio_high")
+#: The actor keys each policy loss reads (besides loss_agg_mode); a non-default value of a
+#: key in another loss's list is refused at load (megaflow.workers.losses passes exactly these).
+POLICY_LOSS_KEYS: dict[str, tuple[str, ...]] = {
+    "ppo": (*_CLIP_BAND, "clip_ratio_c"), "gspo": (*_CLIP_BAND, "clip_ratio_c"), "cispo": _CLIP_BAND,
+    "geo_mean": _CLIP_BAND, "sapo": ("tau_pos", "tau_neg"), "gpg": (),
+    "clip_cov": (*_CLIP_BAND, "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), "kl_cov": ("kl_cov_ratio", "ppo_kl_coef"),
+    "dro": ("dro_beta",), "dppo_tv": (*_CLIP_BAND, "clip_ratio_c"), "dppo_kl": (*_CLIP_BAND, "clip_ratio_c"),
+}
+#: Losses defined per sequence: they need loss_agg_mode=seq-mean-token-mean (verl ignores the mode for them).
+SEQUENCE_MEAN_LOSSES = ("geo_mean", "sapo")
 
 
 @dataclass(frozen=True)
@@ -130,6 +142,25 @@ class KLControlConfig(Section):
         check_positive(self, "target_kl", "horizon")
 
 
+_GEO = {"rs": "seq_mean_k1", "rs_threshold": "0.999_1.001"}
+_K3 = {"rs": "seq_mean_k3", "rs_threshold": "0.01"}
+_TOKEN_IS, _SEQ_IS = {"is_level": "token"}, {"is_level": "sequence", "is_weight_tokens": "valid"}
+_BYPASS_PG = {"bypass": True, "bypass_loss_type": "reinforce"}
+#: verl 0.9.1's named rollout-correction presets (RolloutCorrectionConfig class methods, their
+#: default thresholds) as values of algorithm.rollout_correction.
+ROLLOUT_CORRECTION_PRESETS: dict[str, dict[str, Any]] = {
+    "disabled": {}, "decoupled_token_is": _TOKEN_IS, "decoupled_seq_is": {"is_level": "sequence"},
+    "decoupled_seq_is_rs": {**_SEQ_IS, "rs": "seq_sum_k1", "rs_threshold": "0.5_2.0"},
+    "decoupled_geo_rs": _GEO, "decoupled_geo_rs_seq_tis": {**_SEQ_IS, **_GEO},
+    "decoupled_geo_rs_token_tis": {**_TOKEN_IS, **_GEO}, "decoupled_k3_rs": _K3,
+    "decoupled_k3_rs_seq_tis": {**_SEQ_IS, **_K3}, "decoupled_k3_rs_token_tis": {**_TOKEN_IS, **_K3},
+    "bypass_ppo_clip": {"bypass": True}, "bypass_ppo_clip_geo_rs": {"bypass": True, **_GEO},
+    "bypass_ppo_clip_k3_rs": {"bypass": True, **_K3}, "bypass_pg_is": {**_BYPASS_PG, "is_level": "sequence"},
+    "bypass_pg_geo_rs": {**_BYPASS_PG, **_GEO}, "bypass_pg_geo_rs_seq_tis": {**_BYPASS_PG, **_SEQ_IS, **_GEO},
+    "bypass_pg_geo_rs_token_tis": {**_BYPASS_PG, **_TOKEN_IS, **_GEO},
+}
+
+
 @dataclass(frozen=True)
 class RolloutCorrectionConfig(Section):
     """Correction for the gap between the rollout engine's and the trainer's log-probs
@@ -153,11 +184,60 @@ class RolloutCorrectionConfig(Section):
     seq_sum/seq_mean. Required with a rejection mode."""
     rejection_upper: float | None = None
     """Upper bound of the accepted band (same units as rejection_lower)."""
+    rs: str | None = None
+    """verl's rollout_rs: rejection options, comma-separated and AND-ed: token_k1|k2|k3,
+    seq_sum_k1|k2|k3, seq_mean_k1|k2|k3, seq_max_k2|k3 (k1 = log(pi_rollout / pi_old) per token,
+    k2 = delta^2 / 2, k3 = exp(delta) - 1 - delta; megaflow.algorithms.off_policy). Needs
+    rs_threshold; excludes rejection."""
+    rs_threshold: str | None = None
+    """verl's rollout_rs_threshold: one value for every rs option or one per option
+    (comma-separated); a k1 entry is 'lower_upper' (ratios) or u meaning [1/u, u], a k2/k3 entry
+    an upper bound. A string: quote a single number in YAML ('0.01')."""
+    is_batch_normalize: bool = False
+    """Divide the truncated weights by their batch mean (token: over valid tokens; sequence,
+    geometric: over the rows with valid tokens), verl's rollout_is_batch_normalize."""
+    icepop_lower: float | None = None
+    """IcePop weight band (with icepop_upper; needs is_level): importance ratios outside
+    [icepop_lower, icepop_upper] get weight 0 before truncation; unlike rejection the tokens
+    stay in the loss's denominators."""
+    icepop_upper: float | None = None
+    """Upper end of the IcePop weight band."""
+    is_weight_tokens: Literal["kept", "valid"] = "kept"
+    """With rejection and sequence/geometric weights: take each row's weight over its kept
+    tokens (megaflow) or over every valid token (valid: verl's choice)."""
+    reject_scope: Literal["actor", "batch"] = "actor"
+    """Where the rejection mask (and the weights) take effect: actor (megaflow) replaces the
+    response mask of the actor's update batch only; batch (verl) replaces the step batch's
+    response mask before KL-in-reward, advantages (GAE, whitening, group statistics), the
+    critic's update and the data metrics, so rejected tokens leave those too."""
     bypass: bool = False
     """Use the rollout's log-probs as the old policy's (pi_old = pi_rollout) and skip the
-    old-log-prob forward pass; excludes is_level and rejection (delta would be 0)."""
+    old-log-prob forward pass. With is_level (token/sequence), rs or bypass_loss_type=reinforce
+    the actor's loss is verl's bypass loss: weights and rejection recomputed inside the loss,
+    every micro-batch, from the current vs the rollout log-probs (rejected tokens stay in the
+    global denominators). Excludes rejection and the IcePop band."""
+    bypass_loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
+    """Bypass loss: ppo_clip (PPO's clipped surrogate with ratio pi / pi_rollout; no IS weight,
+    the ratio is one) or reinforce (-A x log-prob x detached weight). reinforce needs bypass."""
     max_mismatch: float | None = None
     """Stop the run when the step's mean |delta| (nats) exceeds this; null: never."""
+    preset: str | None = None
+    """One of verl's named presets (ROLLOUT_CORRECTION_PRESETS: decoupled_token_is,
+    decoupled_seq_is_rs, decoupled_geo_rs(_seq_tis|_token_tis), decoupled_k3_rs(...),
+    bypass_ppo_clip(_geo_rs|_k3_rs), bypass_pg_is, bypass_pg_geo_rs(...), disabled), with verl's
+    default thresholds; it sets the keys it names (a different explicit value of one of them is
+    refused). Sequence IS with rejection takes verl's is_weight_tokens=valid."""
+
+    def __post_init__(self) -> None:
+        if self.preset is not None:
+            check(self.preset in ROLLOUT_CORRECTION_PRESETS, "preset",
+                  f"unknown preset {self.preset!r}; valid: {', '.join(ROLLOUT_CORRECTION_PRESETS)}")
+            defaults = {f.name: f.default for f in fields(self)}
+            for key, value in ROLLOUT_CORRECTION_PRESETS[self.preset].items():
+                check(getattr(self, key) in (defaults[key], value), key,
+                      f"is set by {{0}}={self.preset!r} to {value!r}; remove it or the preset", "preset")
+                object.__setattr__(self, key, value)
+        super().__post_init__()
 
     def validate(self) -> None:
         check_positive(self, "is_threshold", "max_mismatch")
@@ -173,18 +253,49 @@ class RolloutCorrectionConfig(Section):
             if self.rejection in ("token", "geometric"):
                 check(lower > 0, "rejection_lower",
                       f"bounds a ratio with {{0}}={self.rejection!r}: must be > 0, got {lower}", "rejection")
+        self._validate_verl_surface()
+        check(self.bypass or self.bypass_loss_type == "ppo_clip", "bypass_loss_type", "needs {0}=true", "bypass")
         if self.bypass:
-            check(self.is_level == "none", "is_level",
-                  "must be none with {0}=true (the rollout's log-probs are then the old ones: every weight is 1)",
-                  "bypass")
+            check(self.is_level in ("none", "token", "sequence"), "is_level",
+                  "must be none, token or sequence with {0}=true (verl's bypass weights)", "bypass")
+            check(self.icepop_lower is None, "icepop_lower", "is not supported with {0}=true", "bypass")
             check(self.rejection == "none", "rejection",
-                  "must be none with {0}=true (the rollout's log-probs are then the old ones: nothing to reject)",
-                  "bypass")
+                  "must be none with {0}=true (use rs: the bypass loss rejects with verl's options)", "bypass")
+
+    def _validate_verl_surface(self) -> None:
+        """rs/rs_threshold parse (verl's syntax), the IcePop band, the knobs that need weights."""
+        check((self.rs is None) == (self.rs_threshold is None), "rs_threshold",
+              "must be set together with {0} (and only with it)", "rs")
+        check(self.rs is None or self.rejection == "none", "rs", "excludes {0}: choose one way to reject", "rejection")
+        if self.rs is not None:
+            from megaflow.algorithms.off_policy import parse_rejection
+
+            try:
+                parse_rejection(self.rs, self.rs_threshold)
+            except ValueError as err:
+                check(False, "rs", str(err))
+        band = (self.icepop_lower, self.icepop_upper)
+        check((band[0] is None) == (band[1] is None), "icepop_lower", "must be set together with {0}", "icepop_upper")
+        if band[0] is not None:
+            check(0 < band[0] <= band[1], "icepop_lower", f"needs 0 < lower <= {{0}}, got [{band[0]}, {band[1]}]",
+                  "icepop_upper")
+        for key, used in (("icepop_lower", band[0] is not None), ("is_batch_normalize", self.is_batch_normalize),
+                          ("is_weight_tokens", self.is_weight_tokens != "kept")):
+            check(not used or self.is_level != "none", key, "needs importance weights ({0} is none)", "is_level")
+        check(self.reject_scope == "actor" or self.rejection != "none" or self.rs is not None, "reject_scope",
+              "needs a rejection ({0} or rs)", "rejection")
+        check(self.reject_scope == "actor" or not self.bypass, "reject_scope",
+              "must be actor with {0}=true (the bypass loss rejects inside the update)", "bypass")
+
+    @property
+    def bypass_loss(self) -> bool:
+        """Whether the actor's loss is the bypass loss (weights/rejection inside the loss)."""
+        return self.bypass and (self.is_level != "none" or self.rs is not None or self.bypass_loss_type != "ppo_clip")
 
     @property
     def active(self) -> bool:
         """Whether weights or rejection change the actor's update."""
-        return self.is_level != "none" or self.rejection != "none"
+        return self.is_level != "none" or self.rejection != "none" or self.rs is not None
 
 
 @dataclass(frozen=True)
@@ -378,15 +489,38 @@ class ActorConfig(TrainedRoleConfig):
     shuffle: bool = True
     """Reshuffle the samples into mini-batches each PPO epoch (seeded by trainer.seed)."""
     policy_loss: PolicyLoss = "ppo"
-    """Token-level clipped PPO surrogate, GSPO's sequence-level ratio (Zheng et al. 2025), or
-    CISPO's truncated importance weight x advantage x log-prob (MiniMax-M1, 2025; upper bound
-    1 + clip_ratio_high; needs clip_ratio_c=null)."""
+    """The policy loss under verl's names (megaflow.algorithms.policy_loss_family; ppo is
+    verl's vanilla): ppo (token-level clipped surrogate), gspo (sequence-level ratio, Zheng et
+    al. 2025), cispo (clipped IS weight x advantage x log-prob, MiniMax-M1 2025), geo_mean
+    (GMPO; bounds are log-ratio bounds), sapo (sigmoid gate, tau_pos/tau_neg), gpg (plain
+    -A log-prob), clip_cov / kl_cov (covariance-selected gradient cut / KL penalty, Cui et al.
+    2025), dro (quadratic log-ratio penalty, dro_beta), dppo_tv / dppo_kl (probability-space
+    trust region; clip_ratio_low/high are divergence bounds, clip_ratio_c the ratio
+    truncation). Keys a loss does not read must keep their defaults (clip_ratio_c must be
+    null); geo_mean and sapo need loss_agg_mode=seq-mean-token-mean."""
     clip_ratio_low: float = 0.2
-    """Lower clip range: ratio >= 1 - clip_ratio_low."""
+    """Lower clip range: ratio >= 1 - clip_ratio_low (CISPO: the lower bound of its IS weight)."""
     clip_ratio_high: float = 0.2
     """Upper clip range: ratio <= 1 + clip_ratio_high (0.28 for DAPO's clip-higher)."""
     clip_ratio_c: float | None = 3.0
-    """Dual-clip bound for negative advantages (Ye et al. 2020); None disables it."""
+    """Dual-clip bound for negative advantages (Ye et al. 2020); None disables it. DPPO: the
+    truncation of its detached ratio weight."""
+    tau_pos: float = 1.0
+    """SAPO: gate temperature where the advantage is > 0."""
+    tau_neg: float = 1.05
+    """SAPO: gate temperature where the advantage is <= 0."""
+    clip_cov_ratio: float = 0.0002
+    """Clip-Cov: fraction of valid tokens (at least one) whose gradient is cut."""
+    clip_cov_lb: float = 1.0
+    """Clip-Cov: lower bound of the covariance band the cut tokens are drawn from."""
+    clip_cov_ub: float = 5.0
+    """Clip-Cov: upper bound of that band."""
+    kl_cov_ratio: float = 0.0002
+    """KL-Cov: fraction of valid tokens (at least one, the highest covariance) penalised."""
+    ppo_kl_coef: float = 0.1
+    """KL-Cov: coefficient of the |log-ratio| penalty."""
+    dro_beta: float = 0.1
+    """DRO: coefficient of the quadratic log-ratio penalty."""
     loss_agg_mode: LossAggMode = "token-mean"
     """How per-token losses are averaged (megaflow.algorithms.aggregation)."""
     entropy_coeff: float = 0.0
@@ -401,8 +535,25 @@ class ActorConfig(TrainedRoleConfig):
         check(self.clip_ratio_low < 1.0, "clip_ratio_low", f"must be < 1, got {self.clip_ratio_low}")
         check(self.clip_ratio_c is None or self.clip_ratio_c > 1.0, "clip_ratio_c",
               f"the dual-clip bound must be > 1 (or null to disable), got {self.clip_ratio_c}")
-        check(self.policy_loss != "cispo" or self.clip_ratio_c is None, "clip_ratio_c",
-              "must be null with {0}='cispo' (CISPO's weight is already bounded; no dual clip)", "policy_loss")
+        check_positive(self, "tau_pos", "tau_neg", "clip_cov_ratio", "kl_cov_ratio", "dro_beta")
+        check_positive(self, "ppo_kl_coef", allow_zero=True)
+        check(self.clip_cov_lb < self.clip_cov_ub, "clip_cov_lb",
+              f"must be < {{0}}={self.clip_cov_ub}, got {self.clip_cov_lb}", "clip_cov_ub")
+        self._check_policy_loss_keys()
+
+    def _check_policy_loss_keys(self) -> None:
+        """Refuse a key the chosen policy loss does not read (clip_ratio_c not null, another
+        non-default value) and a loss_agg_mode a per-sequence loss cannot take."""
+        reads = POLICY_LOSS_KEYS[self.policy_loss]
+        check(self.clip_ratio_c is None or "clip_ratio_c" in reads, "clip_ratio_c",
+              f"must be null with {{0}}={self.policy_loss!r} (that loss takes no dual clip)", "policy_loss")
+        defaults = {f.name: f.default for f in fields(self)}
+        for key in sorted({k for keys in POLICY_LOSS_KEYS.values() for k in keys} - set(reads) - {"clip_ratio_c"}):
+            check(getattr(self, key) == defaults[key], key,
+                  f"is not read by {{0}}={self.policy_loss!r}; leave it at {defaults[key]}", "policy_loss")
+        check(self.policy_loss not in SEQUENCE_MEAN_LOSSES or self.loss_agg_mode == "seq-mean-token-mean",
+              "loss_agg_mode", f"must be 'seq-mean-token-mean' with {{0}}={self.policy_loss!r} (a per-sequence "
+              f"loss; verl ignores the mode for it), got {self.loss_agg_mode!r}", "policy_loss")
 
 
 @dataclass(frozen=True)

@@ -145,6 +145,9 @@ def validate_config(cfg: Config) -> None:
             train_batch_sizes(cfg, role)
     if cfg.actor.on_policy_old_log_probs:
         _check_on_policy_update(cfg)
+    check(not cfg.algorithm.rollout_correction.bypass_loss or cfg.actor.policy_loss == "ppo",
+          "actor.policy_loss", "must be ppo when {0} makes the actor's loss the bypass loss (weights, rs or "
+          "reinforce with bypass=true)", "algorithm.rollout_correction.bypass")
 
 
 def _check_on_policy_update(cfg: Config) -> None:
@@ -167,6 +170,8 @@ def _check_on_policy_update(cfg: Config) -> None:
     for sub in ("is_level", "rejection"):
         check(getattr(rc, sub) == "none", f"algorithm.rollout_correction.{sub}",
               "must be none with {0}=true (it reads the old log-probs before the update)", key)
+    check(rc.rs is None, "algorithm.rollout_correction.rs",
+          "must be null with {0}=true (it reads the old log-probs before the update)", key)
     check(rc.max_mismatch is None, "algorithm.rollout_correction.max_mismatch",
           "must be null with {0}=true (it reads the old log-probs before the update)", key)
     check(not rc.bypass, "algorithm.rollout_correction.bypass",

@@ -250,6 +250,9 @@ class RayPPOTrainer:
         if g.critic is not None:
             with _timer("values", t):
                 batch = batch.union(g.critic.compute_values(inputs_for(CriticGroup.compute_values, batch)))
+        correction = self.rollout_pipeline.correction(self.cfg)
+        if correction.reject_scope == "batch":  # verl: rejected tokens leave advantages, critic and KL too
+            batch, correction_metrics = rollout_correction(batch, correction, step=self.global_step)
         with _timer("adv", t):
             batch, metrics = KL_STAGES[bool(algo.use_kl_in_reward)](self, batch)
             batch = add_advantages(batch, algo.adv_estimator, gamma=algo.gamma, lam=algo.lam,
@@ -258,8 +261,10 @@ class RayPPOTrainer:
             with _timer("update_critic", t):
                 metrics.update(_update_metrics(g.critic.update_critic(inputs_for(CriticGroup.update_critic,
                                                                                  batch))))
-        actor_batch, correction_metrics = rollout_correction(batch, self.rollout_pipeline.correction(self.cfg),
-                                                             step=self.global_step)
+        if correction.reject_scope == "actor":  # megaflow: only the actor's update batch loses them
+            actor_batch, correction_metrics = rollout_correction(batch, correction, step=self.global_step)
+        else:
+            actor_batch = batch
         metrics.update(correction_metrics)
         with _timer("update_actor", t):
             metrics.update(_update_metrics(g.actor.update_actor(inputs_for(ActorRolloutGroup.update_actor,

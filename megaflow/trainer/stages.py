@@ -7,6 +7,7 @@ step reads as a list of stages and each stage is tested on its own.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -162,6 +163,39 @@ def bypass_old_log_probs(batch: DataProto) -> DataProto:
     return batch.union(DataProto.from_dict({"old_log_probs": batch.batch["rollout_log_probs"].clone()}))
 
 
+def _rejection(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor,
+               rc: Any) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """The kept mask of ``rc.rejection`` (one band) or ``rc.rs`` (verl's chained options; with
+    verl's metrics), None without rejection; plus verl's off-policy metrics of the batch."""
+    from megaflow.algorithms import rejection_mask
+    from megaflow.algorithms.off_policy import chained_rejection_mask, offpolicy_metrics, parse_rejection
+
+    metrics = offpolicy_metrics(old, rollout, mask) if bool((mask != 0).any()) else {}
+    if rc.rs is not None:
+        kept, rs_metrics = chained_rejection_mask(old, rollout, mask, parse_rejection(rc.rs, rc.rs_threshold))
+        return kept, {**metrics, **rs_metrics}
+    if rc.rejection != "none":
+        return rejection_mask(old, rollout, mask, mode=rc.rejection, lower=rc.rejection_lower,
+                              upper=rc.rejection_upper), metrics
+    return None, metrics
+
+
+def _weights(old: torch.Tensor, rollout: torch.Tensor, over: torch.Tensor, rc: Any) -> tuple[torch.Tensor, float]:
+    """Truncated importance weights over the tokens of ``over`` (IcePop band on the raw ratios
+    first, batch normalisation last, each when configured) and the normalisation divisor."""
+    from megaflow.algorithms import importance_weights
+    from megaflow.algorithms.off_policy import batch_normalize_weights, icepop_weight_band
+
+    if rc.icepop_lower is None:
+        weights = importance_weights(old, rollout, over, level=rc.is_level, threshold=rc.is_threshold)
+    else:
+        raw = importance_weights(old, rollout, over, level=rc.is_level, threshold=math.inf)
+        weights = icepop_weight_band(raw, lower=rc.icepop_lower, upper=rc.icepop_upper).clamp_max(rc.is_threshold)
+    if not rc.is_batch_normalize:
+        return weights, 1.0
+    return batch_normalize_weights(weights, over, per_sequence=rc.is_level != "token")
+
+
 def rollout_correction(batch: DataProto, rc: Any, *, step: int) -> tuple[DataProto, dict[str, float]]:
     """Rollout-correction stage: the actor's batch and the step's mismatch metrics.
 
@@ -180,28 +214,29 @@ def rollout_correction(batch: DataProto, rc: Any, *, step: int) -> tuple[DataPro
     Raises:
         RolloutMismatchError: the mean mismatch exceeds ``rc.max_mismatch``.
     """
-    from megaflow.algorithms import importance_weights, rejection_mask, rollout_correction_metrics
+    from megaflow.algorithms import rollout_correction_metrics
 
     b = batch.batch
     if "rollout_log_probs" not in b.keys() or "old_log_probs" not in b.keys():
         return batch, {}
     old, rollout, mask = b["old_log_probs"], b["rollout_log_probs"], b["response_mask"]
-    weights = kept = None
+    if rc.bypass:  # old = rollout: any weights / rejection happen inside the actor's (bypass) loss
+        return batch, {f"rollout_corr/{k}": v for k, v in rollout_correction_metrics(old, rollout, mask).items()}
     extra: dict[str, torch.Tensor] = {}
-    if rc.rejection != "none":
-        kept = rejection_mask(old, rollout, mask, mode=rc.rejection, lower=rc.rejection_lower,
-                              upper=rc.rejection_upper)
+    kept, verl_metrics = _rejection(old, rollout, mask, rc)
+    weights = None
     if rc.is_level != "none":
-        weights = importance_weights(old, rollout, mask if kept is None else kept, level=rc.is_level,
-                                     threshold=rc.is_threshold)
+        weights, factor = _weights(old, rollout, mask if kept is None or rc.is_weight_tokens == "valid" else kept, rc)
         extra["rollout_is_weights"] = weights
+        if rc.is_batch_normalize:
+            verl_metrics["rollout_is_batch_norm_factor"] = factor
     stats = rollout_correction_metrics(old, rollout, mask, weights=weights, kept_mask=kept)
     if rc.max_mismatch is not None and stats["mismatch_mean"] > rc.max_mismatch:
         raise RolloutMismatchError(
             f"step {step}: the mean |log pi_old - log pi_rollout| over the batch is {stats['mismatch_mean']:.3g} "
             f"nats (max {stats['mismatch_max']:.3g}), above algorithm.rollout_correction.max_mismatch="
             f"{rc.max_mismatch}; the rollout engine no longer samples the policy being trained")
-    metrics = {f"rollout_corr/{k}": v for k, v in stats.items()}
+    metrics = {f"rollout_corr/{k}": v for k, v in {**stats, **verl_metrics}.items()}
     if not extra and kept is None:
         return batch, metrics
     actor_batch = DataProto(batch=batch.batch.clone(recurse=False), non_tensor_batch=dict(batch.non_tensor_batch),

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from megaflow.algorithms import clipped_value_loss, compute_policy_loss, entropy_bonus, kl_loss, masked_mean
+from megaflow.algorithms.off_policy import bypass_policy_loss, parse_rejection
+from megaflow.config.schema import POLICY_LOSS_KEYS
 from megaflow.megatron.denominators import GlobalDenominators
 
 if TYPE_CHECKING:
@@ -34,10 +36,24 @@ def needs_entropy(cfg: Config) -> bool:
     return cfg.actor.entropy_coeff != 0.0
 
 
-def actor_loss_fn(cfg: Config) -> Callable:
-    """``pg_loss - entropy_coeff * entropy + kl_loss_coef * kl`` (PPO/GSPO/CISPO; GRPO KL loss).
+def _bypass_settings(cfg: Config) -> dict | None:
+    """Keywords of :func:`megaflow.algorithms.off_policy.bypass_policy_loss` when
+    ``algorithm.rollout_correction`` makes the actor's loss the bypass loss, else None."""
+    rc, actor = cfg.algorithm.rollout_correction, cfg.actor
+    if not rc.bypass_loss:
+        return None
+    return dict(loss_type=rc.bypass_loss_type, is_level=None if rc.is_level == "none" else rc.is_level,
+                is_threshold=rc.is_threshold, is_batch_normalize=rc.is_batch_normalize,
+                rejection=parse_rejection(rc.rs, rc.rs_threshold) if rc.rs is not None else None,
+                weights_over_kept=rc.is_weight_tokens == "kept", clip_ratio_low=actor.clip_ratio_low,
+                clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c)
 
-    Reads ``actor.policy_loss``, ``clip_ratio_low``/``high``/``c``, ``loss_agg_mode``,
+
+def actor_loss_fn(cfg: Config) -> Callable:
+    """``pg_loss - entropy_coeff * entropy + kl_loss_coef * kl`` (any ``actor.policy_loss``; GRPO KL loss).
+
+    Reads ``actor.policy_loss`` and the actor keys that loss reads
+    (:data:`megaflow.config.schema.POLICY_LOSS_KEYS`: clip ranges, SAPO's temperatures, ...), ``loss_agg_mode``,
     ``entropy_coeff``, ``algorithm.use_kl_loss``/``kl_loss_coef``/``kl_loss_type``, and
     ``rollout.response_length`` as the ``seq-mean-token-sum-norm`` constant. A micro-batch
     field ``rollout_is_weights`` (rollout correction) multiplies the per-token policy loss;
@@ -45,20 +61,28 @@ def actor_loss_fn(cfg: Config) -> Callable:
     ``actor.on_policy_old_log_probs`` the old log-probs are the detached ``outputs["log_probs"]``
     (ratio exactly 1: approx KL and clip fraction 0), and ``training/rollout_probs_diff_mean``
     (token mean of ``|pi_old - pi_rollout|``) is computed here from a micro-batch field
-    ``rollout_log_probs``, since the controller then has no old log-probs.
+    ``rollout_log_probs``, since the controller then has no old log-probs. In bypass mode with
+    weights, ``rs`` or ``bypass_loss_type=reinforce`` the policy loss is verl's bypass loss
+    (:func:`megaflow.algorithms.off_policy.bypass_policy_loss`): weights and rejection from the
+    current vs the rollout log-probs, per micro-batch, over the engine's pre-rejection
+    denominators; ``is_batch_normalize`` then normalises over the micro-batch.
     """
     actor, algo, norm_length = cfg.actor, cfg.algorithm, cfg.rollout.response_length
     with_entropy = needs_entropy(cfg)
     on_policy = actor.on_policy_old_log_probs
+    loss_keys = {key: getattr(actor, key) for key in POLICY_LOSS_KEYS[actor.policy_loss]}
+    bypass = _bypass_settings(cfg)
 
     def loss_fn(outputs: dict, mb: dict, den: GlobalDenominators):
         mask = mb["response_mask"]
         agg = _aggregation(actor.loss_agg_mode, norm_length, den)
         old = outputs["log_probs"].detach() if on_policy else mb["old_log_probs"]
-        pg, pg_metrics = compute_policy_loss(
-            actor.policy_loss, outputs["log_probs"], old, mb["advantages"], mask,
-            clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
-            clip_ratio_c=actor.clip_ratio_c, is_weights=mb.get("rollout_is_weights"), **agg)
+        if bypass is not None:  # old = rollout: verl's bypass loss (weights / rejection recomputed here)
+            pg, pg_metrics = bypass_policy_loss(outputs["log_probs"], old, mb["advantages"], mask, **bypass, **agg)
+        else:
+            pg, pg_metrics = compute_policy_loss(
+                actor.policy_loss, outputs["log_probs"], old, mb["advantages"], mask,
+                is_weights=mb.get("rollout_is_weights"), **loss_keys, **agg)
         loss, metrics = pg, {"actor/pg_loss": pg.detach()}
         metrics.update(_shares("actor", pg_metrics, mask, den))
         if on_policy and "rollout_log_probs" in mb:

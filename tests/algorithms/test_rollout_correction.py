@@ -59,16 +59,16 @@ def test_metrics_by_hand_including_an_all_rejected_batch():
     assert m["mismatch_mean"] == pytest.approx(sum(abs(d) for d in deltas) / 5)
     assert m["mismatch_max"] == pytest.approx(1.0)
     assert m["token_mult_prob_error"] == pytest.approx(sum(math.exp(abs(d)) for d in deltas) / 5)
-    assert m["seq_kl"] == pytest.approx((-sum(D0) - sum(D1)) / 2)  # the empty row is not a sequence
+    assert m["seq_sum_kl"] == pytest.approx((-sum(D0) - sum(D1)) / 2)  # the empty row is not a sequence
     assert m["weight_mean"] == pytest.approx(float(w.sum()) / 5) and m["weight_max"] == pytest.approx(2.0)
-    assert m["rejected_token_fraction"] == 1.0 and m["rejected_seq_fraction"] == 1.0
+    assert m["rejected_token_fraction"] == 1.0 and m["fully_rejected_seq_fraction"] == 1.0
 
 
 def test_empty_batch_metrics_are_neutral():
     empty = torch.zeros_like(MASK)
     m = rollout_correction_metrics(OLD, ROLLOUT, empty, weights=torch.zeros(3, 3), kept_mask=empty)
-    assert m == dict(mismatch_mean=0.0, mismatch_max=0.0, token_mult_prob_error=1.0, seq_kl=0.0, weight_mean=0.0,
-                     weight_max=0.0, rejected_token_fraction=0.0, rejected_seq_fraction=0.0)
+    assert m == dict(mismatch_mean=0.0, mismatch_max=0.0, token_mult_prob_error=1.0, seq_sum_kl=0.0, weight_mean=0.0,
+                     weight_max=0.0, rejected_token_fraction=0.0, fully_rejected_seq_fraction=0.0)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -101,9 +101,9 @@ def test_weights_multiply_the_ppo_token_loss():
 def test_cispo_matches_hand_formula_and_keeps_every_token_gradient():
     lp = torch.tensor([[-0.5, -2.0, -0.4], [-0.2, -1.0, -1.0], [0.0, 0.0, 0.0]], requires_grad=True)
     adv = torch.tensor([[1.0, -1.0, 0.5], [2.0, 0.0, -0.5], [0.0, 0.0, 0.0]])
-    loss, metrics = cispo_policy_loss(lp, OLD, adv, MASK, clip_ratio_high=0.2)
+    loss, metrics = cispo_policy_loss(lp, OLD, adv, MASK, clip_ratio_low=0.99, clip_ratio_high=0.2)
     ratio = (lp.detach() - OLD).exp()
-    weight = ratio.clamp_max(1.2)
+    weight = ratio.clamp(0.01, 1.2)  # MiniMax-M1's setting: the lower bound never binds here
     expected = -(weight * adv * lp.detach() * MASK).sum() / 5
     assert float(loss.detach()) == pytest.approx(float(expected), rel=1e-6)
     loss.backward()

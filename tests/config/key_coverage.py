@@ -52,6 +52,7 @@ LOSSES = "tests/algorithms/test_losses.py::"
 ADV = "tests/algorithms/test_advantages.py::"
 E2E_ALGO = "tests/trainer/test_e2e_algorithms.py::"
 E2E_RC = "tests/trainer/test_e2e_rollout_correction.py::"
+RC_STAGE = "tests/config/test_config_rollout_correction.py::"
 E2E_TINY = "tests/trainer/test_e2e_tiny.py::"
 WORKER_KNOBS = "tests/megatron/test_worker_knobs.py::"
 SCALE = "tests/megatron/test_scale_knobs.py::"
@@ -161,6 +162,20 @@ KEYS: dict[str, Consumed | Refused] = {
     "algorithm.rollout_correction.rejection_lower": consumed(E2E_RC + "test_cispo_with_tis_and_icepop_learns"),
     "algorithm.rollout_correction.rejection_upper": consumed(E2E_RC + "test_cispo_with_tis_and_icepop_learns"),
     "algorithm.rollout_correction.bypass": consumed(E2E_RC + "test_bypass_skips_the_old_log_prob_pass_and_learns"),
+    "algorithm.rollout_correction.bypass_loss_type": consumed(
+        KE + "test_bypass_loss_recomputes_weights_and_rejection_in_the_worker_loss"),
+    "algorithm.rollout_correction.reject_scope": consumed(
+        "tests/trainer/test_ppo_trainer_fake.py::test_reject_scope_actor_or_whole_batch"),
+    "algorithm.rollout_correction.preset": consumed(RC_STAGE + "test_verl_presets_set_verls_keys"),
+    "algorithm.rollout_correction.rs": consumed(RC_STAGE + "test_stage_chained_verl_rejection_with_verls_metrics"),
+    "algorithm.rollout_correction.rs_threshold": consumed(
+        RC_STAGE + "test_stage_chained_verl_rejection_with_verls_metrics"),
+    "algorithm.rollout_correction.is_batch_normalize": consumed(
+        RC_STAGE + "test_icepop_weight_band_and_batch_normalisation"),
+    "algorithm.rollout_correction.icepop_lower": consumed(RC_STAGE + "test_icepop_weight_band_and_batch_normalisation"),
+    "algorithm.rollout_correction.icepop_upper": consumed(RC_STAGE + "test_icepop_weight_band_and_batch_normalisation"),
+    "algorithm.rollout_correction.is_weight_tokens": consumed(
+        RC_STAGE + "test_is_weight_tokens_chooses_kept_or_every_valid_token"),
     "algorithm.rollout_correction.max_mismatch": consumed(E2E_RC + "test_cispo_with_tis_and_icepop_learns"),
     # ------------------------------------------------------------------ actor
     **_parallel("actor"),
@@ -192,6 +207,14 @@ KEYS: dict[str, Consumed | Refused] = {
     "actor.loss_agg_mode": consumed(KE + "test_actor_loss_keys_change_the_worker_loss"),
     "actor.entropy_coeff": consumed(KE + "test_actor_loss_keys_change_the_worker_loss"),
     "actor.clip_ratio_c": consumed(E2E_RC + "test_cispo_with_tis_and_icepop_learns"),
+    "actor.tau_pos": consumed(KE + "test_policy_loss_family_keys_change_the_worker_loss"),
+    "actor.tau_neg": consumed(KE + "test_policy_loss_family_keys_change_the_worker_loss"),
+    "actor.clip_cov_ratio": consumed(KE + "test_policy_loss_family_keys_change_the_worker_loss"),
+    "actor.clip_cov_lb": consumed(KE + "test_policy_loss_family_keys_change_the_worker_loss"),
+    "actor.clip_cov_ub": consumed(KE + "test_policy_loss_family_keys_change_the_worker_loss"),
+    "actor.kl_cov_ratio": consumed(KE + "test_policy_loss_family_keys_change_the_worker_loss"),
+    "actor.ppo_kl_coef": consumed(KE + "test_policy_loss_family_keys_change_the_worker_loss"),
+    "actor.dro_beta": consumed(KE + "test_policy_loss_family_keys_change_the_worker_loss"),
     # ------------------------------------------------------------------ rollout
     "rollout.engine": Refused("hf", "expected one of 'vllm'"),
     "rollout.tp": consumed(PLAN + "test_plan_uses_the_hybridflow_generation_layout",

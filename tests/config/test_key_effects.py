@@ -245,6 +245,111 @@ def test_actor_loss_keys_change_the_worker_loss(tiny):
         base + 0.5 * k3, rel=1e-5)
 
 
+def _valid_tokens():
+    return [(b, t) for b in range(2) for t in range(3) if _MASK[b][t]]
+
+
+def _log_prob(b, t):
+    return [[-1.0, -2.0, -1.5], [-0.5, -1.2, -2.2]][b][t] + _LOG_RATIO[b][t]
+
+
+def test_policy_loss_family_keys_change_the_worker_loss(tiny):
+    import math
+
+    # actor.dro_beta: -(A log p - beta / 2 x^2) per token
+    dro = {"policy_loss": "dro", "clip_ratio_c": None}
+    for beta in (0.1, 0.5):
+        expected = sum(-(_ADV[b][t] * _log_prob(b, t) - beta / 2 * _LOG_RATIO[b][t] ** 2) for b, t in _valid_tokens())
+        assert _actor_loss(tiny, actor={**dro, "dro_beta": beta}) == pytest.approx(expected / 5, rel=1e-5)
+    # actor.tau_pos / tau_neg: -A (4 / tau) sigmoid(tau (r - 1)), seq-mean-token-mean
+    sapo = {"policy_loss": "sapo", "clip_ratio_c": None, "loss_agg_mode": "seq-mean-token-mean"}
+
+    def sapo_by_hand(tau_pos, tau_neg):
+        total = 0.0
+        for b, t in _valid_tokens():
+            tau = tau_pos if _ADV[b][t] > 0 else tau_neg
+            gate = 4 / tau / (1 + math.exp(-tau * (math.exp(_LOG_RATIO[b][t]) - 1)))
+            total += -_ADV[b][t] * gate / sum(_MASK[b]) / 2
+        return total
+
+    for taus in ((1.0, 1.05), (2.0, 1.05), (1.0, 3.0)):
+        assert _actor_loss(tiny, actor={**sapo, "tau_pos": taus[0], "tau_neg": taus[1]}) == pytest.approx(
+            sapo_by_hand(*taus), rel=1e-5)
+    # actor.kl_cov_ratio / ppo_kl_coef: -A r, plus coef |x| on the top floor(ratio * 5) covariance tokens
+    tokens = _valid_tokens()
+    mean_a = sum(_ADV[b][t] for b, t in tokens) / 5
+    mean_lp = sum(_log_prob(b, t) for b, t in tokens) / 5
+    ranked = sorted(tokens, key=lambda k: (_ADV[k[0]][k[1]] - mean_a) * (_log_prob(*k) - mean_lp), reverse=True)
+
+    def kl_cov_by_hand(n_top, coef):
+        return sum(-_ADV[b][t] * math.exp(_LOG_RATIO[b][t]) + ((b, t) in ranked[:n_top]) * coef * abs(_LOG_RATIO[b][t])
+                   for b, t in tokens) / 5
+
+    kl_cov = {"policy_loss": "kl_cov", "clip_ratio_c": None}
+    assert _actor_loss(tiny, actor=kl_cov) == pytest.approx(kl_cov_by_hand(1, 0.1), rel=1e-5)
+    assert _actor_loss(tiny, actor={**kl_cov, "ppo_kl_coef": 1.0}) == pytest.approx(kl_cov_by_hand(1, 1.0), rel=1e-5)
+    assert _actor_loss(tiny, actor={**kl_cov, "kl_cov_ratio": 0.8}) == pytest.approx(kl_cov_by_hand(4, 0.1), rel=1e-5)
+    # actor.clip_cov_ratio / lb / ub: the 3 tokens PPO's clip leaves active all fall in [-10, 10] and
+    # floor(0.99 * 5) = 4 >= 3 of them are cut: only the two clipped tokens remain, (-1.2 + 0.8) / 5
+    clip_cov = {"policy_loss": "clip_cov", "clip_ratio_c": None}
+    wide = {**clip_cov, "clip_cov_ratio": 0.99, "clip_cov_lb": -10.0, "clip_cov_ub": 10.0}
+    assert _actor_loss(tiny, actor=wide) == pytest.approx(-0.4 / 5, rel=1e-5)
+    ppo = _token_mean(_ppo_tokens(0.2, 0.2))
+    assert _actor_loss(tiny, actor={**wide, "clip_cov_ub": -9.0}) == pytest.approx(ppo, rel=1e-5)  # band empty
+    assert _actor_loss(tiny, actor={**wide, "clip_cov_lb": 1.0}) == pytest.approx(ppo, rel=1e-5)  # |cov| < 1 here
+    # one token (of the three, drawn at random) cut: never the -0.08 of all three
+    assert _actor_loss(tiny, actor={**wide, "clip_cov_ratio": 0.0002}) != pytest.approx(-0.4 / 5, abs=1e-3)
+
+
+def test_bypass_loss_recomputes_weights_and_rejection_in_the_worker_loss(tiny):
+    import math
+
+    tokens = _valid_tokens()
+    w = {(b, t): min(math.exp(_LOG_RATIO[b][t]), 2.0) for b, t in tokens}
+    # token_k1 = -x in [log 0.6, log 1.5]: x = -0.7 and -0.5 are rejected, the other three kept
+    kept = [(b, t) for b, t in tokens if math.log(0.6) <= -_LOG_RATIO[b][t] <= math.log(1.5)]
+    assert kept == [(0, 0), (0, 2), (1, 0)]
+
+    def bypass(**rc):
+        return _actor_loss(tiny, algorithm={"rollout_correction": {"bypass": True, **rc}})
+
+    reinforce = {"bypass_loss_type": "reinforce", "is_level": "token", "is_threshold": 2.0}
+    # -A log p w on the kept tokens over the 5 tokens of the engine's (pre-rejection) denominator
+    assert bypass(**reinforce) == pytest.approx(
+        sum(-_ADV[b][t] * _log_prob(b, t) * w[(b, t)] for b, t in tokens) / 5, rel=1e-5)
+    assert bypass(**reinforce, rs="token_k1", rs_threshold="0.6_1.5") == pytest.approx(
+        sum(-_ADV[b][t] * _log_prob(b, t) * w[(b, t)] for b, t in kept) / 5, rel=1e-5)
+    mean_w = sum(w.values()) / 5  # is_batch_normalize: over the micro-batch's valid tokens
+    assert bypass(**reinforce, is_batch_normalize=True) == pytest.approx(
+        sum(-_ADV[b][t] * _log_prob(b, t) * w[(b, t)] / mean_w for b, t in tokens) / 5, rel=1e-5)
+    # ppo_clip: PPO on the kept tokens, no IS weight (the ratio pi / pi_rollout already is one)
+    ppo = _ppo_tokens(0.2, 0.2)
+    assert bypass(is_level="token", rs="token_k1", rs_threshold="0.6_1.5") == pytest.approx(
+        sum(ppo[b][t] for b, t in kept) / 5, rel=1e-5)
+
+
+@pytest.mark.parametrize("actor, key, related", [
+    ({"tau_pos": 2.0}, "actor.tau_pos", "actor.policy_loss"),
+    ({"policy_loss": "gpg"}, "actor.clip_ratio_c", "actor.policy_loss"),
+    ({"policy_loss": "sapo", "clip_ratio_c": None}, "actor.loss_agg_mode", "actor.policy_loss"),
+    ({"policy_loss": "geo_mean", "clip_ratio_c": None, "loss_agg_mode": "seq-mean-token-sum"}, "actor.loss_agg_mode",
+     "actor.policy_loss"),
+    ({"policy_loss": "dro", "clip_ratio_c": None, "clip_ratio_high": 0.28}, "actor.clip_ratio_high",
+     "actor.policy_loss"),
+    ({"policy_loss": "clip_cov", "clip_ratio_c": None, "clip_cov_lb": 6.0}, "actor.clip_cov_lb", "actor.clip_cov_ub"),
+    ({"policy_loss": "gspo", "_rc": {"bypass": True, "is_level": "token"}}, "actor.policy_loss",
+     "algorithm.rollout_correction.bypass"),
+    ({"_rc": {"bypass_loss_type": "reinforce"}}, "algorithm.rollout_correction.bypass_loss_type",
+     "algorithm.rollout_correction.bypass"),
+])
+def test_policy_loss_keys_a_loss_cannot_take_are_refused_naming_both(tiny, actor, key, related):
+    actor = dict(actor)
+    rc = actor.pop("_rc", {})
+    with pytest.raises(ConfigError) as err:
+        run_from_dict(tiny(actor=actor, algorithm={"rollout_correction": rc}))
+    assert err.value.key == key and related in str(err.value)
+
+
 def test_critic_loss_keys_change_the_worker_value_loss(tiny):
     import torch
 

@@ -297,3 +297,35 @@ def test_fit_logs_an_eta_that_reaches_zero_at_the_last_step(tmp_path):
     steps = {step: m["timing_s/step"] for step, m in logged}
     assert etas[3] == 0.0
     assert etas[1] == pytest.approx(2 * steps[1]) and etas[2] == pytest.approx((steps[1] + steps[2]) / 2)
+
+class MismatchedActor(FakeActor):
+    """Old log-probs that differ from the rollout's on the first token of every response:
+    log pi_old - log pi_rollout = 1.0 there, 0 elsewhere."""
+
+    def compute_log_prob(self, batch):
+        self.calls.append(("log_prob", len(batch), sorted(batch.keys())))
+        old = -torch.ones(len(batch), R) * 0.5
+        old[:, 0] += 1.0
+        return DataProto.from_dict({"old_log_probs": old})
+
+
+@pytest.mark.parametrize("scope", ["actor", "batch"])
+def test_reject_scope_actor_or_whole_batch(tmp_path, step_batches, scope):
+    from megaflow.config.schema import RolloutCorrectionConfig
+
+    cfg = make_cfg(tmp_path, total_steps=1)
+    # token_k1 = log(pi_rollout / pi_old) = -1 on each first token: outside [log 0.5, log 2] -> rejected
+    cfg.algorithm.rollout_correction = RolloutCorrectionConfig(rs="token_k1", rs_threshold="2", reject_scope=scope)
+    actor = MismatchedActor()
+    trainer = RayPPOTrainer(cfg, WorkerGroups(actor=actor), reward_fn, Loader(),
+                            checkpoints=CheckpointManager(tmp_path / "ckpt"))
+    trainer.fit()
+    step, update = step_batches[0].batch, actor.updates[0].batch
+    first_rejected = update["response_mask"].clone()
+    assert (first_rejected[:, 0] == 0).all() and first_rejected[:, 1:].sum() > 0
+    if scope == "actor":  # megaflow: the step batch keeps every token, advantages on the first tokens too
+        assert (step["response_mask"][:, 0] == 1).all()
+        assert step["advantages"][:, 0].abs().sum() > 0
+    else:  # verl: the step batch has lost them before the advantages (GRPO writes 0 on masked tokens)
+        assert torch.equal(step["response_mask"], first_rejected)
+        assert (step["advantages"][:, 0] == 0).all()
