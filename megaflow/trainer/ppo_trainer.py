@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 import random
 import time
-import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,17 +34,14 @@ from megaflow.protocol import DataProto
 from megaflow.trainer.checkpoint import (TRAINER_STATE_FILE, CheckpointManager, read_trainer_state,
                                          write_trainer_state)
 from megaflow.trainer.stages import (add_advantages, balance_batch, bypass_old_log_probs, check_rollout_batch,
-                                     compute_data_metrics, kl_in_reward, rollout_correction, scores_as_rewards)
+                                     compute_data_metrics, kl_in_reward, prompts_of, rollout_correction,
+                                     scores_as_rewards)
 from megaflow.trainer.worker_api import (ActorRolloutGroup, CriticGroup, RefGroup, RewardModelGroup, RolloutGroup,
                                          inputs_for)
 
 if TYPE_CHECKING:
     from megaflow.config import Config
-    from megaflow.single_controller import GroupProtoResult, ResourcePool
-
-#: The prompt tensors the rollout's outputs replace (its ``input_ids``, ``attention_mask``
-#: and ``position_ids`` cover prompt and response).
-ROLLOUT_REPLACES = ("input_ids", "attention_mask", "position_ids")
+    from megaflow.single_controller import ResourcePool
 
 
 @dataclass
@@ -83,18 +79,6 @@ def _update_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """An update's metrics from its per-DP-rank results (DP rank 0's; the engine reduces them
     over DP, so every rank returns the same values)."""
     return {k: float(v) for k, v in per_rank[0].items()}
-
-
-def _rollout_metrics(per_replica: list[dict[str, float]]) -> dict[str, float]:
-    """A generate call's metrics from its per-replica results: generation replica 0's
-    (the sync checked that every engine serves the same weight version), with
-    ``timeline/gen_start_unix`` / ``timeline/gen_end_unix`` spanning all replicas (the
-    earliest start, the latest end) when the replicas report them."""
-    metrics = {k: float(v) for k, v in per_replica[0].items()}
-    if "timeline/gen_start_unix" in metrics:
-        metrics["timeline/gen_start_unix"] = min(m["timeline/gen_start_unix"] for m in per_replica)
-        metrics["timeline/gen_end_unix"] = max(m["timeline/gen_end_unix"] for m in per_replica)
-    return metrics
 
 
 def capture_rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -185,7 +169,7 @@ class RayPPOTrainer:
 
     def __init__(self, cfg: Config, groups: WorkerGroups, reward_fn: Callable[[DataProto], DataProto],
                  train_loader: Any, val_loader: Any = None, tracker: Any = None,
-                 checkpoints: CheckpointManager | None = None, config_yaml: str | None = None):
+                 checkpoints: CheckpointManager | None = None, config_yaml: str | None = None) -> None:
         self.cfg = cfg
         self.groups = groups
         self.reward_fn = reward_fn
@@ -200,24 +184,25 @@ class RayPPOTrainer:
         self.kl_ctrl = build_kl_controller(algo.kl_ctrl.type, kl_coef=algo.kl_ctrl.kl_coef,
                                            target_kl=algo.kl_ctrl.target_kl, horizon=algo.kl_ctrl.horizon)
         self.global_step = 0
-        self._train_iter: Iterator[DataProto] | None = None
-        from megaflow.trainer.rollout_pipeline import build_pipeline
+        from megaflow.trainer.rollout_source import build_source
 
-        self.rollout_pipeline = build_pipeline(cfg)  # synchronous, or one step off (trainer.async_rollout)
+        #: colocated, split or one step off (trainer.async_rollout)
+        self.rollouts = build_source(groups, train_loader, cfg)
 
     # ------------------------------------------------------------------ the step
-    def train_step(self, prompts: DataProto) -> dict[str, float]:
-        """One PPO/GRPO step on a batch of prompts; returns the step's metrics."""
+    def train_step(self) -> dict[str, float]:
+        """One PPO/GRPO step (step ``global_step``) on the rollout source's next batch;
+        returns the step's metrics."""
         g, algo, t = self.groups, self.cfg.algorithm, {}
         with _timer("sync", t):  # the actor's weights -> the rollout engines; versions checked on every rank
-            sync_metrics = self.rollout_pipeline.sync(self)
-        with _timer("gen", t):
-            batch, rollout_metrics = self.rollout_pipeline.generate(self, prompts)
+            sync_metrics = self.rollouts.sync().metrics
+        with _timer("gen", t):  # one step off: the batch already in flight
+            batch, rollout_metrics = self.rollouts.next_batch(self.global_step)
         check_rollout_batch(batch)  # the layout every later worker call relies on, checked once here
         rollout_metrics.update(sync_metrics)
         if algo.adv_estimator == "remax":
             with _timer("gen_greedy", t):
-                batch = self.add_greedy_baseline(prompts, batch)
+                batch = self.add_greedy_baseline(batch)
         with _timer("reward", t):
             batch = self.score(batch)
         balance_metrics = {}
@@ -244,7 +229,7 @@ class RayPPOTrainer:
             with _timer("update_critic", t):
                 metrics.update(_update_metrics(g.critic.update_critic(inputs_for(CriticGroup.update_critic,
                                                                                  batch))))
-        actor_batch, correction_metrics = rollout_correction(batch, self.rollout_pipeline.correction(self.cfg),
+        actor_batch, correction_metrics = rollout_correction(batch, self.rollouts.correction(),
                                                              step=self.global_step)
         metrics.update(correction_metrics)
         with _timer("update_actor", t):
@@ -260,60 +245,22 @@ class RayPPOTrainer:
         return metrics
 
     def rollout(self, prompts: DataProto, n: int, *, greedy: bool) -> DataProto:
-        """Repeat each prompt ``n`` times (samples of one prompt share a ``uid``) and generate.
+        """Repeat each prompt ``n`` times (samples of one prompt share a ``uid``) and generate
+        with the current step's sampling seed (:meth:`RolloutSource.generate`).
 
         Returns the prompts' non-tensor fields (and tensor fields other than
-        :data:`ROLLOUT_REPLACES`) joined with the rollout's outputs (``prompts``,
-        ``responses``, ``response_mask``, ``rollout_log_probs`` ``[B, R]``; ``input_ids``,
-        ``attention_mask``, ``position_ids`` ``[B, S]``), ``B = n x len(prompts)``.
+        :data:`~megaflow.trainer.stages.ROLLOUT_REPLACES`) joined with the rollout's outputs
+        (``prompts``, ``responses``, ``response_mask``, ``rollout_log_probs`` ``[B, R]``;
+        ``input_ids``, ``attention_mask``, ``position_ids`` ``[B, S]``), ``B = n x len(prompts)``.
         """
-        return self._generate(prompts, n, greedy=greedy)[0]
+        return self.rollouts.generate(prompts, n, greedy=greedy, step=self.global_step)[0]
 
-    def _generate(self, prompts: DataProto, n: int, *, greedy: bool) -> tuple[DataProto, dict[str, float]]:
-        """:meth:`rollout` and the rollout's metrics (engine weight version, reshard figures)."""
-        prompts, gen_in = self._generation_request(prompts, n, greedy=greedy)
-        return self._join_rollout(prompts, self.rollout_pipeline.generate_sequences(self, gen_in), n)
-
-    def _generation_request(self, prompts: DataProto, n: int, *, greedy: bool,
-                            step: int | None = None) -> tuple[DataProto, DataProto]:
-        """``(prompts with a uid per prompt, the generate call's input)``: the prompt fields
-        repeated ``n`` times with the sampling parameters of ``step`` (default: the current)."""
-        prompts = prompts.union(DataProto.from_dict(
-            non_tensors={"uid": [uuid.uuid4().hex for _ in range(len(prompts))]})) \
-            if "uid" not in prompts.non_tensor_batch else prompts
-        gen_in = inputs_for(ActorRolloutGroup.generate_sequences, prompts).repeat(n, interleave=True)
-        gen_in.meta_info.update(self.sampling_params(greedy=greedy, step=step))
-        return prompts, gen_in
-
-    def _join_rollout(self, prompts: DataProto, out: GroupProtoResult,
-                      n: int) -> tuple[DataProto, dict[str, float]]:
-        """The prompts' other fields joined with the rollout's rows (``meta_info`` dropped:
-        the sampling parameters stay with the call), and the rollout's metrics."""
-        rest = prompts.select(batch_keys=[k for k in prompts.batch.keys() if k not in ROLLOUT_REPLACES])
-        rest = rest.repeat(n, interleave=True)
-        if rest.batch is not None and len(rest.batch.keys()) == 0:
-            rest.batch = None
-        rows = DataProto(out.batch.batch, out.batch.non_tensor_batch, {})
-        return rest.union(rows), _rollout_metrics(out.metrics)
-
-    def sampling_params(self, *, greedy: bool, step: int | None = None) -> dict[str, Any]:
-        """The rollout's sampling parameters for one call (``meta_info`` of the generate call).
-
-        The seed changes every step so samples differ across steps but are reproducible
-        (and identical on the ranks of one generation TP group) for a given run seed;
-        ``step``: the step the samples are for (default the current one; one step off,
-        the next step's batch is requested during the current step).
-        """
-        r = self.cfg.rollout
-        return {"temperature": 0.0 if greedy else r.temperature, "top_p": 1.0 if greedy else r.top_p,
-                "top_k": -1 if greedy else r.top_k, "response_length": r.response_length,
-                "do_sample": not greedy,
-                "seed": self.cfg.trainer.seed * 100_003 + (self.global_step if step is None else step)}
-
-    def add_greedy_baseline(self, prompts: DataProto, batch: DataProto) -> DataProto:
-        """ReMax (Li et al. 2023): the reward of each prompt's greedy response is its baseline."""
-        greedy = self.score(self.rollout(prompts, 1, greedy=True))
-        baseline = greedy.batch["token_level_scores"].sum(-1).repeat_interleave(self.cfg.rollout.n)
+    def add_greedy_baseline(self, batch: DataProto) -> DataProto:
+        """ReMax (Li et al. 2023): the reward of each prompt's greedy response is its baseline
+        (``baseline_rewards`` ``[B]``, the batch's prompts decoded greedily and scored)."""
+        n = self.cfg.rollout.n
+        greedy = self.score(self.rollout(prompts_of(batch, n), 1, greedy=True))
+        baseline = greedy.batch["token_level_scores"].sum(-1).repeat_interleave(n)
         return batch.union(DataProto.from_dict({"baseline_rewards": baseline}))
 
     def score(self, batch: DataProto, keep_reward_fields: bool = False) -> DataProto:
@@ -343,12 +290,11 @@ class RayPPOTrainer:
         if getattr(tr, "val_before_train", False) and self.global_step == 0 and self.val_loader is not None:
             self._log(self.validate(), self.global_step)
         while self.global_step < total:
-            prompts = self.rollout_pipeline.next_prompts(self)  # one step off: the batch already in flight
             step_start = time.perf_counter()
-            metrics = self.train_step(prompts)
+            metrics = self.train_step()
             self.global_step += 1
             metrics["timing_s/step"] = time.perf_counter() - step_start
-            metrics.update(self.rollout_pipeline.step_done())
+            metrics.update(self.rollouts.step_done())
             bad = non_finite_metrics(metrics, self._clip_grads())
             if bad:
                 self._log(metrics, self.global_step)
@@ -370,31 +316,6 @@ class RayPPOTrainer:
         return {name: float(getattr(getattr(section, "optim", None), "clip_grad", 0.0) or 0.0)
                 for name, section in roles.items()}
 
-    def next_prompts(self) -> DataProto:
-        """The next prompt batch; the loader's epoch advances (reshuffled) when it runs out."""
-        if self._train_iter is None:
-            self._train_iter = iter(self.train_loader)
-        try:
-            return next(self._train_iter)
-        except StopIteration:
-            self._train_iter = iter(self.train_loader)
-            return next(self._train_iter)
-
-    def sync_rollout_weights(self) -> dict[str, float]:
-        """Bring every rollout engine to the actor's current weights (a no-op on the workers
-        when nothing changed), in buckets of ``rollout.weight_sync_bucket_mb``, verified with
-        ``rollout.verify_sync``; the versions are checked on every rank
-        (:func:`~megaflow.workers.actor_rollout.check_synced`). Returns rank 0's sync metrics."""
-        from megaflow.workers.actor_rollout import check_synced
-
-        r = self.cfg.rollout
-        if self.groups.rollout is not None:  # split placement: broadcast to the rollout pool
-            from megaflow.trainer.rollout_pipeline import sync_split_weights
-
-            return sync_split_weights(self.groups, r)
-        return check_synced(self.groups.actor.sync_rollout_weights(verify=r.verify_sync,
-                                                                   bucket_mb=r.weight_sync_bucket_mb))
-
     def validate(self) -> dict[str, float]:
         """Score the validation prompts (greedy unless ``rollout.val_do_sample``).
 
@@ -402,7 +323,7 @@ class RayPPOTrainer:
         (``val/acc/...``) where the reward function returns one (GSM8K, arith).
         The engines are synced to the actor's weights first (generation never syncs).
         """
-        self.sync_rollout_weights()
+        self.rollouts.sync()
         greedy = not self.cfg.rollout.val_do_sample
         scored = [self.score(self.rollout(prompts, 1, greedy=greedy), keep_reward_fields=True)
                   for prompts in self.val_loader]
@@ -437,7 +358,7 @@ class RayPPOTrainer:
             parts.append("critic")
         rng, rng_tensors = capture_rng_state()
         state = {"global_step": self.global_step, "kl_ctrl": self.kl_ctrl.state_dict(),
-                 "train_loader": self.rollout_pipeline.loader_state(self), "rng": rng}
+                 "train_loader": self.rollouts.loader_state(), "rng": rng}
         write_trainer_state(pending.path, state, rng_tensors)
         if self.config_yaml is not None:
             (pending.path / "config.yaml").write_text(self.config_yaml)
@@ -466,8 +387,7 @@ class RayPPOTrainer:
             self.groups.critic.load_checkpoint(str(path / "critic"))
         self.global_step = state["global_step"]
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        self.train_loader.load_state_dict(state["train_loader"])
-        self._train_iter = None
+        self.rollouts.load_loader_state(state["train_loader"])
         restore_rng_state(state["rng"], tensors)
         message = f"[megaflow] resumed from {path} at step {self.global_step}"
         if self.tracker is not None:

@@ -61,7 +61,7 @@ def build_worker_groups(cfg, tokenizer, total_steps: int | None = None) -> Worke
     :class:`~megaflow.workers.rollout_worker.SplitActorWorker` without engines, a
     :class:`~megaflow.workers.rollout_worker.RolloutWorker` group on the rollout pool holds
     them, and the weight transport between the two is connected
-    (:func:`megaflow.trainer.rollout_pipeline.connect_split`).
+    (:func:`megaflow.trainer.rollout_source.connect_split`).
     ``total_steps``: training steps of the run (the trained roles' LR decay horizon,
     :attr:`~megaflow.config.role_spec.RoleSpec.lr_decay_steps`); None: ``trainer.total_steps``.
 
@@ -102,7 +102,7 @@ def build_worker_groups(cfg, tokenizer, total_steps: int | None = None) -> Worke
     if split is not None:
         from megaflow.config.topology import role_parallel
         from megaflow.hybrid_engine import plan_hybrid_layout
-        from megaflow.trainer.rollout_pipeline import connect_split
+        from megaflow.trainer.rollout_source import connect_split
 
         par = role_parallel(cfg, "actor")
         layout = plan_hybrid_layout(par.tp, par.pp, par.dp, cfg.rollout.tp)  # as the actor plans it

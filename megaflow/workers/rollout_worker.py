@@ -14,7 +14,7 @@ leaves the actor's processes (the disaggregated layout of verl, NeMo-RL, slime, 
   converts it into buckets and, on the ranks of generation replica 0, broadcasts them to
   the rollout ranks (:class:`~megaflow.hybrid_engine.transport.BroadcastTransport`).
 
-The two groups rendezvous once (:func:`megaflow.trainer.rollout_pipeline.connect_split`):
+The two groups rendezvous once (:func:`megaflow.trainer.rollout_source.connect_split`):
 actor rank 0 opens a ``TCPStore``, then the source ranks and the rollout ranks build
 one stateless process group per generation TP rank on it. Every sync is one call on
 each group, in lockstep; the rollout ranks record the actor version the stream carried,
@@ -250,7 +250,7 @@ class SplitActorWorker(ActorRolloutWorker):
         return metrics
 
     def _verify_sync(self) -> float:
-        raise RuntimeError("split placement: the controller verifies the sync (rollout_pipeline.verify_split_sync)")
+        raise RuntimeError("split placement: the controller verifies the sync (rollout_source.verify_split_sync)")
 
     @register(nd_compute("rollout"))
     def generate_sequences(self, prompts: DataProto) -> ProtoResult:
