@@ -11,11 +11,11 @@ Weights never pass through the controller: the step's first call,
 old-log-prob forward or its bypass, reference, critic) are ``if`` branches on the config
 and on which groups exist; KL in the reward or not is the lookup ``KL_STAGES``.
 
-Each group is typed with its protocol (:mod:`megaflow.trainer.worker_api`), whose methods
-name the worker method that runs and the batch fields it reads; every call sends only
-those fields (:func:`~megaflow.trainer.worker_api.inputs_for`). Anything with the
-protocols' methods can stand in for a group, so the loop is tested with fake workers as
-well as with real Megatron/vLLM groups.
+Each role is called through its typed proxy (:mod:`megaflow.trainer.proxies`), whose
+methods name the worker method that runs and the batch fields it reads; every call sends
+only those fields (:func:`~megaflow.trainer.proxies.inputs_for`). A proxy over any object
+with ``call``/``submit`` stands in for a Ray group, so the loop is tested with fake workers
+as well as with real Megatron/vLLM groups.
 """
 from __future__ import annotations
 
@@ -36,8 +36,7 @@ from megaflow.trainer.checkpoint import (TRAINER_STATE_FILE, CheckpointManager, 
 from megaflow.trainer.stages import (add_advantages, balance_batch, bypass_old_log_probs, check_rollout_batch,
                                      compute_data_metrics, kl_in_reward, prompts_of, rollout_correction,
                                      scores_as_rewards)
-from megaflow.trainer.worker_api import (ActorRolloutGroup, CriticGroup, RefGroup, RewardModelGroup, RolloutGroup,
-                                         inputs_for)
+from megaflow.trainer.proxies import ActorProxy, CriticProxy, RefProxy, RewardModelProxy, RolloutProxy
 
 if TYPE_CHECKING:
     from megaflow.config import Config
@@ -47,19 +46,19 @@ if TYPE_CHECKING:
 @dataclass
 class WorkerGroups:
     """The worker groups a step talks to (None where the role is not configured), each
-    typed with its protocol in :mod:`megaflow.trainer.worker_api`.
+    behind its typed proxy (:mod:`megaflow.trainer.proxies`).
 
     ``resource_pools`` are released when the groups shut down. ``rollout``: the standalone
     rollout group of split placement (:class:`~megaflow.workers.rollout_worker.RolloutWorker`;
     None: the engines live in the actor's processes).
     """
 
-    actor: ActorRolloutGroup
-    ref: RefGroup | None = None
-    critic: CriticGroup | None = None
-    reward_model: RewardModelGroup | None = None
+    actor: ActorProxy
+    ref: RefProxy | None = None
+    critic: CriticProxy | None = None
+    reward_model: RewardModelProxy | None = None
     resource_pools: list[ResourcePool] = field(default_factory=list)
-    rollout: RolloutGroup | None = None
+    rollout: RolloutProxy | None = None
 
     def named(self) -> dict[str, Any]:
         """``{role: group}`` of the configured groups (actor, rollout, ref, critic,
@@ -214,27 +213,25 @@ class RayPPOTrainer:
             pass
         else:
             with _timer("old_log_prob", t):
-                batch = batch.union(g.actor.compute_log_prob(inputs_for(ActorRolloutGroup.compute_log_prob, batch)))
+                batch = batch.union(g.actor.compute_log_prob(batch))
         if g.ref is not None:
             with _timer("ref", t):
-                batch = batch.union(g.ref.compute_ref_log_prob(inputs_for(RefGroup.compute_ref_log_prob, batch)))
+                batch = batch.union(g.ref.compute_ref_log_prob(batch))
         if g.critic is not None:
             with _timer("values", t):
-                batch = batch.union(g.critic.compute_values(inputs_for(CriticGroup.compute_values, batch)))
+                batch = batch.union(g.critic.compute_values(batch))
         with _timer("adv", t):
             batch, metrics = KL_STAGES[bool(algo.use_kl_in_reward)](self, batch)
             batch = add_advantages(batch, algo.adv_estimator, gamma=algo.gamma, lam=algo.lam,
                                    norm_adv_by_std=algo.norm_adv_by_std)
         if g.critic is not None:
             with _timer("update_critic", t):
-                metrics.update(_update_metrics(g.critic.update_critic(inputs_for(CriticGroup.update_critic,
-                                                                                 batch))))
+                metrics.update(_update_metrics(g.critic.update_critic(batch)))
         actor_batch, correction_metrics = rollout_correction(batch, self.rollouts.correction(),
                                                              step=self.global_step)
         metrics.update(correction_metrics)
         with _timer("update_actor", t):
-            metrics.update(_update_metrics(g.actor.update_actor(inputs_for(ActorRolloutGroup.update_actor,
-                                                                           actor_batch))))
+            metrics.update(_update_metrics(g.actor.update_actor(actor_batch)))
         metrics.update(compute_data_metrics(batch, self.cfg.rollout.response_length))
         metrics.update(rollout_metrics)
         metrics.update(balance_metrics)
@@ -272,7 +269,7 @@ class RayPPOTrainer:
         scored = self.reward_fn(batch)
         extra = [k for k in scored.non_tensor_batch if k.startswith("reward_")] if keep_reward_fields else []
         if self.groups.reward_model is not None:
-            rm = self.groups.reward_model.compute_rm_score(inputs_for(RewardModelGroup.compute_rm_score, batch))
+            rm = self.groups.reward_model.compute_rm_score(batch)
             scored.batch["token_level_scores"] = scored.batch["token_level_scores"] + rm.batch["rm_scores"]
         return batch.union(scored.select(batch_keys=["token_level_scores"], non_tensor_keys=extra))
 

@@ -14,12 +14,16 @@ from typing import Any
 
 from megaflow.config.role_spec import RoleSpec
 from megaflow.trainer.ppo_trainer import WorkerGroups
+from megaflow.trainer.proxies import ActorProxy, CriticProxy, RefProxy, RewardModelProxy, RoleProxy, RolloutProxy
 from megaflow.workers.actor_rollout import ActorRolloutWorker
 from megaflow.workers.megatron_workers import CriticWorker, RefWorker, RewardModelWorker
 
 #: config section -> worker class
 ROLE_CLASSES = {"actor": ActorRolloutWorker, "ref": RefWorker, "critic": CriticWorker,
                 "reward_model": RewardModelWorker}
+#: role -> the typed proxy the controller calls it through
+PROXIES: dict[str, type[RoleProxy]] = {"actor": ActorProxy, "rollout": RolloutProxy, "ref": RefProxy,
+                                       "critic": CriticProxy, "reward_model": RewardModelProxy}
 
 
 def eos_token_ids(tokenizer) -> tuple[int, ...]:
@@ -95,8 +99,9 @@ def build_worker_groups(cfg, tokenizer, total_steps: int | None = None) -> Worke
     # Every role's init_model is started before any is awaited: roles on different pools build
     # their process groups and models at the same time; colocated roles share their processes,
     # whose Ray actors run the calls one after another in this order.
-    pending = [views[role].submit("init_model") for role in ("actor", "rollout", "ref", "critic", "reward_model")
-               if role in views]
+    proxies = {role: PROXIES[role](view) for role, view in views.items()}
+    pending = [proxies[role].init_model_async() for role in ("actor", "rollout", "ref", "critic", "reward_model")
+               if role in proxies]
     for future in pending:
         future.get()
     if split is not None:
@@ -106,13 +111,13 @@ def build_worker_groups(cfg, tokenizer, total_steps: int | None = None) -> Worke
 
         par = role_parallel(cfg, "actor")
         layout = plan_hybrid_layout(par.tp, par.pp, par.dp, cfg.rollout.tp)  # as the actor plans it
-        connect_split(views["actor"], views["rollout"], layout, backend="nccl" if res.use_gpu else "gloo")
+        connect_split(proxies["actor"], proxies["rollout"], layout, backend="nccl" if res.use_gpu else "gloo")
     # The processes' start-up ends here: garbage collection, paused since they started, resumes
     # (a no-op call on the second view of colocated roles).
     for view in views.values():
         view.end_startup()
-    return WorkerGroups(actor=views["actor"], ref=views.get("ref"), critic=views.get("critic"),
-                        reward_model=views.get("reward_model"), resource_pools=pools, rollout=views.get("rollout"))
+    return WorkerGroups(actor=proxies["actor"], ref=proxies.get("ref"), critic=proxies.get("critic"),
+                        reward_model=proxies.get("reward_model"), resource_pools=pools, rollout=proxies.get("rollout"))
 
 
 def shutdown_worker_groups(groups: WorkerGroups) -> None:
@@ -127,4 +132,4 @@ def shutdown_worker_groups(groups: WorkerGroups) -> None:
     groups.resource_pools.clear()
 
 
-__all__ = ["build_worker_groups", "shutdown_worker_groups", "eos_token_ids", "ROLE_CLASSES"]
+__all__ = ["build_worker_groups", "shutdown_worker_groups", "eos_token_ids", "ROLE_CLASSES", "PROXIES"]

@@ -52,10 +52,12 @@ if TYPE_CHECKING:
     from megaflow.config.schema import RolloutCorrectionConfig
     from megaflow.hybrid_engine.transport import TransportPlan
     from megaflow.trainer.ppo_trainer import WorkerGroups
+    from megaflow.trainer.proxies import ActorProxy, RolloutProxy
 
 
 # ---------------------------------------------------------------------------- split placement
-def connect_split(actor: Any, rollout: Any, actor_layout: HybridLayout, *, backend: str) -> TransportPlan:
+def connect_split(actor: ActorProxy, rollout: RolloutProxy, actor_layout: HybridLayout, *,
+                  backend: str) -> TransportPlan:
     """Build the broadcast groups between an actor group and a rollout group (once).
 
     Args:
@@ -76,8 +78,8 @@ def connect_split(actor: Any, rollout: Any, actor_layout: HybridLayout, *, backe
     per_rank = rollout.sharded_param_shapes()
     shapes = [per_rank[g.receivers[0]] for g in plan.groups]
     host, port = actor.open_weight_store()
-    GroupFuture.get_together([actor.submit("init_weight_transport", host, port, plan, shapes, backend),
-                              rollout.submit("init_weight_transport", host, port, plan, backend)])
+    GroupFuture.get_together([actor.init_weight_transport_async(host, port, plan, shapes, backend),
+                              rollout.init_weight_transport_async(host, port, plan, backend)])
     return plan
 
 
@@ -97,8 +99,8 @@ def sync_split_weights(groups: WorkerGroups, rollout_cfg: RolloutConfig) -> dict
     from megaflow.workers.rollout_worker import check_split_synced
 
     per_actor, per_rollout = GroupFuture.get_together([
-        groups.actor.submit("sync_rollout_weights", verify=False, bucket_mb=rollout_cfg.weight_sync_bucket_mb),
-        groups.rollout.submit("receive_weights")])  # a failure on either side raises at once
+        groups.actor.sync_rollout_weights_async(verify=False, bucket_mb=rollout_cfg.weight_sync_bucket_mb),
+        groups.rollout.receive_weights_async()])  # a failure on either side raises at once
     metrics = check_split_synced(per_actor, per_rollout)
     metrics["rollout/actor_version"] = per_actor[0]["rollout/actor_version"]
     if rollout_cfg.verify_sync:
@@ -106,7 +108,7 @@ def sync_split_weights(groups: WorkerGroups, rollout_cfg: RolloutConfig) -> dict
     return metrics
 
 
-def verify_split_sync(actor: Any, rollout: Any) -> float:
+def verify_split_sync(actor: ActorProxy, rollout: RolloutProxy) -> float:
     """``rollout.verify_sync`` for split placement: the engines' log-probs of a fixed greedy
     probe against the actor's recomputation (fp32 tolerance
     :data:`~megaflow.workers.actor_rollout.VERIFY_SYNC_ATOL`).
@@ -233,7 +235,7 @@ class ColocatedSource:
         metrics = check_synced(per_rank)
         return SyncReport(actor_version=int(per_rank[0]["rollout/actor_version"]), metrics=metrics)
 
-    def _engines(self) -> Any:
+    def _engines(self) -> ActorProxy | RolloutProxy:
         """The group whose ``generate_sequences`` runs the engines."""
         return self.groups.actor
 
@@ -275,7 +277,7 @@ class SplitSource(ColocatedSource):
         metrics = sync_split_weights(self.groups, self.cfg.rollout)
         return SyncReport(actor_version=int(metrics["rollout/actor_version"]), metrics=metrics)
 
-    def _engines(self) -> Any:
+    def _engines(self) -> ActorProxy | RolloutProxy:
         return self.groups.rollout
 
 
@@ -342,7 +344,7 @@ class OneStepOffSource(SplitSource):
 
     def _start(self, item: _InFlight) -> None:
         item.prompts, gen_in = self._request(item.prompts, self.cfg.rollout.n, greedy=False, step=item.step)
-        item.future = self.groups.rollout.submit("generate_sequences", gen_in)
+        item.future = self.groups.rollout.generate_sequences_async(gen_in)
 
     def next_batch(self, step: int) -> tuple[DataProto, dict[str, float]]:
         """The batch of ``step`` (generated with the previous sync's weights, or, on the first

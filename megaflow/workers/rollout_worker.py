@@ -23,7 +23,7 @@ which the controller compares with the actor's (:func:`check_split_synced`).
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -31,6 +31,9 @@ from megaflow.protocol import DataProto
 from megaflow.single_controller import Dispatch, ProtoResult, Worker, nd_compute, register
 from megaflow.config.role_spec import RoleSpec
 from megaflow.workers.actor_rollout import _REPLICA_SEED_STRIDE, ActorRolloutWorker, check_synced, stop_token_ids
+
+if TYPE_CHECKING:
+    from megaflow.hybrid_engine.transport import TransportPlan
 
 #: Seconds a transport collective may wait (rendezvous included).
 TRANSPORT_TIMEOUT_S = 1800.0
@@ -102,7 +105,7 @@ class RolloutWorker(Worker):
         return self.rollout.sharded_param_shapes()
 
     @register(Dispatch.ONE_TO_ALL)
-    def init_weight_transport(self, host: str, port: int, plan, backend: str) -> None:
+    def init_weight_transport(self, host: str, port: int, plan: TransportPlan, backend: str) -> None:
         """Join this rank's broadcast group of ``plan`` (blocks until all members joined)."""
         from megaflow.hybrid_engine.transport import BroadcastTransport, stateless_process_group
 
@@ -195,7 +198,8 @@ class SplitActorWorker(ActorRolloutWorker):
         return host, int(self._store.port)
 
     @register(Dispatch.ONE_TO_ALL)
-    def init_weight_transport(self, host: str, port: int, plan, vllm_shapes: list, backend: str) -> None:
+    def init_weight_transport(self, host: str, port: int, plan: TransportPlan, vllm_shapes: list,
+                              backend: str) -> None:
         """Join the broadcast group this rank is the source of, if any (blocks until its
         members joined); ``vllm_shapes[j]``: the shard shapes of generation TP rank ``j``."""
         from megaflow.hybrid_engine.transport import BroadcastTransport, stateless_process_group

@@ -79,8 +79,8 @@ def test_one_step_stale_batch_has_the_version_k_policys_log_probs(ray_session, t
         update.batch["advantages"] = torch.where(torch.arange(ROWS) % 2 == 0, 1.0, -1.0)[:, None] \
             * torch.ones_like(update.batch["old_log_probs"])
         # generation of batch 1 and the actor's update run at the same time on their pools
-        pending = groups.rollout.submit("generate_sequences", _prompts({"temperature": 1.0, "seed": 12}))
-        updating = groups.actor.submit("update_actor", update)
+        pending = groups.rollout.generate_sequences_async(_prompts({"temperature": 1.0, "seed": 12}))
+        updating = groups.actor.update_actor_async(update)
         batch1, _ = pending.get().batch, updating.get()
         assert batch1.batch["weight_version"].tolist() == [0] * ROWS
         updated = _trainer_log_probs(groups.actor, batch1, 1.0)  # the actor is at version 1 now
@@ -227,7 +227,7 @@ class _FakeRun:
         return {"rollout/actor_version": float(self.actor_version)}
 
     # the rollout group
-    def submit(self, method, gen_in):
+    def generate_sequences_async(self, gen_in):
         step = int(gen_in.meta_info["seed"]) - self.run_seed * 100_003
         self.calls.append(("generate", int(gen_in.batch["input_ids"][0, 0]), step, self.served))
         rows = DataProto.from_dict({"input_ids": gen_in.batch["input_ids"],

@@ -9,6 +9,7 @@ from megaflow.protocol import DataProto
 from megaflow.single_controller import GroupProtoResult
 from megaflow.trainer.checkpoint import CheckpointManager
 from megaflow.trainer.ppo_trainer import RayPPOTrainer, WorkerGroups
+from megaflow.trainer.proxies import ActorProxy
 
 R = 4  # response length
 
@@ -62,6 +63,24 @@ class FakeActor:
         self.version = torch.load(f"{path}/state.pt")["version"]
 
 
+class LocalGroup:
+    """A worker group of one in-process fake worker: the typed proxies' calls reach its methods."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def call(self, method, *args, **kwargs):
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def mesh_info(self, mesh):
+        return self.worker.mesh_info(mesh)
+
+
+def actor_groups(actor: FakeActor) -> WorkerGroups:
+    """The fake actor behind the real actor proxy (which sends each call only its declared fields)."""
+    return WorkerGroups(actor=ActorProxy(LocalGroup(actor)))
+
+
 class Loader:
     """Resumable loader of 2-prompt batches with a uid-free prompt layout."""
 
@@ -111,7 +130,7 @@ def make_cfg(tmp_path, total_steps=3, resume="disable", balance_batch=False):
 
 def run(tmp_path, total_steps, resume="disable", balance_batch=False):
     actor = FakeActor()
-    trainer = RayPPOTrainer(make_cfg(tmp_path, total_steps, resume, balance_batch), WorkerGroups(actor=actor), reward_fn,
+    trainer = RayPPOTrainer(make_cfg(tmp_path, total_steps, resume, balance_batch), actor_groups(actor), reward_fn,
                             Loader(), checkpoints=CheckpointManager(tmp_path / "ckpt"))
     return trainer, actor
 
