@@ -34,6 +34,7 @@ from megaflow.config.role_spec import RoleSpec
 from megaflow.workers.megatron_workers import ActorWorker
 
 if TYPE_CHECKING:
+    from megaflow.hybrid_engine.transport import WeightTransport
     from megaflow.config.schema import Config
 
 #: Offset between the sampling seeds of two generation replicas (distinct request seeds).
@@ -73,9 +74,13 @@ class ActorRolloutWorker(ActorWorker):
         self.pad_token_id = int(pad_token_id)
         self.rollout = None
         self.resharder = None
+        self.transport: Optional[WeightTransport] = None  # set with the engine (or the split transport)
+        self._vllm_shapes: Optional[dict] = None  # the engine shard's vLLM name -> shape
         self._actor_version = 0
         self._synced_version = -1
+        self._num_sends = 0
         self.last_reshard_stats = None
+        self.last_transport_stats = None
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -98,6 +103,11 @@ class ActorRolloutWorker(ActorWorker):
         self._gen_tp_rank = placement.gen_tp_rank
         self._gen_replica = placement.gen_dp_rank
         self.rollout = self._build_engine(hf_config)
+        if self.rollout is not None:  # the engine in this process: the sync loads it in place
+            from megaflow.hybrid_engine.transport import ColocatedTransport
+
+            self.transport = ColocatedTransport(self.rollout)
+            self._vllm_shapes = self.rollout.sharded_param_shapes()
 
     def _build_engine(self, hf_config):
         from megaflow.config.memory import cpu_kv_cache_bytes
@@ -129,32 +139,43 @@ class ActorRolloutWorker(ActorWorker):
 
     # ------------------------------------------------------------------ weight sync
     def _sync_rollout_weights(self, bucket_bytes: int) -> None:
-        """train -> generate -> train: stream the actor's current weights into the engine.
+        """train -> generate -> train: stream the actor's current weights through this rank's
+        weight transport (the one sync loop of both layouts).
 
         The generation shard is produced by the resharder, converted to vLLM's names and
-        local layout and pushed in buckets of at most ``bucket_bytes``
+        local layout and cut into buckets of at most ``bucket_bytes``
         (:func:`~megaflow.hybrid_engine.rollout_weights.iter_vllm_buckets`); at most one
-        bucket is alive at a time. Parameters only are reloaded onto the device.
+        bucket is alive at a time. The transport moves them: into the engine in this process
+        (:class:`~megaflow.hybrid_engine.transport.ColocatedTransport`), or, under split
+        placement, to the rollout group
+        (:class:`~megaflow.hybrid_engine.transport.BroadcastTransport`; a rank that is no
+        source has no transport but still runs the conversion's collectives). Unchanged
+        weights send only that news. Parameters only are reloaded onto the device.
         """
-        if self._synced_version == self._actor_version:
-            return
         from megaflow.hybrid_engine.rollout_weights import iter_vllm_buckets
-        from megaflow.hybrid_engine.transport import load_buckets
 
+        if self._synced_version == self._actor_version:
+            if self.transport is not None:
+                self.transport.send_unchanged(self._actor_version)
+            return
         self._before_phase(("params",))  # the sync reads parameters only: grads/optimizer stay offloaded
         try:
             with self.resharder.generation() as stats:
                 buckets = iter_vllm_buckets(
                     self.resharder.named_generation_tensors(), self.spec, gen_tp=self.layout.gen_tp,
-                    gen_tp_rank=self._gen_tp_rank, vllm_shapes=self.rollout.sharded_param_shapes(),
+                    gen_tp_rank=self._gen_tp_rank, vllm_shapes=self._vllm_shapes,
                     gather_vocab=self._gather_gen_tp, bucket_bytes=bucket_bytes)
                 # a failure aborts the update: the engine refuses to generate until a complete sync
-                num_buckets, _, largest = load_buckets(self.rollout, buckets)
+                if self.transport is not None:
+                    self.last_transport_stats = self.transport.send(buckets, self._actor_version)
+                else:
+                    for _ in buckets:  # the conversion's collectives (vocabulary gathers) run on every rank
+                        pass
         finally:
             self._after_phase()  # the training state goes back off the device while the engine generates
         self.last_reshard_stats = stats
-        self.last_sync_buckets = (num_buckets, largest)
         self._synced_version = self._actor_version
+        self._num_sends += 1
 
     def _gather_gen_tp(self, shard: torch.Tensor) -> torch.Tensor:
         """All-gather ``shard`` over the generation TP group along dim 0 (identity at t_g = 1)."""
@@ -257,8 +278,8 @@ class ActorRolloutWorker(ActorWorker):
             s = self.last_reshard_stats
             metrics.update({"timing_s/reshard": s.seconds, "reshard/bytes_received": float(s.bytes_received),
                             "reshard/bytes_sent": float(s.bytes_sent),
-                            "rollout/weight_sync_buckets": float(self.last_sync_buckets[0]),
-                            "rollout/weight_sync_bucket_bytes": float(self.last_sync_buckets[1])})
+                            "rollout/weight_sync_buckets": float(self.last_transport_stats.num_buckets),
+                            "rollout/weight_sync_bucket_bytes": float(self.last_transport_stats.largest_bucket)})
         return metrics
 
     @register(nd_compute("rollout"))

@@ -23,7 +23,7 @@ which the controller compares with the actor's (:func:`check_split_synced`).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -180,13 +180,6 @@ class SplitActorWorker(ActorRolloutWorker):
     Args: as for :class:`ActorRolloutWorker`.
     """
 
-    def __init__(self, spec: RoleSpec, eos_token_ids: tuple[int, ...], pad_token_id: int) -> None:
-        super().__init__(spec, eos_token_ids, pad_token_id)
-        self.transport = None
-        self._vllm_shapes: Optional[dict] = None
-        self._num_sends = 0
-        self.last_transport_stats = None
-
     def _build_engine(self, hf_config):
         return None  # the engines live on the rollout pool
 
@@ -213,32 +206,6 @@ class SplitActorWorker(ActorRolloutWorker):
         pg = stateless_process_group(self._store, 0, 1 + len(group.receivers), backend=backend,
                                      prefix=f"tp{group.gen_tp_rank}", timeout_s=TRANSPORT_TIMEOUT_S)
         self.transport = BroadcastTransport(pg, backend)
-
-    def _sync_rollout_weights(self, bucket_bytes: int) -> None:
-        """train -> generation layout -> buckets -> broadcast (sources) -> train."""
-        from megaflow.hybrid_engine.rollout_weights import iter_vllm_buckets
-
-        if self._synced_version == self._actor_version:
-            if self.transport is not None:
-                self.transport.send_unchanged(self._actor_version)
-            return
-        self._before_phase(("params",))  # parameters only: grads/optimizer stay offloaded
-        try:
-            with self.resharder.generation() as stats:
-                buckets = iter_vllm_buckets(
-                    self.resharder.named_generation_tensors(), self.spec, gen_tp=self.layout.gen_tp,
-                    gen_tp_rank=self._gen_tp_rank, vllm_shapes=self._vllm_shapes,
-                    gather_vocab=self._gather_gen_tp, bucket_bytes=bucket_bytes)
-                if self.transport is not None:
-                    self.last_transport_stats = self.transport.send(buckets, self._actor_version)
-                else:
-                    for _ in buckets:  # the conversion's collectives (vocabulary gathers) run on every rank
-                        pass
-        finally:
-            self._after_phase()
-        self.last_reshard_stats = stats
-        self._synced_version = self._actor_version
-        self._num_sends += 1
 
     def _sync_metrics(self, stale: bool) -> dict[str, float]:
         """Version metrics; with ``stale`` (this call sent new weights) also the reshard's and transport's."""
