@@ -20,10 +20,7 @@ other methods on the ``actor`` mesh (Megatron DP rank, collected from tp 0 / las
 """
 from __future__ import annotations
 
-import json
-import os
-import tempfile
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,27 +29,18 @@ from megaflow.protocol import DataProto
 from megaflow.single_controller import Dispatch, ProtoResult, nd_compute, register
 from megaflow.config.role_spec import RoleSpec
 from megaflow.workers.megatron_workers import ActorWorker
+from megaflow.workers.rollout_host import RolloutHost, stop_token_ids
 
 if TYPE_CHECKING:
     from megaflow.hybrid_engine.transport import WeightTransport
-    from megaflow.config.schema import Config
 
-#: Offset between the sampling seeds of two generation replicas (distinct request seeds).
-_REPLICA_SEED_STRIDE = 1_000_003
 #: ``verify`` of :meth:`ActorRolloutWorker.sync_rollout_weights`: largest accepted
 #: |engine - trainer| log-prob difference on the probe (fp32).
 VERIFY_SYNC_ATOL = 1e-5
-_PROBE_LENGTHS, _PROBE_RESPONSE = (8, 5), 8
 #: Default of ``bucket_mb`` (``rollout.weight_sync_bucket_mb``): a 70B model's generation
 #: shard at t_g = 8 (about 17 GB in bf16) streams in about 35 buckets, and its largest
 #: tensor (the embedding shard, 128256 / 8 x 8192 x 2 bytes = 250 MiB) fits in one.
 DEFAULT_WEIGHT_SYNC_BUCKET_MB = 512
-
-
-def stop_token_ids(cfg: Config, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
-    """The ids that end a response: the tokenizer's EOS ids, or none with ``rollout.ignore_eos``
-    (every response is then ``rollout.response_length`` tokens)."""
-    return () if cfg.rollout.ignore_eos else tuple(int(i) for i in eos_token_ids)
 
 
 class ActorRolloutWorker(ActorWorker):
@@ -70,9 +58,10 @@ class ActorRolloutWorker(ActorWorker):
 
     def __init__(self, spec: RoleSpec, eos_token_ids: tuple[int, ...], pad_token_id: int) -> None:
         super().__init__(spec)
-        self.eos_token_ids = stop_token_ids(spec.config, eos_token_ids)
+        self.eos_token_ids = tuple(eos_token_ids)
         self.pad_token_id = int(pad_token_id)
-        self.rollout = None
+        self.host: Optional[RolloutHost] = None
+        self.rollout = None  # the host's engine
         self.resharder = None
         self.transport: Optional[WeightTransport] = None  # set with the engine (or the split transport)
         self._vllm_shapes: Optional[dict] = None  # the engine shard's vLLM name -> shape
@@ -101,41 +90,18 @@ class ActorRolloutWorker(ActorWorker):
         placement = self.layout.ranks[self.rank]
         self.register_dp_info("rollout", dp_rank=placement.gen_dp_rank, is_collect=placement.is_collect)
         self._gen_tp_rank = placement.gen_tp_rank
-        self._gen_replica = placement.gen_dp_rank
-        self.rollout = self._build_engine(hf_config)
+        self.host = self._build_host(hf_config, placement.gen_dp_rank)
+        self.rollout = None if self.host is None else self.host.engine
         if self.rollout is not None:  # the engine in this process: the sync loads it in place
             from megaflow.hybrid_engine.transport import ColocatedTransport
 
             self.transport = ColocatedTransport(self.rollout)
             self._vllm_shapes = self.rollout.sharded_param_shapes()
 
-    def _build_engine(self, hf_config):
-        from megaflow.config.memory import cpu_kv_cache_bytes
-        from megaflow.config.topology import max_seq_len
-        from megaflow.rollout.sampling import SamplingConfig
-        from megaflow.rollout.vllm_rollout import VLLMRollout, VLLMRolloutConfig
-
-        cfg = self.config
-        model_dir = self._engine_model_dir(hf_config)
-        engine_cfg = VLLMRolloutConfig(
-            model_path=model_dir, tp_size=cfg.rollout.tp, tp_group_ranks=self.layout.gen_tp_groups,
-            dtype=cfg.model.dtype, load_format="dummy", max_model_len=max_seq_len(cfg),
-            kv_cache_bytes=None if cfg.resources.use_gpu else cpu_kv_cache_bytes(cfg),
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.trainer.seed)
-        # Each call's meta_info overrides the sampling parameters; n stays 1 (the controller
-        # repeats every prompt rollout.n times).
-        sampling = SamplingConfig(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                  top_k=cfg.rollout.top_k, response_length=cfg.rollout.response_length,
-                                  eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id)
-        return VLLMRollout(engine_cfg, sampling)
-
-    def _engine_model_dir(self, hf_config) -> str:
-        """A directory with the model's ``config.json`` for vLLM (weights come from the actor)."""
-        cfg = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
-        path = tempfile.mkdtemp(prefix=f"megaflow_rollout_rank{self.rank}_")
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(cfg, f)
-        return path
+    def _build_host(self, hf_config: Any, gen_replica: int) -> Optional[RolloutHost]:
+        """This rank's engine shard (:class:`~megaflow.workers.rollout_host.RolloutHost`)."""
+        return RolloutHost(self.config, hf_config, self.spec, rank=self.rank, tp_group_ranks=self.layout.gen_tp_groups,
+                           gen_replica=gen_replica, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id)
 
     # ------------------------------------------------------------------ weight sync
     def _sync_rollout_weights(self, bucket_bytes: int) -> None:
@@ -218,20 +184,6 @@ class ActorRolloutWorker(ActorWorker):
             metrics["rollout/verify_sync_max_diff"] = self._verify_sync()
         return metrics
 
-    def _probe(self) -> DataProto:
-        """Fixed left-padded prompts (seeded ids from 3 up to the vocabulary), greedy."""
-        lengths = [min(n, self.config.data.max_prompt_length) for n in _PROBE_LENGTHS]
-        width = max(lengths)
-        gen = torch.Generator().manual_seed(0)
-        ids = torch.full((len(lengths), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, n in enumerate(lengths):
-            ids[i, width - n:] = torch.randint(3, self.spec.vocab_size, (n,), generator=gen)
-            mask[i, width - n:] = 1
-        return DataProto.from_dict({"input_ids": ids, "attention_mask": mask}, meta_info={
-            "do_sample": False, "response_length": min(_PROBE_RESPONSE, self.config.rollout.response_length),
-            "seed": 0})
-
     def _verify_sync(self) -> float:
         """Every engine's log-probs of its greedy probe tokens vs the trainer's (collective).
 
@@ -247,7 +199,7 @@ class ActorRolloutWorker(ActorWorker):
             RuntimeError: above :data:`VERIFY_SYNC_ATOL` (on every rank), naming the rank
                 with the largest difference and listing every rank's.
         """
-        out = self.rollout.generate_sequences(self._probe())
+        out = self.host.probe_rollout()
         keys = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask")
         world = dist.get_world_size()
         outputs: list = [None] * world
@@ -304,10 +256,7 @@ class ActorRolloutWorker(ActorWorker):
             raise RuntimeError(f"generate_sequences on rank {self.rank}: the engine serves actor version "
                                f"{self._synced_version} (engine weight version {self.rollout.weight_version}) but "
                                f"the actor is at version {self._actor_version}; call sync_rollout_weights() first")
-        meta = dict(prompts.meta_info)
-        if meta.get("seed") is not None:
-            meta["seed"] = int(meta["seed"]) + self._gen_replica * _REPLICA_SEED_STRIDE
-        out = self.rollout.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch, meta))
+        out = self.host.generate(prompts)
         return ProtoResult(out, {"rollout/weight_version": float(self.rollout.weight_version)})
 
     @register(nd_compute("actor"))

@@ -23,14 +23,15 @@ which the controller compares with the actor's (:func:`check_split_synced`).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megaflow.protocol import DataProto
 from megaflow.single_controller import Dispatch, ProtoResult, Worker, nd_compute, register
 from megaflow.config.role_spec import RoleSpec
-from megaflow.workers.actor_rollout import _REPLICA_SEED_STRIDE, ActorRolloutWorker, check_synced, stop_token_ids
+from megaflow.workers.actor_rollout import ActorRolloutWorker, check_synced
+from megaflow.workers.rollout_host import RolloutHost
 
 if TYPE_CHECKING:
     from megaflow.hybrid_engine.transport import TransportPlan
@@ -63,9 +64,10 @@ class RolloutWorker(Worker):
     def __init__(self, spec: RoleSpec, eos_token_ids: tuple[int, ...], pad_token_id: int) -> None:
         super().__init__()
         self.role_spec, self.config = spec, spec.config
-        self.eos_token_ids = stop_token_ids(spec.config, eos_token_ids)
+        self.eos_token_ids = tuple(eos_token_ids)
         self.pad_token_id = int(pad_token_id)
-        self.rollout = None
+        self.host: RolloutHost | None = None
+        self.rollout = None  # the host's engine
         self.transport = None
         self._synced_actor_version = -1
         self.last_transport_stats = None
@@ -93,11 +95,11 @@ class RolloutWorker(Worker):
         self.layout = plan_hybrid_layout(gen_tp, 1, self.world_size // gen_tp, gen_tp,
                                          num_attention_heads=self.spec.num_heads,
                                          num_query_groups=self.spec.num_kv_heads)
-        self.rollout = self._build_engine(hf_config)
-
-    # The engine is built as the colocated actor builds its own (same settings, dummy weights).
-    _build_engine = ActorRolloutWorker._build_engine
-    _engine_model_dir = ActorRolloutWorker._engine_model_dir
+        # the engine is built as the colocated actor builds its own (same settings, dummy weights)
+        self.host = RolloutHost(self.config, hf_config, self.spec, rank=self.rank,
+                                tp_group_ranks=self.layout.gen_tp_groups, gen_replica=self._gen_replica,
+                                eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id)
+        self.rollout = self.host.engine
 
     @register(Dispatch.ONE_TO_ALL)
     def sharded_param_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -151,10 +153,7 @@ class RolloutWorker(Worker):
         if self._synced_actor_version < 0:
             raise RuntimeError("rollout worker: generate_sequences before the first weight sync")
         start = time.time()
-        meta = dict(prompts.meta_info)
-        if meta.get("seed") is not None:
-            meta["seed"] = int(meta["seed"]) + self._gen_replica * _REPLICA_SEED_STRIDE
-        out = self.rollout.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch, meta))
+        out = self.host.generate(prompts)
         out.batch["weight_version"] = torch.full((len(out),), self._synced_actor_version, dtype=torch.int64)
         return ProtoResult(out, {"rollout/weight_version": float(self.rollout.weight_version),
                                  "timeline/gen_start_unix": start, "timeline/gen_end_unix": time.time()})
@@ -164,14 +163,11 @@ class RolloutWorker(Worker):
         """Number of weight syncs the engine has received."""
         return self.rollout.weight_version
 
-    # the colocated actor's fixed verification probe (seeded prompts, greedy)
-    _probe = ActorRolloutWorker._probe
-
     @register(Dispatch.ONE_TO_ALL)
     def probe_rollout(self) -> DataProto:
         """Greedy rollout of the fixed probe (``rollout.verify_sync``; every replica
         generates it); each rank returns its replica's output."""
-        return self.rollout.generate_sequences(self._probe())
+        return self.host.probe_rollout()
 
 
 class SplitActorWorker(ActorRolloutWorker):
@@ -180,7 +176,7 @@ class SplitActorWorker(ActorRolloutWorker):
     Args: as for :class:`ActorRolloutWorker`.
     """
 
-    def _build_engine(self, hf_config):
+    def _build_host(self, hf_config: Any, gen_replica: int) -> None:
         return None  # the engines live on the rollout pool
 
     @register(Dispatch.RANK_ZERO)

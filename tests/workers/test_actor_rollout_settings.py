@@ -45,14 +45,13 @@ def test_check_synced_names_the_stale_ranks_and_disagreeing_versions():
 
 
 def test_the_engine_is_built_from_the_config_sections(monkeypatch, tmp_path):
-    """``_build_engine`` reads rollout, data, model and trainer keys as they are (no process:
+    """``build_engine`` reads rollout, data, model and trainer keys as they are (no process:
     the vLLM engine class is replaced by a recorder)."""
     import json
-    from types import SimpleNamespace
 
     import megaflow.rollout.vllm_rollout as vllm_rollout
     from megaflow.config.memory import GIB
-    from megaflow.workers.actor_rollout import ActorRolloutWorker
+    from megaflow.workers.rollout_host import build_engine
     from role_testlib import role_spec
 
     built = {}
@@ -62,10 +61,7 @@ def test_the_engine_is_built_from_the_config_sections(monkeypatch, tmp_path):
     spec = role_spec("actor", ["rollout.response_length=6", "data.max_prompt_length=10", "rollout.top_k=5",
                                "rollout.top_p=0.9", "rollout.temperature=0.7", "rollout.cpu_kv_cache_gib=2",
                                "rollout.gpu_memory_utilization=0.3", "trainer.seed=17"])
-    fake = SimpleNamespace(config=spec.config, rank=0, layout=SimpleNamespace(gen_tp_groups=[[0], [1]]),
-                           eos_token_ids=(), pad_token_id=3)
-    fake._engine_model_dir = lambda hf: ActorRolloutWorker._engine_model_dir(fake, hf)
-    ActorRolloutWorker._build_engine(fake, spec.hf_config())
+    build_engine(spec.config, spec.hf_config(), rank=0, tp_group_ranks=[[0], [1]], eos_token_ids=(), pad_token_id=3)
     engine, sampling = built["engine"], built["sampling"]
     assert (engine.tp_size, engine.max_model_len, engine.dtype, engine.seed) == (1, 10 + 6, "float32", 17)
     assert engine.kv_cache_bytes == 2 * GIB and engine.gpu_memory_utilization == 0.3
