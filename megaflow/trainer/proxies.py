@@ -36,6 +36,7 @@ from megaflow.trainer.stages import PROMPT_KEYS
 
 if TYPE_CHECKING:
     from megaflow.hybrid_engine.transport import TransportPlan
+    from megaflow.workers.weight_sync import WeightSync
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -210,11 +211,11 @@ class ActorProxy(MegatronProxy):
     without engines, its syncs broadcasting to a :class:`RolloutProxy`
     (:class:`~megaflow.workers.rollout_worker.SplitActorWorker`)."""
 
-    def sync_rollout_weights(self, verify: bool = False, bucket_mb: int = 512) -> list[dict[str, float]]:
+    def sync_rollout_weights(self, verify: bool = False, bucket_mb: int = 512) -> list[WeightSync]:
         """``ActorRolloutWorker.sync_rollout_weights`` on every rank: reshard the actor's
         weights into the engines when they changed, pushing at most ``bucket_mb`` MiB at a
-        time. Returns each rank's version metrics (check them with
-        :func:`megaflow.workers.actor_rollout.check_synced`)."""
+        time. Returns each rank's :class:`~megaflow.workers.weight_sync.WeightSync` (check
+        them with :func:`megaflow.workers.actor_rollout.check_synced`)."""
         return self._run(ActorProxy.sync_rollout_weights, verify, bucket_mb)
 
     def sync_rollout_weights_async(self, verify: bool = False, bucket_mb: int = 512) -> GroupFuture:
@@ -303,9 +304,10 @@ class RolloutProxy(RoleProxy):
         """:meth:`init_weight_transport` without waiting (it rendezvouses with the actor's)."""
         return self._start(RolloutProxy.init_weight_transport, host, port, plan, backend)
 
-    def receive_weights(self) -> list[dict[str, float]]:
+    def receive_weights(self) -> list[WeightSync]:
         """``RolloutWorker.receive_weights`` on every rank: one sync from the actor (collective
-        with the actor's ``sync_rollout_weights``); each rank's version metrics."""
+        with the actor's ``sync_rollout_weights``); each rank's
+        :class:`~megaflow.workers.weight_sync.WeightSync`."""
         return self._run(RolloutProxy.receive_weights)
 
     def receive_weights_async(self) -> GroupFuture:

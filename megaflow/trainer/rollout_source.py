@@ -102,7 +102,7 @@ def sync_split_weights(groups: WorkerGroups, rollout_cfg: RolloutConfig) -> dict
         groups.actor.sync_rollout_weights_async(verify=False, bucket_mb=rollout_cfg.weight_sync_bucket_mb),
         groups.rollout.receive_weights_async()])  # a failure on either side raises at once
     metrics = check_split_synced(per_actor, per_rollout)
-    metrics["rollout/actor_version"] = per_actor[0]["rollout/actor_version"]
+    metrics["rollout/actor_version"] = float(per_actor[0].actor_version)
     if rollout_cfg.verify_sync:
         metrics["rollout/verify_sync_max_diff"] = verify_split_sync(groups.actor, groups.rollout)
     return metrics
@@ -233,7 +233,7 @@ class ColocatedSource:
         r = self.cfg.rollout
         per_rank = self.groups.actor.sync_rollout_weights(verify=r.verify_sync, bucket_mb=r.weight_sync_bucket_mb)
         metrics = check_synced(per_rank)
-        return SyncReport(actor_version=int(per_rank[0]["rollout/actor_version"]), metrics=metrics)
+        return SyncReport(actor_version=per_rank[0].actor_version, metrics=metrics)
 
     def _engines(self) -> ActorProxy | RolloutProxy:
         """The group whose ``generate_sequences`` runs the engines."""

@@ -30,6 +30,7 @@ from megaflow.single_controller import Dispatch, ProtoResult, nd_compute, regist
 from megaflow.config.role_spec import RoleSpec
 from megaflow.workers.megatron_workers import ActorWorker
 from megaflow.workers.rollout_host import RolloutHost, stop_token_ids
+from megaflow.workers.weight_sync import WeightSync
 
 if TYPE_CHECKING:
     from megaflow.hybrid_engine.transport import WeightTransport
@@ -152,7 +153,7 @@ class ActorRolloutWorker(ActorWorker):
     # ------------------------------------------------------------------ registered methods
     @register(Dispatch.ONE_TO_ALL)
     def sync_rollout_weights(self, verify: bool = False,
-                             bucket_mb: int = DEFAULT_WEIGHT_SYNC_BUCKET_MB) -> dict[str, float]:
+                             bucket_mb: int = DEFAULT_WEIGHT_SYNC_BUCKET_MB) -> WeightSync:
         """Push the actor's weights into the engine if they changed since the last sync
         (collective: every rank, in lockstep).
 
@@ -163,11 +164,12 @@ class ActorRolloutWorker(ActorWorker):
                 (``rollout.weight_sync_bucket_mb``).
 
         Returns:
-            This rank's ``rollout/weight_version`` (engine syncs so far),
-            ``rollout/synced_actor_version`` and ``rollout/actor_version`` (equal after a
-            sync), when weights moved ``timing_s/reshard`` (the transition, seconds),
-            ``reshard/bytes_received``, ``reshard/bytes_sent``, ``rollout/weight_sync_buckets``
-            and ``rollout/weight_sync_bucket_bytes`` (the largest bucket), and with ``verify``
+            This rank's :class:`~megaflow.workers.weight_sync.WeightSync`: the engine's weight
+            version (syncs so far), the synced and current actor versions (equal after a
+            sync); figures when weights moved: ``timing_s/reshard`` (the transition, seconds),
+            ``reshard/bytes_received``, ``reshard/bytes_sent``, and colocated
+            ``rollout/weight_sync_buckets`` and ``rollout/weight_sync_bucket_bytes`` (the
+            largest bucket), split placement the ``transport/*`` figures; with ``verify``
             ``rollout/verify_sync_max_diff`` (the largest difference over all ranks).
 
         Raises:
@@ -179,10 +181,11 @@ class ActorRolloutWorker(ActorWorker):
             raise ValueError(f"rollout.weight_sync_bucket_mb must be > 0, got {bucket_mb}")
         stale = self._synced_version != self._actor_version  # the engines serve an older actor version
         self._sync_rollout_weights(int(bucket_mb) << 20)
-        metrics = self._sync_metrics(stale)
+        figures = self._sync_figures() if stale else {}
         if verify:
-            metrics["rollout/verify_sync_max_diff"] = self._verify_sync()
-        return metrics
+            figures["rollout/verify_sync_max_diff"] = self._verify_sync()
+        weight_version = self._num_sends if self.rollout is None else self.rollout.weight_version
+        return WeightSync(weight_version, self._synced_version, self._actor_version, figures)
 
     def _verify_sync(self) -> float:
         """Every engine's log-probs of its greedy probe tokens vs the trainer's (collective).
@@ -221,18 +224,18 @@ class ActorRolloutWorker(ActorWorker):
                                f"{worst} (tolerance {VERIFY_SYNC_ATOL:g}); per rank: {diffs}")
         return float(diffs[worst])
 
-    def _sync_metrics(self, stale: bool) -> dict[str, float]:
-        """Version metrics; with ``stale`` (this call moved the weights) also the reshard's."""
-        metrics = {"rollout/weight_version": float(self.rollout.weight_version),
-                   "rollout/synced_actor_version": float(self._synced_version),
-                   "rollout/actor_version": float(self._actor_version)}
-        if stale and self.last_reshard_stats is not None:
-            s = self.last_reshard_stats
-            metrics.update({"timing_s/reshard": s.seconds, "reshard/bytes_received": float(s.bytes_received),
-                            "reshard/bytes_sent": float(s.bytes_sent),
-                            "rollout/weight_sync_buckets": float(self.last_transport_stats.num_buckets),
-                            "rollout/weight_sync_bucket_bytes": float(self.last_transport_stats.largest_bucket)})
-        return metrics
+    def _sync_figures(self) -> dict[str, float]:
+        """What the last sync that moved weights moved: the reshard's figures, and the
+        engine's bucket counts (colocated) or the transport's figures (a split source rank)."""
+        s, t = self.last_reshard_stats, self.last_transport_stats
+        figures = {"timing_s/reshard": s.seconds, "reshard/bytes_received": float(s.bytes_received),
+                   "reshard/bytes_sent": float(s.bytes_sent)}
+        if self.rollout is not None:
+            figures.update({"rollout/weight_sync_buckets": float(t.num_buckets),
+                            "rollout/weight_sync_bucket_bytes": float(t.largest_bucket)})
+        elif t is not None:
+            figures.update(t.as_metrics())
+        return figures
 
     @register(nd_compute("rollout"))
     def generate_sequences(self, prompts: DataProto) -> ProtoResult:
@@ -278,31 +281,30 @@ class ActorRolloutWorker(ActorWorker):
         return self.rollout.weight_version
 
 
-def check_synced(per_rank: list[dict[str, float]]) -> dict[str, float]:
+def check_synced(per_rank: list[WeightSync]) -> dict[str, float]:
     """Controller-side check of a :meth:`ActorRolloutWorker.sync_rollout_weights` call.
 
     Args:
         per_rank: every rank's return value, index = rank.
 
     Returns:
-        The metrics of rank 0 (``rollout/weight_version`` and the reshard figures when
-        weights moved), without the version bookkeeping.
+        Rank 0's metrics (:meth:`~megaflow.workers.weight_sync.WeightSync.metrics`:
+        ``rollout/weight_version`` and the reshard figures when weights moved).
 
     Raises:
         RuntimeError: a rank whose engine does not serve the actor's current version, or
             ranks whose engines received different numbers of syncs (naming the ranks).
     """
-    stale = [r for r, m in enumerate(per_rank) if m["rollout/synced_actor_version"] != m["rollout/actor_version"]]
+    stale = [r for r, m in enumerate(per_rank) if m.synced_actor_version != m.actor_version]
     if stale:
         raise RuntimeError(f"weight sync: the engines of ranks {stale} do not serve the actor's current weights "
-                           f"(synced actor version {[per_rank[r]['rollout/synced_actor_version'] for r in stale]}, "
-                           f"actor version {[per_rank[r]['rollout/actor_version'] for r in stale]})")
-    versions = sorted({m["rollout/weight_version"] for m in per_rank})
+                           f"(synced actor version {[per_rank[r].synced_actor_version for r in stale]}, "
+                           f"actor version {[per_rank[r].actor_version for r in stale]})")
+    versions = sorted({m.weight_version for m in per_rank})
     if len(versions) > 1:
-        by_version = {v: [r for r, m in enumerate(per_rank) if m["rollout/weight_version"] == v] for v in versions}
+        by_version = {v: [r for r, m in enumerate(per_rank) if m.weight_version == v] for v in versions}
         raise RuntimeError(f"weight sync: the engines disagree on their weight version (version: ranks) {by_version}")
-    return {k: v for k, v in per_rank[0].items()
-            if k not in ("rollout/synced_actor_version", "rollout/actor_version")}
+    return per_rank[0].metrics()
 
 
-__all__ = ["ActorRolloutWorker", "stop_token_ids", "check_synced", "VERIFY_SYNC_ATOL"]
+__all__ = ["ActorRolloutWorker", "WeightSync", "stop_token_ids", "check_synced", "VERIFY_SYNC_ATOL"]

@@ -32,6 +32,7 @@ from megaflow.single_controller import Dispatch, ProtoResult, Worker, nd_compute
 from megaflow.config.role_spec import RoleSpec
 from megaflow.workers.actor_rollout import ActorRolloutWorker, check_synced
 from megaflow.workers.rollout_host import RolloutHost
+from megaflow.workers.weight_sync import WeightSync
 
 if TYPE_CHECKING:
     from megaflow.hybrid_engine.transport import TransportPlan
@@ -119,23 +120,20 @@ class RolloutWorker(Worker):
         self._store, self.transport = store, BroadcastTransport(pg, backend)
 
     @register(Dispatch.ONE_TO_ALL)
-    def receive_weights(self) -> dict[str, float]:
+    def receive_weights(self) -> WeightSync:
         """Receive one sync from the actor (collective with the actor's
         :meth:`SplitActorWorker.sync_rollout_weights`).
 
         Returns:
-            ``rollout/weight_version`` (engine syncs so far), ``rollout/synced_actor_version``
-            (the actor version this engine serves) and, when weights moved, the
-            ``transport/*`` figures and ``timing_s/transport``.
+            The engine's weight version (syncs so far), the actor version it serves and,
+            when weights moved, the ``transport/*`` figures and ``timing_s/transport``.
         """
         stats, changed = self.transport.receive(self.rollout)
         self._synced_actor_version = stats.version
-        metrics = {"rollout/weight_version": float(self.rollout.weight_version),
-                   "rollout/synced_actor_version": float(self._synced_actor_version)}
         if changed:
             self.last_transport_stats = stats
-            metrics.update(stats.as_metrics())
-        return metrics
+        return WeightSync(self.rollout.weight_version, self._synced_actor_version,
+                          figures=stats.as_metrics() if changed else {})
 
     @register(nd_compute("rollout"))
     def generate_sequences(self, prompts: DataProto) -> ProtoResult:
@@ -203,19 +201,6 @@ class SplitActorWorker(ActorRolloutWorker):
                                      prefix=f"tp{group.gen_tp_rank}", timeout_s=TRANSPORT_TIMEOUT_S)
         self.transport = BroadcastTransport(pg, backend)
 
-    def _sync_metrics(self, stale: bool) -> dict[str, float]:
-        """Version metrics; with ``stale`` (this call sent new weights) also the reshard's and transport's."""
-        metrics = {"rollout/weight_version": float(self._num_sends),
-                   "rollout/synced_actor_version": float(self._synced_version),
-                   "rollout/actor_version": float(self._actor_version)}
-        if stale and self.last_reshard_stats is not None:
-            s = self.last_reshard_stats
-            metrics.update({"timing_s/reshard": s.seconds, "reshard/bytes_received": float(s.bytes_received),
-                            "reshard/bytes_sent": float(s.bytes_sent)})
-            if self.transport is not None and self.last_transport_stats is not None:
-                metrics.update(self.last_transport_stats.as_metrics())
-        return metrics
-
     def _verify_sync(self) -> float:
         raise RuntimeError("split placement: the controller verifies the sync (rollout_source.verify_split_sync)")
 
@@ -231,7 +216,7 @@ class SplitActorWorker(ActorRolloutWorker):
         return self._num_sends
 
 
-def check_split_synced(actor: list[dict[str, float]], rollout: list[dict[str, float]]) -> dict[str, float]:
+def check_split_synced(actor: list[WeightSync], rollout: list[WeightSync]) -> dict[str, float]:
     """Controller-side check of one split-placement sync.
 
     Args:
@@ -248,17 +233,16 @@ def check_split_synced(actor: list[dict[str, float]], rollout: list[dict[str, fl
             engines with different sync counts (ranks named).
     """
     metrics = check_synced(actor)
-    version = actor[0]["rollout/actor_version"]
-    stale = [r for r, m in enumerate(rollout) if m["rollout/synced_actor_version"] != version]
+    version = actor[0].actor_version
+    stale = [r for r, m in enumerate(rollout) if m.synced_actor_version != version]
     if stale:
         raise RuntimeError(f"weight sync: rollout ranks {stale} serve actor version "
-                           f"{[rollout[r]['rollout/synced_actor_version'] for r in stale]}, the actor is at {version}")
-    engine_versions = {m["rollout/weight_version"] for m in rollout}
-    if len(engine_versions) > 1:
+                           f"{[rollout[r].synced_actor_version for r in stale]}, the actor is at {version}")
+    if len({m.weight_version for m in rollout}) > 1:
         raise RuntimeError(f"weight sync: the rollout engines disagree on their weight version "
-                           f"{[m['rollout/weight_version'] for m in rollout]} (index = rollout rank)")
-    metrics["rollout/weight_version"] = rollout[0]["rollout/weight_version"]
-    received = [m.get("transport/bytes_received") for m in rollout if "transport/bytes_received" in m]
+                           f"{[m.weight_version for m in rollout]} (index = rollout rank)")
+    metrics["rollout/weight_version"] = float(rollout[0].weight_version)
+    received = [m.figures["transport/bytes_received"] for m in rollout if "transport/bytes_received" in m.figures]
     if received:
         metrics["transport/bytes_received"] = max(received)
     return metrics

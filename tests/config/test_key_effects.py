@@ -562,6 +562,7 @@ def _advantages_of_a_step(cfg, seq_scores, values=None):
     from megaflow.protocol import DataProto
     from megaflow.trainer.ppo_trainer import RayPPOTrainer
     from megaflow.trainer.rollout_source import SyncReport
+    from megaflow.workers.weight_sync import WeightSync
 
     b, r = 4, 2
     prompts, responses = torch.tensor([[5, 6]] * b), torch.tensor([[7, 8], [8, 7], [7, 7], [8, 8]])
@@ -582,7 +583,7 @@ def _advantages_of_a_step(cfg, seq_scores, values=None):
         seen.update(returns=data.batch["returns"].tolist())
         return [{}]
 
-    synced = [{"rollout/weight_version": 0.0, "rollout/synced_actor_version": 0.0, "rollout/actor_version": 0.0}]
+    synced = [WeightSync(0, 0, 0)]
     actor = SimpleNamespace(compute_log_prob=lambda data: DataProto.from_dict({"old_log_probs": torch.zeros(b, r)}),
                             update_actor=update, sync_rollout_weights=lambda verify=False, bucket_mb=None: synced)
     critic = None if values is None else SimpleNamespace(

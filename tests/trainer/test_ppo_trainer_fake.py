@@ -38,8 +38,9 @@ class FakeActor:
 
     def sync_rollout_weights(self, verify=False, bucket_mb=None):
         """One rank's view (ActorRolloutWorker.sync_rollout_weights): its engine serves the actor's version."""
-        v = float(self.version)
-        return [{"rollout/weight_version": v, "rollout/synced_actor_version": v, "rollout/actor_version": v}]
+        from megaflow.workers.weight_sync import WeightSync
+
+        return [WeightSync(self.version, self.version, self.version)]
 
     def mesh_info(self, mesh):
         return SimpleNamespace(dp_size=2)

@@ -350,7 +350,7 @@ def test_verified_sync_reports_engine_equal_to_trainer(hybrid):
     per_rank = group.call("sync_rollout_weights", verify=True)  # nothing changed since the last sync: no reshard
     metrics = check_synced(per_rank)
     assert "reshard/bytes_received" not in metrics and metrics["rollout/weight_version"] == version
-    diffs = [m["rollout/verify_sync_max_diff"] for m in per_rank]
+    diffs = [m.figures["rollout/verify_sync_max_diff"] for m in per_rank]
     assert len(set(diffs)) == 1 and 0.0 <= diffs[0] <= VERIFY_SYNC_ATOL, diffs
 
 

@@ -24,8 +24,9 @@ def test_supported_layouts_load():
 
 
 def _rank(engine_version, synced, actor, **extra):
-    return {"rollout/weight_version": float(engine_version), "rollout/synced_actor_version": float(synced),
-            "rollout/actor_version": float(actor), **extra}
+    from megaflow.workers.weight_sync import WeightSync
+
+    return WeightSync(engine_version, synced, actor, figures=extra)
 
 
 def test_check_synced_returns_rank_0_metrics_without_the_bookkeeping():
@@ -38,9 +39,9 @@ def test_check_synced_returns_rank_0_metrics_without_the_bookkeeping():
 def test_check_synced_names_the_stale_ranks_and_disagreeing_versions():
     from megaflow.workers.actor_rollout import check_synced
 
-    with pytest.raises(RuntimeError, match=r"ranks \[1\] do not serve the actor's current weights.*\[1\.0\].*\[2\.0\]"):
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] do not serve the actor's current weights.*\[1\].*\[2\]"):
         check_synced([_rank(2, 2, 2), _rank(1, 1, 2)])
-    with pytest.raises(RuntimeError, match=r"disagree on their weight version.*\{2\.0: \[0\], 3\.0: \[1\]\}"):
+    with pytest.raises(RuntimeError, match=r"disagree on their weight version.*\{2: \[0\], 3: \[1\]\}"):
         check_synced([_rank(2, 2, 2), _rank(3, 2, 2)])
 
 
