@@ -10,13 +10,17 @@ lives inside the actor's processes (:class:`~megaflow.workers.actor_rollout.Acto
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megaflow.config.role_spec import RoleSpec
 from megaflow.trainer.ppo_trainer import WorkerGroups
 from megaflow.trainer.proxies import ActorProxy, CriticProxy, RefProxy, RewardModelProxy, RoleProxy, RolloutProxy
 from megaflow.workers.actor_rollout import ActorRolloutWorker
 from megaflow.workers.megatron_workers import CriticWorker, RefWorker, RewardModelWorker
+
+if TYPE_CHECKING:
+    from megaflow.config import Config
+    from megaflow.single_controller import ClassWithInitArgs, ResourcePool
 
 #: config section -> worker class
 ROLE_CLASSES = {"actor": ActorRolloutWorker, "ref": RefWorker, "critic": CriticWorker,
@@ -26,13 +30,13 @@ PROXIES: dict[str, type[RoleProxy]] = {"actor": ActorProxy, "rollout": RolloutPr
                                        "critic": CriticProxy, "reward_model": RewardModelProxy}
 
 
-def eos_token_ids(tokenizer) -> tuple[int, ...]:
+def eos_token_ids(tokenizer: Any) -> tuple[int, ...]:
     """The tokenizer's end-of-sequence ids as a tuple (HF tokenizers give one id or a list)."""
     eos = tokenizer.eos_token_id
     return tuple(int(i) for i in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-def _role_init_args(cfg, role: str, tokenizer, total_steps: int | None):
+def _role_init_args(cfg: Config, role: str, tokenizer: Any, total_steps: int | None) -> ClassWithInitArgs:
     from megaflow.single_controller import ClassWithInitArgs
 
     steps = total_steps if total_steps is not None else cfg.trainer.total_steps
@@ -45,7 +49,7 @@ def _role_init_args(cfg, role: str, tokenizer, total_steps: int | None):
     return ClassWithInitArgs(ROLE_CLASSES[role], spec)
 
 
-def resource_pool(cfg, pool_name: str):
+def resource_pool(cfg: Config, pool_name: str) -> ResourcePool:
     """The :class:`~megaflow.single_controller.ResourcePool` of ``resources.pools.<pool_name>``:
     its nodes and ranks per node, ``resources.num_cpus_per_proc`` CPUs per rank (each rank's
     torch intra-op threads, :meth:`~megaflow.single_controller.ResourcePool.actor_threads`) and
@@ -58,7 +62,7 @@ def resource_pool(cfg, pool_name: str):
                         num_cpus_per_process=res.num_cpus_per_proc, name_prefix=f"megaflow_{pool_name}")
 
 
-def build_worker_groups(cfg, tokenizer, total_steps: int | None = None) -> WorkerGroups:
+def build_worker_groups(cfg: Config, tokenizer: Any, total_steps: int | None = None) -> WorkerGroups:
     """Create the resource pools and worker groups of every enabled role and initialise
     their models (actor first: its vLLM engines start inside the actor processes). With
     split placement (``resources.placement.rollout``) the actor is a
