@@ -59,7 +59,7 @@ def make_batch(batch: int, seq_len: int) -> DataProto:
 
 
 def nd_round_trip(group: RayWorkerGroup, data: DataProto) -> DataProto:
-    return group.echo(data)
+    return group.call("echo", data)
 
 
 def plain_round_trip(group: RayWorkerGroup, tensors: dict[str, torch.Tensor],
@@ -94,7 +94,7 @@ def main() -> None:
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     pool = ResourcePool([DP * TP], num_cpus_per_process=1.0, name_prefix="bench")
     group = RayWorkerGroup(pool, ClassWithInitArgs(EchoWorker), name_prefix="bench")
-    group.init()
+    group.call("init")
     data = make_batch(args.batch, args.seq_len)
     tensors = {k: v for k, v in data.batch.items()}
     num_bytes = sum(v.numel() * v.element_size() for v in tensors.values())

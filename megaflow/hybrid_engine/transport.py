@@ -80,6 +80,7 @@ class TransportStats:
         num_buckets: buckets moved.
         seconds: wall time of the transfer and the engine's loading.
         version: the actor's weight version the stream carried.
+        largest_bucket: bytes of the largest bucket moved.
     """
 
     bytes_sent: int = 0
@@ -87,6 +88,7 @@ class TransportStats:
     num_buckets: int = 0
     seconds: float = 0.0
     version: int = -1
+    largest_bucket: int = 0
 
     def as_metrics(self) -> dict[str, float]:
         """``transport/bytes_sent``, ``transport/bytes_received``, ``transport/num_buckets``
@@ -124,7 +126,7 @@ class ColocatedTransport(WeightTransport):
     def send(self, buckets, version):
         start = time.perf_counter()
         stats = TransportStats(version=version)
-        stats.num_buckets, stats.bytes_sent, _ = load_buckets(self.engine, buckets)
+        stats.num_buckets, stats.bytes_sent, stats.largest_bucket = load_buckets(self.engine, buckets)
         stats.seconds = time.perf_counter() - start
         return stats
 
@@ -208,6 +210,7 @@ class BroadcastTransport(WeightTransport):
             self._broadcast(flat)
             stats.bytes_sent += flat.numel()
             stats.num_buckets += 1
+            stats.largest_bucket = max(stats.largest_bucket, flat.numel())
         self._send_header({"end": True, "version": version, "changed": True})
         stats.seconds = time.perf_counter() - start
         return stats

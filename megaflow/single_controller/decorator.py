@@ -1,9 +1,9 @@
 """``@register``: declare how a worker method is called from the controller.
 
 A worker class marks the methods that the controller may call with :func:`register`. A
-worker group (:class:`~megaflow.single_controller.worker_group.RayWorkerGroup`) exposes
-each marked method as a method of the group that runs
-``collect(execute(dispatch(args)))``:
+worker group (:class:`~megaflow.single_controller.worker_group.RayWorkerGroup`) runs a
+marked method by name (``group.call(name, ...)``, reached from the controller through the
+typed proxies of :mod:`megaflow.trainer.proxies`) as ``collect(execute(dispatch(args)))``:
 
 * **dispatch** turns the controller's arguments into per-rank arguments
   (:class:`Dispatch` or :func:`nd_compute`);
@@ -133,7 +133,7 @@ def register(dispatch_mode: DispatchMode = Dispatch.ONE_TO_ALL, execute_mode: Ex
         dispatch_mode: a :class:`Dispatch` member or ``nd_compute(mesh)``.
         execute_mode: :class:`Execute` member; default ``Execute.ALL``
             (``Execute.RANK_ZERO`` for ``Dispatch.RANK_ZERO``).
-        blocking: when False the group call returns without waiting: a
+        blocking: when False ``group.call`` returns without waiting: a
             :class:`~megaflow.single_controller.futures.GroupFuture` (ONE_TO_ALL /
             rank zero) or a
             :class:`~megaflow.single_controller.futures.DataProtoFuture` (proto modes),

@@ -1,4 +1,4 @@
-"""``RayWorkerGroup``: one Ray actor per rank, with each registered worker method as a group method.
+"""``RayWorkerGroup``: one Ray actor per rank, running any registered worker method by name.
 
 ::
 
@@ -7,8 +7,8 @@
     pool = ResourcePool(process_on_nodes=[2])
     actor = RayWorkerGroup(pool, ClassWithInitArgs(ActorWorker, RoleSpec(cfg, "actor", steps)),
                            name_prefix="actor")
-    actor.init_model()                      # ONE_TO_ALL: runs on every rank
-    out = actor.compute_log_prob(batch)     # nd_compute("actor"): split by dp rank, collected
+    actor.call("init_model")                     # ONE_TO_ALL: runs on every rank
+    out = actor.call("compute_log_prob", batch)  # nd_compute("actor"): split by dp rank, collected
 
 Colocated roles share one process per rank (and so its accelerator and its
 ``torch.distributed`` world)::
@@ -16,7 +16,10 @@ Colocated roles share one process per rank (and so its accelerator and its
     both = create_colocated_worker_cls({"actor": ClassWithInitArgs(ActorWorker, RoleSpec(cfg, "actor", steps)),
                                         "ref": ClassWithInitArgs(RefWorker, RoleSpec(cfg, "ref", steps))})
     groups = RayWorkerGroup(pool, both).spawn()   # {"actor": view, "ref": view}
-    groups["ref"].compute_ref_log_prob(batch)
+    groups["ref"].call("compute_ref_log_prob", batch)
+
+The controller does not call groups by name: it holds one typed proxy per role
+(:mod:`megaflow.trainer.proxies`), whose methods make these calls.
 
 (``load_run``: :mod:`megaflow.topology`; ``ActorWorker``, ``RefWorker``:
 :mod:`megaflow.workers.megatron_workers`, which take the role's
@@ -28,7 +31,6 @@ free port on its node), then all build their role objects with ``MASTER_ADDR``/
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Iterable
 
 import ray
@@ -135,9 +137,9 @@ class _GroupCore:
 class RayWorkerGroup:
     """The ranks of one role (or of several colocated roles) as Ray actors.
 
-    Every ``@register``-ed method of the role's class becomes a method of the group with
-    the same name and docstring, doing ``collect(execute(dispatch(args)))``. A group of
-    colocated roles exposes no methods itself; :meth:`spawn` returns one view per role.
+    :meth:`call` runs any ``@register``-ed method of the role's class as
+    ``collect(execute(dispatch(args)))`` (:meth:`submit`: without waiting). A group of
+    colocated roles calls nothing itself; :meth:`spawn` returns one view per role.
 
     Args:
         resource_pool: where the ranks run (one actor per rank, in the pool's rank order).
@@ -148,7 +150,6 @@ class RayWorkerGroup:
 
     Raises:
         TypeError: a bad ``resource_pool`` or ``cls_with_init_args``.
-        ValueError: a registered method name clashes with a group attribute.
         WorkerError: a rank's constructor raised (role and rank named).
     """
 
@@ -164,8 +165,6 @@ class RayWorkerGroup:
         else:
             raise TypeError(f"cls_with_init_args must be a ClassWithInitArgs or create_colocated_worker_cls(...), "
                             f"got {type(cls_with_init_args).__name__}")
-        for spec in roles.values():
-            self._check_method_names(spec.cls)
         prefix = name_prefix or "+".join(roles)
         self._init_view(_GroupCore(resource_pool, roles, prefix), role)
 
@@ -178,24 +177,6 @@ class RayWorkerGroup:
     def _init_view(self, core: _GroupCore, role: str | None) -> None:
         self._core, self._role = core, role
         self._meshes: dict[str, MeshInfo] = {}
-        if role is not None:
-            for name, spec in registered_methods(core.roles[role].cls).items():
-                self._bind(name, spec)
-
-    @staticmethod
-    def _check_method_names(cls: type) -> None:
-        clashes = sorted(set(registered_methods(cls)) & set(dir(RayWorkerGroup)))
-        if clashes:
-            raise ValueError(f"{cls.__name__}: registered method(s) {clashes} clash with RayWorkerGroup attributes")
-
-    def _bind(self, name: str, spec: MethodSpec) -> None:
-        fn = getattr(self._core.roles[self._role].cls, name)
-
-        @functools.wraps(fn)
-        def group_method(*args: Any, **kwargs: Any) -> Any:
-            return self._call(name, spec, args, kwargs)
-
-        setattr(self, name, group_method)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -266,8 +247,27 @@ class RayWorkerGroup:
                                f"call .spawn() and use one role's view")
         return self._role
 
+    def _spec(self, method: str) -> MethodSpec:
+        spec = registered_methods(self._core.roles[self._require_role()].cls).get(method)
+        if spec is None:
+            raise AttributeError(f"{self._role!r} has no registered method {method!r}")
+        return spec
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run the registered ``method``: dispatch the arguments to the ranks, execute, collect.
+
+        Returns:
+            The collected value (see :mod:`~megaflow.single_controller.decorator`); a future
+            for a method registered with ``blocking=False``.
+
+        Raises:
+            AttributeError: ``method`` is not a registered method of this view's role.
+            WorkerError: a rank raised or its process died (role and rank named).
+        """
+        return self._call(method, self._spec(method), args, kwargs)
+
     def submit(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Start the registered ``method`` as ``group.<method>(...)`` does, without waiting.
+        """Start the registered ``method`` as :meth:`call` does, without waiting.
 
         Returns:
             A :class:`~megaflow.single_controller.futures.DataProtoFuture` for proto
@@ -278,12 +278,10 @@ class RayWorkerGroup:
         Raises:
             AttributeError: ``method`` is not a registered method of this view's role.
         """
-        spec = registered_methods(self._core.roles[self._require_role()].cls).get(method)
-        if spec is None:
-            raise AttributeError(f"{self._role!r} has no registered method {method!r}")
-        return self._call(method, spec, args, kwargs, blocking=False)
+        return self._call(method, self._spec(method), args, kwargs, blocking=False)
 
-    def _call(self, name: str, spec: MethodSpec, args: tuple, kwargs: dict, blocking: bool | None = None) -> Any:
+    def _call(self, name: str, spec: MethodSpec, args: tuple[Any, ...], kwargs: dict[str, Any],
+              blocking: bool | None = None) -> Any:
         blocking = spec.blocking if blocking is None else blocking
         role = self._require_role()
         method = f"{role}.{name}"

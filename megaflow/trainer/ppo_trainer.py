@@ -11,20 +11,18 @@ Weights never pass through the controller: the step's first call,
 old-log-prob forward or its bypass, reference, critic) are ``if`` branches on the config
 and on which groups exist; KL in the reward or not is the lookup ``KL_STAGES``.
 
-Each group is typed with its protocol (:mod:`megaflow.trainer.worker_api`), whose methods
-name the worker method that runs and the batch fields it reads; every call sends only
-those fields (:func:`~megaflow.trainer.worker_api.inputs_for`). Anything with the
-protocols' methods can stand in for a group, so the loop is tested with fake workers as
-well as with real Megatron/vLLM groups.
+Each role is called through its typed proxy (:mod:`megaflow.trainer.proxies`), whose
+methods name the worker method that runs and the batch fields it reads; every call sends
+only those fields (:func:`~megaflow.trainer.proxies.inputs_for`). A proxy over any object
+with ``call``/``submit`` stands in for a Ray group, so the loop is tested with fake workers
+as well as with real Megatron/vLLM groups.
 """
 from __future__ import annotations
 
 import math
 import random
 import time
-import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -38,43 +36,12 @@ from megaflow.trainer.checkpoint import (TRAINER_STATE_FILE, CheckpointManager, 
 from megaflow.trainer.dynamic_sampling import fill_informative
 from megaflow.trainer.generations import sample_generations
 from megaflow.trainer.stages import (add_advantages, balance_batch, bypass_old_log_probs, check_rollout_batch,
-                                     compute_data_metrics, kl_in_reward, rollout_correction, scores_as_rewards)
-from megaflow.trainer.worker_api import (ActorRolloutGroup, CriticGroup, RefGroup, RewardModelGroup, RolloutGroup,
-                                         inputs_for)
+                                     compute_data_metrics, kl_in_reward, prompts_of, rollout_correction,
+                                     scores_as_rewards)
+from megaflow.trainer.proxies import WorkerGroups
 
 if TYPE_CHECKING:
     from megaflow.config import Config
-    from megaflow.single_controller import GroupProtoResult, ResourcePool
-
-#: The prompt tensors the rollout's outputs replace (its ``input_ids``, ``attention_mask``
-#: and ``position_ids`` cover prompt and response).
-ROLLOUT_REPLACES = ("input_ids", "attention_mask", "position_ids")
-#: Sampling-seed distance between the dynamic-sampling rounds of one step (steps are 1 apart).
-ROUND_SEED_STRIDE = 1_000_003
-
-
-@dataclass
-class WorkerGroups:
-    """The worker groups a step talks to (None where the role is not configured), each
-    typed with its protocol in :mod:`megaflow.trainer.worker_api`.
-
-    ``resource_pools`` are released when the groups shut down. ``rollout``: the standalone
-    rollout group of split placement (:class:`~megaflow.workers.rollout_worker.RolloutWorker`;
-    None: the engines live in the actor's processes).
-    """
-
-    actor: ActorRolloutGroup
-    ref: RefGroup | None = None
-    critic: CriticGroup | None = None
-    reward_model: RewardModelGroup | None = None
-    resource_pools: list[ResourcePool] = field(default_factory=list)
-    rollout: RolloutGroup | None = None
-
-    def named(self) -> dict[str, Any]:
-        """``{role: group}`` of the configured groups (actor, rollout, ref, critic,
-        reward_model), for shutdown and for naming a dead rank."""
-        return {name: group for name in ("actor", "rollout", "ref", "critic", "reward_model")
-                if (group := getattr(self, name)) is not None}
 
 
 @contextmanager
@@ -88,18 +55,6 @@ def _update_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """An update's metrics from its per-DP-rank results (DP rank 0's; the engine reduces them
     over DP, so every rank returns the same values)."""
     return {k: float(v) for k, v in per_rank[0].items()}
-
-
-def _rollout_metrics(per_replica: list[dict[str, float]]) -> dict[str, float]:
-    """A generate call's metrics from its per-replica results: generation replica 0's
-    (the sync checked that every engine serves the same weight version), with
-    ``timeline/gen_start_unix`` / ``timeline/gen_end_unix`` spanning all replicas (the
-    earliest start, the latest end) when the replicas report them."""
-    metrics = {k: float(v) for k, v in per_replica[0].items()}
-    if "timeline/gen_start_unix" in metrics:
-        metrics["timeline/gen_start_unix"] = min(m["timeline/gen_start_unix"] for m in per_replica)
-        metrics["timeline/gen_end_unix"] = max(m["timeline/gen_end_unix"] for m in per_replica)
-    return metrics
 
 
 def capture_rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -193,7 +148,7 @@ class RayPPOTrainer:
     def __init__(self, cfg: Config, groups: WorkerGroups, reward_fn: Callable[[DataProto], DataProto],
                  train_loader: Any, val_loader: Any = None, tracker: Any = None,
                  checkpoints: CheckpointManager | None = None, config_yaml: str | None = None,
-                 decode: Callable[[list[int]], str] | None = None):
+                 decode: Callable[[list[int]], str] | None = None) -> None:
         self.cfg = cfg
         self.groups = groups
         self.reward_fn = reward_fn
@@ -210,27 +165,28 @@ class RayPPOTrainer:
         self.kl_ctrl = build_kl_controller(algo.kl_ctrl.type, kl_coef=algo.kl_ctrl.kl_coef,
                                            target_kl=algo.kl_ctrl.target_kl, horizon=algo.kl_ctrl.horizon)
         self.global_step = 0
-        self._train_iter: Iterator[DataProto] | None = None
-        from megaflow.trainer.rollout_pipeline import build_pipeline
+        from megaflow.trainer.rollout_source import build_source
 
-        self.rollout_pipeline = build_pipeline(cfg)  # synchronous, or one step off (trainer.async_rollout)
+        #: colocated, split or one step off (trainer.async_rollout)
+        self.rollouts = build_source(groups, train_loader, cfg)
 
     # ------------------------------------------------------------------ the step
-    def train_step(self, prompts: DataProto) -> dict[str, float]:
-        """One PPO/GRPO step on a batch of prompts; returns the step's metrics."""
+    def train_step(self) -> dict[str, float]:
+        """One PPO/GRPO step (step ``global_step``) on the rollout source's next batch;
+        returns the step's metrics."""
         g, algo, t = self.groups, self.cfg.algorithm, {}
         with _timer("sync", t):  # the actor's weights -> the rollout engines; versions checked on every rank
-            sync_metrics = self.rollout_pipeline.sync(self)
-        with _timer("gen", t):  # with algorithm.filter_groups: generation rounds and their rewards
+            sync_metrics = self.rollouts.sync().metrics
+        with _timer("gen", t):  # one step off: the batch already in flight; filter_groups: rounds and rewards
             if algo.filter_groups.enable:
-                batch, rollout_metrics = self.generate_informative(prompts)
+                batch, rollout_metrics = self.generate_informative()
             else:
-                batch, rollout_metrics = self.rollout_pipeline.generate(self, prompts)
+                batch, rollout_metrics = self.rollouts.next_batch(self.global_step)
         check_rollout_batch(batch)  # the layout every later worker call relies on, checked once here
         rollout_metrics.update(sync_metrics)
         if algo.adv_estimator == "remax":
             with _timer("gen_greedy", t):
-                batch = self.add_greedy_baseline(prompts, batch)
+                batch = self.add_greedy_baseline(batch)
         if not algo.filter_groups.enable:  # dynamic sampling scored every round already
             with _timer("reward", t):
                 batch = self.score(batch)
@@ -243,14 +199,14 @@ class RayPPOTrainer:
             pass
         else:
             with _timer("old_log_prob", t):
-                batch = batch.union(g.actor.compute_log_prob(inputs_for(ActorRolloutGroup.compute_log_prob, batch)))
+                batch = batch.union(g.actor.compute_log_prob(batch))
         if g.ref is not None:
             with _timer("ref", t):
-                batch = batch.union(g.ref.compute_ref_log_prob(inputs_for(RefGroup.compute_ref_log_prob, batch)))
+                batch = batch.union(g.ref.compute_ref_log_prob(batch))
         if g.critic is not None:
             with _timer("values", t):
-                batch = batch.union(g.critic.compute_values(inputs_for(CriticGroup.compute_values, batch)))
-        correction = self.rollout_pipeline.correction(self.cfg)
+                batch = batch.union(g.critic.compute_values(batch))
+        correction = self.rollouts.correction()
         if correction.reject_scope == "batch":  # verl: rejected tokens leave advantages, critic and KL too
             batch, correction_metrics = rollout_correction(batch, correction, step=self.global_step)
         with _timer("adv", t):
@@ -259,16 +215,14 @@ class RayPPOTrainer:
                                    norm_adv_by_std=algo.norm_adv_by_std)
         if g.critic is not None:
             with _timer("update_critic", t):
-                metrics.update(_update_metrics(g.critic.update_critic(inputs_for(CriticGroup.update_critic,
-                                                                                 batch))))
+                metrics.update(_update_metrics(g.critic.update_critic(batch)))
         if correction.reject_scope == "actor":  # megaflow: only the actor's update batch loses them
             actor_batch, correction_metrics = rollout_correction(batch, correction, step=self.global_step)
         else:
             actor_batch = batch
         metrics.update(correction_metrics)
         with _timer("update_actor", t):
-            metrics.update(_update_metrics(g.actor.update_actor(inputs_for(ActorRolloutGroup.update_actor,
-                                                                           actor_batch))))
+            metrics.update(_update_metrics(g.actor.update_actor(actor_batch)))
         metrics.update(compute_data_metrics(batch, self.cfg.rollout.response_length))
         metrics.update(reward_metrics(batch))  # reward/<part>/mean and per data source, every step
         self.generations = _samples(self, batch, self.cfg.trainer.generations_every > 0)
@@ -281,94 +235,51 @@ class RayPPOTrainer:
         return metrics
 
     def rollout(self, prompts: DataProto, n: int, *, greedy: bool) -> DataProto:
-        """Repeat each prompt ``n`` times (samples of one prompt share a ``uid``) and generate.
+        """Repeat each prompt ``n`` times (samples of one prompt share a ``uid``) and generate
+        with the current step's sampling seed (:meth:`RolloutSource.generate`).
 
         Returns the prompts' non-tensor fields (and tensor fields other than
-        :data:`ROLLOUT_REPLACES`) joined with the rollout's outputs (``prompts``,
-        ``responses``, ``response_mask``, ``rollout_log_probs`` ``[B, R]``; ``input_ids``,
-        ``attention_mask``, ``position_ids`` ``[B, S]``), ``B = n x len(prompts)``.
+        :data:`~megaflow.trainer.stages.ROLLOUT_REPLACES`) joined with the rollout's outputs
+        (``prompts``, ``responses``, ``response_mask``, ``rollout_log_probs`` ``[B, R]``;
+        ``input_ids``, ``attention_mask``, ``position_ids`` ``[B, S]``), ``B = n x len(prompts)``.
         """
-        return self._generate(prompts, n, greedy=greedy)[0]
+        return self.rollouts.generate(prompts, n, greedy=greedy, step=self.global_step)[0]
 
-    def _generate(self, prompts: DataProto, n: int, *, greedy: bool,
-                  sampling_round: int = 0) -> tuple[DataProto, dict[str, float]]:
-        """:meth:`rollout` and the rollout's metrics (engine weight version, reshard figures).
-
-        ``sampling_round``: a dynamic-sampling round of the step (> 0 moves the sampling
-        seed by :data:`ROUND_SEED_STRIDE` per round, so no two rounds share request seeds)."""
-        prompts, gen_in = self._generation_request(prompts, n, greedy=greedy)
-        if sampling_round:
-            gen_in.meta_info["seed"] += sampling_round * ROUND_SEED_STRIDE
-        return self._join_rollout(prompts, self.rollout_pipeline.generate_sequences(self, gen_in), n)
-
-    def _generation_request(self, prompts: DataProto, n: int, *, greedy: bool,
-                            step: int | None = None) -> tuple[DataProto, DataProto]:
-        """``(prompts with a uid per prompt, the generate call's input)``: the prompt fields
-        repeated ``n`` times with the sampling parameters of ``step`` (default: the current)."""
-        prompts = prompts.union(DataProto.from_dict(
-            non_tensors={"uid": [uuid.uuid4().hex for _ in range(len(prompts))]})) \
-            if "uid" not in prompts.non_tensor_batch else prompts
-        gen_in = inputs_for(ActorRolloutGroup.generate_sequences, prompts).repeat(n, interleave=True)
-        gen_in.meta_info.update(self.sampling_params(greedy=greedy, step=step))
-        return prompts, gen_in
-
-    def _join_rollout(self, prompts: DataProto, out: GroupProtoResult,
-                      n: int) -> tuple[DataProto, dict[str, float]]:
-        """The prompts' other fields joined with the rollout's rows (``meta_info`` dropped:
-        the sampling parameters stay with the call), and the rollout's metrics."""
-        rest = prompts.select(batch_keys=[k for k in prompts.batch.keys() if k not in ROLLOUT_REPLACES])
-        rest = rest.repeat(n, interleave=True)
-        if rest.batch is not None and len(rest.batch.keys()) == 0:
-            rest.batch = None
-        rows = DataProto(out.batch.batch, out.batch.non_tensor_batch, {})
-        return rest.union(rows), _rollout_metrics(out.metrics)
-
-    def sampling_params(self, *, greedy: bool, step: int | None = None) -> dict[str, Any]:
-        """The rollout's sampling parameters for one call (``meta_info`` of the generate call).
-
-        The seed changes every step so samples differ across steps but are reproducible
-        (and identical on the ranks of one generation TP group) for a given run seed;
-        ``step``: the step the samples are for (default the current one; one step off,
-        the next step's batch is requested during the current step).
-        """
-        r = self.cfg.rollout
-        return {"temperature": 0.0 if greedy else r.temperature, "top_p": 1.0 if greedy else r.top_p,
-                "top_k": -1 if greedy else r.top_k, "response_length": r.response_length,
-                "do_sample": not greedy,
-                "seed": self.cfg.trainer.seed * 100_003 + (self.global_step if step is None else step)}
-
-    def generate_informative(self, prompts: DataProto) -> tuple[DataProto, dict[str, float]]:
+    def generate_informative(self) -> tuple[DataProto, dict[str, float]]:
         """Dynamic sampling (``algorithm.filter_groups``): the step's scored batch of
-        ``len(prompts)`` groups with reward variance, generating further prompt batches
-        from the loader as needed (:func:`~megaflow.trainer.dynamic_sampling.fill_informative`).
+        ``data.train_batch_size`` groups with reward variance, generating further rounds of
+        prompts as needed (:func:`~megaflow.trainer.dynamic_sampling.fill_informative`;
+        round ``i > 0``: the source's :meth:`~megaflow.trainer.rollout_source.RolloutSource.next_round`).
 
         Returns the batch (``token_level_scores`` and the ``reward_*`` fields included) and
         the first round's rollout metrics plus ``filter_groups/*``.
         """
-        fg, n = self.cfg.algorithm.filter_groups, self.cfg.rollout.n
+        fg, target = self.cfg.algorithm.filter_groups, self.cfg.data.train_batch_size
         first: dict[str, float] = {}
 
         def generate_round(index: int) -> DataProto:
             if index == 0:
-                batch, metrics = self.rollout_pipeline.generate(self, prompts)
+                batch, metrics = self.rollouts.next_batch(self.global_step)
                 first.update(metrics)
             else:
-                batch, _ = self._generate(self.next_prompts(), n, greedy=False, sampling_round=index)
+                batch, _ = self.rollouts.next_round(self.global_step, index)
             return self.score(batch, keep_reward_fields=True)
 
-        batch, metrics = fill_informative(generate_round, len(prompts), max_extra_rounds=fg.max_extra_rounds,
+        batch, metrics = fill_informative(generate_round, target, max_extra_rounds=fg.max_extra_rounds,
                                           metric=fg.metric)
         if metrics["filter_groups/cap_reached"]:
             _say(self, f"[megaflow] step {self.global_step + 1}: {int(metrics['filter_groups/informative_groups'])} "
-                       f"informative groups of {len(prompts)} after {int(metrics['filter_groups/rounds'])} generation "
+                       f"informative groups of {target} after {int(metrics['filter_groups/rounds'])} generation "
                        f"rounds (algorithm.filter_groups.max_extra_rounds={fg.max_extra_rounds}); completed with "
                        f"{int(metrics['filter_groups/padded_groups'])} groups of equal rewards")
         return batch, {**first, **metrics}
 
-    def add_greedy_baseline(self, prompts: DataProto, batch: DataProto) -> DataProto:
-        """ReMax (Li et al. 2023): the reward of each prompt's greedy response is its baseline."""
-        greedy = self.score(self.rollout(prompts, 1, greedy=True))
-        baseline = greedy.batch["token_level_scores"].sum(-1).repeat_interleave(self.cfg.rollout.n)
+    def add_greedy_baseline(self, batch: DataProto) -> DataProto:
+        """ReMax (Li et al. 2023): the reward of each prompt's greedy response is its baseline
+        (``baseline_rewards`` ``[B]``, the batch's prompts decoded greedily and scored)."""
+        n = self.cfg.rollout.n
+        greedy = self.score(self.rollout(prompts_of(batch, n), 1, greedy=True))
+        baseline = greedy.batch["token_level_scores"].sum(-1).repeat_interleave(n)
         return batch.union(DataProto.from_dict({"baseline_rewards": baseline}))
 
     def score(self, batch: DataProto, keep_reward_fields: bool = True) -> DataProto:
@@ -380,7 +291,7 @@ class RayPPOTrainer:
         scored = self.reward_fn(batch)
         extra = [k for k in scored.non_tensor_batch if k.startswith("reward_")] if keep_reward_fields else []
         if self.groups.reward_model is not None:
-            rm = self.groups.reward_model.compute_rm_score(inputs_for(RewardModelGroup.compute_rm_score, batch))
+            rm = self.groups.reward_model.compute_rm_score(batch)
             scored.batch["token_level_scores"] = scored.batch["token_level_scores"] + rm.batch["rm_scores"]
         return batch.union(scored.select(batch_keys=["token_level_scores"], non_tensor_keys=extra))
 
@@ -401,13 +312,12 @@ class RayPPOTrainer:
             eta.validated(val_metrics.get("timing_s/validation"))
             self._log(val_metrics, self.global_step)
         while self.global_step < total:
-            prompts = self.rollout_pipeline.next_prompts(self)  # one step off: the batch already in flight
             step_start = time.perf_counter()
-            metrics = self.train_step(prompts)
+            metrics = self.train_step()
             self.global_step += 1
             metrics["timing_s/step"] = time.perf_counter() - step_start
             eta.stepped(metrics["timing_s/step"])
-            metrics.update(self.rollout_pipeline.step_done())
+            metrics.update(self.rollouts.step_done())
             bad = non_finite_metrics(metrics, self._clip_grads())
             if bad:
                 self._log(metrics, self.global_step)
@@ -433,31 +343,6 @@ class RayPPOTrainer:
         return {name: float(getattr(getattr(section, "optim", None), "clip_grad", 0.0) or 0.0)
                 for name, section in roles.items()}
 
-    def next_prompts(self) -> DataProto:
-        """The next prompt batch; the loader's epoch advances (reshuffled) when it runs out."""
-        if self._train_iter is None:
-            self._train_iter = iter(self.train_loader)
-        try:
-            return next(self._train_iter)
-        except StopIteration:
-            self._train_iter = iter(self.train_loader)
-            return next(self._train_iter)
-
-    def sync_rollout_weights(self) -> dict[str, float]:
-        """Bring every rollout engine to the actor's current weights (a no-op on the workers
-        when nothing changed), in buckets of ``rollout.weight_sync_bucket_mb``, verified with
-        ``rollout.verify_sync``; the versions are checked on every rank
-        (:func:`~megaflow.workers.actor_rollout.check_synced`). Returns rank 0's sync metrics."""
-        from megaflow.workers.actor_rollout import check_synced
-
-        r = self.cfg.rollout
-        if self.groups.rollout is not None:  # split placement: broadcast to the rollout pool
-            from megaflow.trainer.rollout_pipeline import sync_split_weights
-
-            return sync_split_weights(self.groups, r)
-        return check_synced(self.groups.actor.sync_rollout_weights(verify=r.verify_sync,
-                                                                   bucket_mb=r.weight_sync_bucket_mb))
-
     def validate(self) -> dict[str, float]:
         """Score the validation prompts (greedy unless ``rollout.val_do_sample``).
 
@@ -466,7 +351,7 @@ class RayPPOTrainer:
         The engines are synced to the actor's weights first (generation never syncs).
         """
         start = time.perf_counter()
-        self.sync_rollout_weights()
+        self.rollouts.sync()
         greedy = not self.cfg.rollout.val_do_sample
         scored = []
         total = len(getattr(self.val_loader, "dataset", ()))
@@ -507,7 +392,7 @@ class RayPPOTrainer:
             parts.append("critic")
         rng, rng_tensors = capture_rng_state()
         state = {"global_step": self.global_step, "kl_ctrl": self.kl_ctrl.state_dict(),
-                 "train_loader": self.rollout_pipeline.loader_state(self), "rng": rng}
+                 "train_loader": self.rollouts.loader_state(), "rng": rng}
         write_trainer_state(pending.path, state, rng_tensors)
         if self.config_yaml is not None:
             (pending.path / "config.yaml").write_text(self.config_yaml)
@@ -536,8 +421,7 @@ class RayPPOTrainer:
             self.groups.critic.load_checkpoint(str(path / "critic"))
         self.global_step = state["global_step"]
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        self.train_loader.load_state_dict(state["train_loader"])
-        self._train_iter = None
+        self.rollouts.load_loader_state(state["train_loader"])
         restore_rng_state(state["rng"], tensors)
         _say(self, f"[megaflow] resumed from {path} at step {self.global_step}")
 
@@ -631,5 +515,5 @@ def _no_kl_stage(trainer: RayPPOTrainer, batch: DataProto) -> tuple[DataProto, d
 #: ``algorithm.use_kl_in_reward`` -> the stage that turns scores into rewards.
 KL_STAGES = {True: _kl_in_reward_stage, False: _no_kl_stage}
 
-__all__ = ["RayPPOTrainer", "WorkerGroups", "KL_STAGES", "capture_rng_state", "restore_rng_state",
+__all__ = ["RayPPOTrainer", "WorkerGroups", "KL_STAGES", "EtaClock", "capture_rng_state", "restore_rng_state",
            "NonFiniteMetricsError", "non_finite_metrics"]

@@ -14,25 +14,33 @@ placement).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megaflow.topology.role_spec import RoleSpec
-from megaflow.trainer.ppo_trainer import WorkerGroups
+from megaflow.trainer.proxies import WorkerGroups
+from megaflow.trainer.proxies import ActorProxy, CriticProxy, RefProxy, RewardModelProxy, RoleProxy, RolloutProxy
 from megaflow.workers.actor_rollout import ActorRolloutWorker
 from megaflow.workers.megatron_workers import CriticWorker, RefWorker, RewardModelWorker
+
+if TYPE_CHECKING:
+    from megaflow.config import Config
+    from megaflow.single_controller import ClassWithInitArgs, ResourcePool
 
 #: config section -> worker class
 ROLE_CLASSES = {"actor": ActorRolloutWorker, "ref": RefWorker, "critic": CriticWorker,
                 "reward_model": RewardModelWorker}
+#: role -> the typed proxy the controller calls it through
+PROXIES: dict[str, type[RoleProxy]] = {"actor": ActorProxy, "rollout": RolloutProxy, "ref": RefProxy,
+                                       "critic": CriticProxy, "reward_model": RewardModelProxy}
 
 
-def eos_token_ids(tokenizer) -> tuple[int, ...]:
+def eos_token_ids(tokenizer: Any) -> tuple[int, ...]:
     """The tokenizer's end-of-sequence ids as a tuple (HF tokenizers give one id or a list)."""
     eos = tokenizer.eos_token_id
     return tuple(int(i) for i in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-def _role_init_args(cfg, role: str, tokenizer, total_steps: int | None):
+def _role_init_args(cfg: Config, role: str, tokenizer: Any, total_steps: int | None) -> ClassWithInitArgs:
     from megaflow.single_controller import ClassWithInitArgs
 
     steps = total_steps if total_steps is not None else cfg.trainer.total_steps
@@ -45,7 +53,7 @@ def _role_init_args(cfg, role: str, tokenizer, total_steps: int | None):
     return ClassWithInitArgs(ROLE_CLASSES[role], spec)
 
 
-def resource_pool(cfg, pool_name: str):
+def resource_pool(cfg: Config, pool_name: str) -> ResourcePool:
     """The :class:`~megaflow.single_controller.ResourcePool` of ``resources.pools.<pool_name>``:
     its nodes and ranks per node, ``resources.num_cpus_per_proc`` CPUs per rank (each rank's
     torch intra-op threads, :meth:`~megaflow.single_controller.ResourcePool.actor_threads`) and
@@ -58,14 +66,14 @@ def resource_pool(cfg, pool_name: str):
                         num_cpus_per_process=res.num_cpus_per_proc, name_prefix=f"megaflow_{pool_name}")
 
 
-def build_worker_groups(cfg, tokenizer, total_steps: int | None = None) -> WorkerGroups:
+def build_worker_groups(cfg: Config, tokenizer: Any, total_steps: int | None = None) -> WorkerGroups:
     """Create the resource pools and worker groups of every enabled role and initialise
     their models (actor first: its vLLM engines start inside the actor processes). With
     split placement (``resources.placement.rollout``) the actor is a
     :class:`~megaflow.workers.rollout_worker.SplitActorWorker` without engines, a
     :class:`~megaflow.workers.rollout_worker.RolloutWorker` group on the rollout pool holds
     them, and the weight transport between the two is connected
-    (:func:`megaflow.trainer.rollout_pipeline.connect_split`).
+    (:func:`megaflow.trainer.rollout_source.connect_split`).
     ``total_steps``: training steps of the run (the trained roles' LR decay horizon,
     :attr:`~megaflow.topology.role_spec.RoleSpec.lr_decay_steps`); None: ``trainer.total_steps``.
 
@@ -99,24 +107,25 @@ def build_worker_groups(cfg, tokenizer, total_steps: int | None = None) -> Worke
     # Every role's init_model is started before any is awaited: roles on different pools build
     # their process groups and models at the same time; colocated roles share their processes,
     # whose Ray actors run the calls one after another in this order.
-    pending = [views[role].submit("init_model") for role in ("actor", "rollout", "ref", "critic", "reward_model")
-               if role in views]
+    proxies = {role: PROXIES[role](view) for role, view in views.items()}
+    pending = [proxies[role].init_model_async() for role in ("actor", "rollout", "ref", "critic", "reward_model")
+               if role in proxies]
     for future in pending:
         future.get()
     if split is not None:
         from megaflow.hybrid_engine import plan_hybrid_layout
         from megaflow.topology.sizes import role_parallel
-        from megaflow.trainer.rollout_pipeline import connect_split
+        from megaflow.trainer.rollout_source import connect_split
 
         par = role_parallel(cfg, "actor")
         layout = plan_hybrid_layout(par.tp, par.pp, par.dp, cfg.rollout.tp)  # as the actor plans it
-        connect_split(views["actor"], views["rollout"], layout, backend="nccl" if res.use_gpu else "gloo")
+        connect_split(proxies["actor"], proxies["rollout"], layout, backend="nccl" if res.use_gpu else "gloo")
     # The processes' start-up ends here: garbage collection, paused since they started, resumes
     # (a no-op call on the second view of colocated roles).
     for view in views.values():
         view.end_startup()
-    return WorkerGroups(actor=views["actor"], ref=views.get("ref"), critic=views.get("critic"),
-                        reward_model=views.get("reward_model"), resource_pools=pools, rollout=views.get("rollout"))
+    return WorkerGroups(actor=proxies["actor"], ref=proxies.get("ref"), critic=proxies.get("critic"),
+                        reward_model=proxies.get("reward_model"), resource_pools=pools, rollout=proxies.get("rollout"))
 
 
 def shutdown_worker_groups(groups: WorkerGroups) -> None:
@@ -131,4 +140,4 @@ def shutdown_worker_groups(groups: WorkerGroups) -> None:
     groups.resource_pools.clear()
 
 
-__all__ = ["build_worker_groups", "shutdown_worker_groups", "eos_token_ids", "ROLE_CLASSES"]
+__all__ = ["build_worker_groups", "shutdown_worker_groups", "eos_token_ids", "ROLE_CLASSES", "PROXIES"]

@@ -1,5 +1,5 @@
-"""The controller's light math on a step's batch: layout check, KL in the reward, advantages,
-batch balancing, rollout correction, batch metrics.
+"""The controller's light math on a step's batch: the generate request and its join, layout
+check, KL in the reward, advantages, batch balancing, rollout correction, batch metrics.
 
 These run on the controller between worker-group calls (the step in :mod:`megaflow.trainer.ppo_trainer`). Each is a
 function of a :class:`~megaflow.protocol.DataProto` and plain settings, so the trainer's
@@ -8,13 +8,117 @@ step reads as a list of stages and each stage is tested on its own.
 from __future__ import annotations
 
 import math
-from typing import Any
+import uuid
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from megaflow.algorithms import apply_kl_penalty, compute_advantages, masked_mean
 from megaflow.protocol import DataProto
+
+if TYPE_CHECKING:
+    from megaflow.config.schema import RolloutConfig
+    from megaflow.single_controller import GroupProtoResult
+
+#: The prompt tensors the rollout's outputs replace (its ``input_ids``, ``attention_mask``
+#: and ``position_ids`` cover prompt and response).
+ROLLOUT_REPLACES = ("input_ids", "attention_mask", "position_ids")
+#: The prompt tensors the rollout reads, ``[B, P]`` (left-padded; the engine takes each
+#: row's real tokens and numbers positions itself).
+PROMPT_KEYS = ("input_ids", "attention_mask")
+
+
+# ---------------------------------------------------------------------------- the rollout call
+def sampling_params(rollout: RolloutConfig, *, run_seed: int, step: int, greedy: bool) -> dict[str, Any]:
+    """The rollout's sampling parameters for one generate call (its ``meta_info``).
+
+    The seed changes every step so samples differ across steps but are reproducible (and
+    identical on the ranks of one generation TP group) for a given run seed:
+    ``seed = trainer.seed * 100003 + step``; ``step``: the step the samples are for (one
+    step off, the next step's batch is requested during the current step).
+
+    Args:
+        rollout: the ``rollout`` section (temperature, top_p, top_k, response_length).
+        run_seed: ``trainer.seed``.
+        step: the training step the samples are for.
+        greedy: decode greedily (validation, ReMax's baseline) instead of sampling.
+    """
+    return {"temperature": 0.0 if greedy else rollout.temperature, "top_p": 1.0 if greedy else rollout.top_p,
+            "top_k": -1 if greedy else rollout.top_k, "response_length": rollout.response_length,
+            "do_sample": not greedy, "seed": run_seed * 100_003 + step}
+
+
+def generation_request(prompts: DataProto, n: int, sampling: dict[str, Any]) -> tuple[DataProto, DataProto]:
+    """``(prompts with a uid per prompt, the generate call's input)``.
+
+    The generate call's input holds the prompt tensors :data:`PROMPT_KEYS` ``[B, P]``
+    repeated ``n`` times (interleaved: the samples of prompt ``i`` are rows ``i*n .. i*n+n-1``),
+    no non-tensor fields, and ``sampling`` (:func:`sampling_params`) as ``meta_info``.
+    Prompts that already carry ``uid`` keep it.
+
+    Raises:
+        KeyError: the prompts lack ``input_ids`` or ``attention_mask``.
+    """
+    if "uid" not in prompts.non_tensor_batch:
+        prompts = prompts.union(DataProto.from_dict(non_tensors={"uid": [uuid.uuid4().hex for _ in range(len(prompts))]}))
+    present = set(prompts.batch.keys()) if prompts.batch is not None else set()
+    missing = [k for k in PROMPT_KEYS if k not in present]
+    if missing:
+        raise KeyError(f"generate_sequences reads {missing}, which the prompts lack; they have {sorted(present)}")
+    gen_in = prompts.select(batch_keys=list(PROMPT_KEYS), non_tensor_keys=[], meta_info_keys=[])
+    gen_in = gen_in.repeat(n, interleave=True)
+    gen_in.meta_info.update(sampling)
+    return prompts, gen_in
+
+
+def rollout_metrics(per_replica: list[dict[str, float]]) -> dict[str, float]:
+    """A generate call's metrics from its per-replica results: generation replica 0's
+    (the sync checked that every engine serves the same weight version), with
+    ``timeline/gen_start_unix`` / ``timeline/gen_end_unix`` spanning all replicas (the
+    earliest start, the latest end) when the replicas report them."""
+    metrics = {k: float(v) for k, v in per_replica[0].items()}
+    if "timeline/gen_start_unix" in metrics:
+        metrics["timeline/gen_start_unix"] = min(m["timeline/gen_start_unix"] for m in per_replica)
+        metrics["timeline/gen_end_unix"] = max(m["timeline/gen_end_unix"] for m in per_replica)
+    return metrics
+
+
+def join_rollout(prompts: DataProto, out: GroupProtoResult, n: int) -> tuple[DataProto, dict[str, float]]:
+    """The prompts' other fields joined with the rollout's rows, and the rollout's metrics.
+
+    Args:
+        prompts: ``B`` prompts (as returned by :func:`generation_request`).
+        out: the generate call's rows (``B * n``, interleaved) and per-replica metrics.
+        n: samples per prompt.
+
+    Returns:
+        The prompts' non-tensor fields and tensor fields other than :data:`ROLLOUT_REPLACES`,
+        repeated ``n`` times, joined with the rollout's rows (``meta_info`` dropped: the
+        sampling parameters stay with the call); and :func:`rollout_metrics`.
+    """
+    rest = prompts.select(batch_keys=[k for k in prompts.batch.keys() if k not in ROLLOUT_REPLACES])
+    rest = rest.repeat(n, interleave=True)
+    if rest.batch is not None and len(rest.batch.keys()) == 0:
+        rest.batch = None
+    rows = DataProto(out.batch.batch, out.batch.non_tensor_batch, {})
+    return rest.union(rows), rollout_metrics(out.metrics)
+
+
+def prompts_of(batch: DataProto, n: int) -> DataProto:
+    """The prompts a rollout batch was generated from: every ``n``-th row's ``prompts``
+    ``[B, P]`` as ``input_ids`` and the first ``P`` columns of its ``attention_mask``, with
+    the rows' non-tensor fields (the inverse of the interleaved repeat of
+    :func:`generation_request`, for ReMax's greedy baseline).
+
+    Raises:
+        KeyError: the batch has no ``prompts`` or ``attention_mask``.
+    """
+    rows = torch.arange(0, len(batch), n)
+    prompt_ids = batch.batch["prompts"][rows]
+    mask = batch.batch["attention_mask"][rows, : prompt_ids.shape[1]]
+    return DataProto.from_dict({"input_ids": prompt_ids, "attention_mask": mask},
+                               {k: v[rows.numpy()] for k, v in batch.non_tensor_batch.items()})
 
 
 def kl_in_reward(batch: DataProto, kl_ctrl: Any, kind: str) -> tuple[DataProto, dict[str, float]]:
@@ -298,6 +402,7 @@ def compute_data_metrics(batch: DataProto, max_response_length: int) -> dict[str
     return metrics
 
 
-__all__ = ["check_rollout_batch", "kl_in_reward", "scores_as_rewards", "add_advantages", "compute_data_metrics", "bypass_old_log_probs",
+__all__ = ["sampling_params", "generation_request", "join_rollout", "rollout_metrics", "prompts_of",
+           "ROLLOUT_REPLACES", "PROMPT_KEYS", "check_rollout_batch", "kl_in_reward", "scores_as_rewards", "add_advantages", "compute_data_metrics", "bypass_old_log_probs",
            "balanced_dp_order", "balance_batch",
            "rollout_correction", "RolloutMismatchError"]

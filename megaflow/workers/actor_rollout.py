@@ -20,10 +20,7 @@ other methods on the ``actor`` mesh (Megatron DP rank, collected from tp 0 / las
 """
 from __future__ import annotations
 
-import json
-import os
-import tempfile
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,26 +29,19 @@ from megaflow.protocol import DataProto
 from megaflow.single_controller import Dispatch, ProtoResult, nd_compute, register
 from megaflow.topology.role_spec import RoleSpec
 from megaflow.workers.megatron_workers import ActorWorker
+from megaflow.workers.rollout_host import RolloutHost, stop_token_ids
+from megaflow.workers.weight_sync import WeightSync
 
 if TYPE_CHECKING:
-    from megaflow.config.schema import Config
+    from megaflow.hybrid_engine.transport import WeightTransport
 
-#: Offset between the sampling seeds of two generation replicas (distinct request seeds).
-_REPLICA_SEED_STRIDE = 1_000_003
 #: ``verify`` of :meth:`ActorRolloutWorker.sync_rollout_weights`: largest accepted
 #: |engine - trainer| log-prob difference on the probe (fp32).
 VERIFY_SYNC_ATOL = 1e-5
-_PROBE_LENGTHS, _PROBE_RESPONSE = (8, 5), 8
 #: Default of ``bucket_mb`` (``rollout.weight_sync_bucket_mb``): a 70B model's generation
 #: shard at t_g = 8 (about 17 GB in bf16) streams in about 35 buckets, and its largest
 #: tensor (the embedding shard, 128256 / 8 x 8192 x 2 bytes = 250 MiB) fits in one.
 DEFAULT_WEIGHT_SYNC_BUCKET_MB = 512
-
-
-def stop_token_ids(cfg: Config, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
-    """The ids that end a response: the tokenizer's EOS ids, or none with ``rollout.ignore_eos``
-    (every response is then ``rollout.response_length`` tokens)."""
-    return () if cfg.rollout.ignore_eos else tuple(int(i) for i in eos_token_ids)
 
 
 class ActorRolloutWorker(ActorWorker):
@@ -69,13 +59,18 @@ class ActorRolloutWorker(ActorWorker):
 
     def __init__(self, spec: RoleSpec, eos_token_ids: tuple[int, ...], pad_token_id: int) -> None:
         super().__init__(spec)
-        self.eos_token_ids = stop_token_ids(spec.config, eos_token_ids)
+        self.eos_token_ids = tuple(eos_token_ids)
         self.pad_token_id = int(pad_token_id)
-        self.rollout = None
+        self.host: Optional[RolloutHost] = None
+        self.rollout = None  # the host's engine
         self.resharder = None
+        self.transport: Optional[WeightTransport] = None  # set with the engine (or the split transport)
+        self._vllm_shapes: Optional[dict] = None  # the engine shard's vLLM name -> shape
         self._actor_version = 0
         self._synced_version = -1
+        self._num_sends = 0
         self.last_reshard_stats = None
+        self.last_transport_stats = None
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -96,65 +91,58 @@ class ActorRolloutWorker(ActorWorker):
         placement = self.layout.ranks[self.rank]
         self.register_dp_info("rollout", dp_rank=placement.gen_dp_rank, is_collect=placement.is_collect)
         self._gen_tp_rank = placement.gen_tp_rank
-        self._gen_replica = placement.gen_dp_rank
-        self.rollout = self._build_engine(hf_config)
+        self.host = self._build_host(hf_config, placement.gen_dp_rank)
+        self.rollout = None if self.host is None else self.host.engine
+        if self.rollout is not None:  # the engine in this process: the sync loads it in place
+            from megaflow.hybrid_engine.transport import ColocatedTransport
 
-    def _build_engine(self, hf_config):
-        from megaflow.dryrun.memory import cpu_kv_cache_bytes
-        from megaflow.rollout.sampling import SamplingConfig
-        from megaflow.rollout.vllm_rollout import VLLMRollout, VLLMRolloutConfig
-        from megaflow.topology.sizes import max_seq_len
+            self.transport = ColocatedTransport(self.rollout)
+            self._vllm_shapes = self.rollout.sharded_param_shapes()
 
-        cfg = self.config
-        model_dir = self._engine_model_dir(hf_config)
-        engine_cfg = VLLMRolloutConfig(
-            model_path=model_dir, tp_size=cfg.rollout.tp, tp_group_ranks=self.layout.gen_tp_groups,
-            dtype=cfg.model.dtype, load_format="dummy", max_model_len=max_seq_len(cfg),
-            kv_cache_bytes=None if cfg.resources.use_gpu else cpu_kv_cache_bytes(cfg),
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.trainer.seed)
-        # Each call's meta_info overrides the sampling parameters; n stays 1 (the controller
-        # repeats every prompt rollout.n times).
-        sampling = SamplingConfig(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                  top_k=cfg.rollout.top_k, response_length=cfg.rollout.response_length,
-                                  eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id)
-        return VLLMRollout(engine_cfg, sampling)
-
-    def _engine_model_dir(self, hf_config) -> str:
-        """A directory with the model's ``config.json`` for vLLM (weights come from the actor)."""
-        cfg = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
-        path = tempfile.mkdtemp(prefix=f"megaflow_rollout_rank{self.rank}_")
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(cfg, f)
-        return path
+    def _build_host(self, hf_config: Any, gen_replica: int) -> Optional[RolloutHost]:
+        """This rank's engine shard (:class:`~megaflow.workers.rollout_host.RolloutHost`)."""
+        return RolloutHost(self.config, hf_config, self.spec, rank=self.rank, tp_group_ranks=self.layout.gen_tp_groups,
+                           gen_replica=gen_replica, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id)
 
     # ------------------------------------------------------------------ weight sync
     def _sync_rollout_weights(self, bucket_bytes: int) -> None:
-        """train -> generate -> train: stream the actor's current weights into the engine.
+        """train -> generate -> train: stream the actor's current weights through this rank's
+        weight transport (the one sync loop of both layouts).
 
         The generation shard is produced by the resharder, converted to vLLM's names and
-        local layout and pushed in buckets of at most ``bucket_bytes``
+        local layout and cut into buckets of at most ``bucket_bytes``
         (:func:`~megaflow.hybrid_engine.rollout_weights.iter_vllm_buckets`); at most one
-        bucket is alive at a time. Parameters only are reloaded onto the device.
+        bucket is alive at a time. The transport moves them: into the engine in this process
+        (:class:`~megaflow.hybrid_engine.transport.ColocatedTransport`), or, under split
+        placement, to the rollout group
+        (:class:`~megaflow.hybrid_engine.transport.BroadcastTransport`; a rank that is no
+        source has no transport but still runs the conversion's collectives). Unchanged
+        weights send only that news. Parameters only are reloaded onto the device.
         """
-        if self._synced_version == self._actor_version:
-            return
         from megaflow.hybrid_engine.rollout_weights import iter_vllm_buckets
-        from megaflow.hybrid_engine.transport import load_buckets
 
+        if self._synced_version == self._actor_version:
+            if self.transport is not None:
+                self.transport.send_unchanged(self._actor_version)
+            return
         self._before_phase(("params",))  # the sync reads parameters only: grads/optimizer stay offloaded
         try:
             with self.resharder.generation() as stats:
                 buckets = iter_vllm_buckets(
                     self.resharder.named_generation_tensors(), self.spec, gen_tp=self.layout.gen_tp,
-                    gen_tp_rank=self._gen_tp_rank, vllm_shapes=self.rollout.sharded_param_shapes(),
+                    gen_tp_rank=self._gen_tp_rank, vllm_shapes=self._vllm_shapes,
                     gather_vocab=self._gather_gen_tp, bucket_bytes=bucket_bytes)
                 # a failure aborts the update: the engine refuses to generate until a complete sync
-                num_buckets, _, largest = load_buckets(self.rollout, buckets)
+                if self.transport is not None:
+                    self.last_transport_stats = self.transport.send(buckets, self._actor_version)
+                else:
+                    for _ in buckets:  # the conversion's collectives (vocabulary gathers) run on every rank
+                        pass
         finally:
             self._after_phase()  # the training state goes back off the device while the engine generates
         self.last_reshard_stats = stats
-        self.last_sync_buckets = (num_buckets, largest)
         self._synced_version = self._actor_version
+        self._num_sends += 1
 
     def _gather_gen_tp(self, shard: torch.Tensor) -> torch.Tensor:
         """All-gather ``shard`` over the generation TP group along dim 0 (identity at t_g = 1)."""
@@ -165,7 +153,7 @@ class ActorRolloutWorker(ActorWorker):
     # ------------------------------------------------------------------ registered methods
     @register(Dispatch.ONE_TO_ALL)
     def sync_rollout_weights(self, verify: bool = False,
-                             bucket_mb: int = DEFAULT_WEIGHT_SYNC_BUCKET_MB) -> dict[str, float]:
+                             bucket_mb: int = DEFAULT_WEIGHT_SYNC_BUCKET_MB) -> WeightSync:
         """Push the actor's weights into the engine if they changed since the last sync
         (collective: every rank, in lockstep).
 
@@ -176,11 +164,12 @@ class ActorRolloutWorker(ActorWorker):
                 (``rollout.weight_sync_bucket_mb``).
 
         Returns:
-            This rank's ``rollout/weight_version`` (engine syncs so far),
-            ``rollout/synced_actor_version`` and ``rollout/actor_version`` (equal after a
-            sync), when weights moved ``timing_s/reshard`` (the transition, seconds),
-            ``reshard/bytes_received``, ``reshard/bytes_sent``, ``rollout/weight_sync_buckets``
-            and ``rollout/weight_sync_bucket_bytes`` (the largest bucket), and with ``verify``
+            This rank's :class:`~megaflow.workers.weight_sync.WeightSync`: the engine's weight
+            version (syncs so far), the synced and current actor versions (equal after a
+            sync); figures when weights moved: ``timing_s/reshard`` (the transition, seconds),
+            ``reshard/bytes_received``, ``reshard/bytes_sent``, and colocated
+            ``rollout/weight_sync_buckets`` and ``rollout/weight_sync_bucket_bytes`` (the
+            largest bucket), split placement the ``transport/*`` figures; with ``verify``
             ``rollout/verify_sync_max_diff`` (the largest difference over all ranks).
 
         Raises:
@@ -192,24 +181,11 @@ class ActorRolloutWorker(ActorWorker):
             raise ValueError(f"rollout.weight_sync_bucket_mb must be > 0, got {bucket_mb}")
         stale = self._synced_version != self._actor_version  # the engines serve an older actor version
         self._sync_rollout_weights(int(bucket_mb) << 20)
-        metrics = self._sync_metrics(stale)
+        figures = self._sync_figures() if stale else {}
         if verify:
-            metrics["rollout/verify_sync_max_diff"] = self._verify_sync()
-        return metrics
-
-    def _probe(self) -> DataProto:
-        """Fixed left-padded prompts (seeded ids from 3 up to the vocabulary), greedy."""
-        lengths = [min(n, self.config.data.max_prompt_length) for n in _PROBE_LENGTHS]
-        width = max(lengths)
-        gen = torch.Generator().manual_seed(0)
-        ids = torch.full((len(lengths), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, n in enumerate(lengths):
-            ids[i, width - n:] = torch.randint(3, self.spec.vocab_size, (n,), generator=gen)
-            mask[i, width - n:] = 1
-        return DataProto.from_dict({"input_ids": ids, "attention_mask": mask}, meta_info={
-            "do_sample": False, "response_length": min(_PROBE_RESPONSE, self.config.rollout.response_length),
-            "seed": 0})
+            figures["rollout/verify_sync_max_diff"] = self._verify_sync()
+        weight_version = self._num_sends if self.rollout is None else self.rollout.weight_version
+        return WeightSync(weight_version, self._synced_version, self._actor_version, figures)
 
     def _verify_sync(self) -> float:
         """Every engine's log-probs of its greedy probe tokens vs the trainer's (collective).
@@ -226,7 +202,7 @@ class ActorRolloutWorker(ActorWorker):
             RuntimeError: above :data:`VERIFY_SYNC_ATOL` (on every rank), naming the rank
                 with the largest difference and listing every rank's.
         """
-        out = self.rollout.generate_sequences(self._probe())
+        out = self.host.probe_rollout()
         keys = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask")
         world = dist.get_world_size()
         outputs: list = [None] * world
@@ -248,18 +224,18 @@ class ActorRolloutWorker(ActorWorker):
                                f"{worst} (tolerance {VERIFY_SYNC_ATOL:g}); per rank: {diffs}")
         return float(diffs[worst])
 
-    def _sync_metrics(self, stale: bool) -> dict[str, float]:
-        """Version metrics; with ``stale`` (this call moved the weights) also the reshard's."""
-        metrics = {"rollout/weight_version": float(self.rollout.weight_version),
-                   "rollout/synced_actor_version": float(self._synced_version),
-                   "rollout/actor_version": float(self._actor_version)}
-        if stale and self.last_reshard_stats is not None:
-            s = self.last_reshard_stats
-            metrics.update({"timing_s/reshard": s.seconds, "reshard/bytes_received": float(s.bytes_received),
-                            "reshard/bytes_sent": float(s.bytes_sent),
-                            "rollout/weight_sync_buckets": float(self.last_sync_buckets[0]),
-                            "rollout/weight_sync_bucket_bytes": float(self.last_sync_buckets[1])})
-        return metrics
+    def _sync_figures(self) -> dict[str, float]:
+        """What the last sync that moved weights moved: the reshard's figures, and the
+        engine's bucket counts (colocated) or the transport's figures (a split source rank)."""
+        s, t = self.last_reshard_stats, self.last_transport_stats
+        figures = {"timing_s/reshard": s.seconds, "reshard/bytes_received": float(s.bytes_received),
+                   "reshard/bytes_sent": float(s.bytes_sent)}
+        if self.rollout is not None:
+            figures.update({"rollout/weight_sync_buckets": float(t.num_buckets),
+                            "rollout/weight_sync_bucket_bytes": float(t.largest_bucket)})
+        elif t is not None:
+            figures.update(t.as_metrics())
+        return figures
 
     @register(nd_compute("rollout"))
     def generate_sequences(self, prompts: DataProto) -> ProtoResult:
@@ -283,10 +259,7 @@ class ActorRolloutWorker(ActorWorker):
             raise RuntimeError(f"generate_sequences on rank {self.rank}: the engine serves actor version "
                                f"{self._synced_version} (engine weight version {self.rollout.weight_version}) but "
                                f"the actor is at version {self._actor_version}; call sync_rollout_weights() first")
-        meta = dict(prompts.meta_info)
-        if meta.get("seed") is not None:
-            meta["seed"] = int(meta["seed"]) + self._gen_replica * _REPLICA_SEED_STRIDE
-        out = self.rollout.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch, meta))
+        out = self.host.generate(prompts)
         return ProtoResult(out, {"rollout/weight_version": float(self.rollout.weight_version)})
 
     @register(nd_compute("actor"))
@@ -308,31 +281,30 @@ class ActorRolloutWorker(ActorWorker):
         return self.rollout.weight_version
 
 
-def check_synced(per_rank: list[dict[str, float]]) -> dict[str, float]:
+def check_synced(per_rank: list[WeightSync]) -> dict[str, float]:
     """Controller-side check of a :meth:`ActorRolloutWorker.sync_rollout_weights` call.
 
     Args:
         per_rank: every rank's return value, index = rank.
 
     Returns:
-        The metrics of rank 0 (``rollout/weight_version`` and the reshard figures when
-        weights moved), without the version bookkeeping.
+        Rank 0's metrics (:meth:`~megaflow.workers.weight_sync.WeightSync.metrics`:
+        ``rollout/weight_version`` and the reshard figures when weights moved).
 
     Raises:
         RuntimeError: a rank whose engine does not serve the actor's current version, or
             ranks whose engines received different numbers of syncs (naming the ranks).
     """
-    stale = [r for r, m in enumerate(per_rank) if m["rollout/synced_actor_version"] != m["rollout/actor_version"]]
+    stale = [r for r, m in enumerate(per_rank) if m.synced_actor_version != m.actor_version]
     if stale:
         raise RuntimeError(f"weight sync: the engines of ranks {stale} do not serve the actor's current weights "
-                           f"(synced actor version {[per_rank[r]['rollout/synced_actor_version'] for r in stale]}, "
-                           f"actor version {[per_rank[r]['rollout/actor_version'] for r in stale]})")
-    versions = sorted({m["rollout/weight_version"] for m in per_rank})
+                           f"(synced actor version {[per_rank[r].synced_actor_version for r in stale]}, "
+                           f"actor version {[per_rank[r].actor_version for r in stale]})")
+    versions = sorted({m.weight_version for m in per_rank})
     if len(versions) > 1:
-        by_version = {v: [r for r, m in enumerate(per_rank) if m["rollout/weight_version"] == v] for v in versions}
+        by_version = {v: [r for r, m in enumerate(per_rank) if m.weight_version == v] for v in versions}
         raise RuntimeError(f"weight sync: the engines disagree on their weight version (version: ranks) {by_version}")
-    return {k: v for k, v in per_rank[0].items()
-            if k not in ("rollout/synced_actor_version", "rollout/actor_version")}
+    return per_rank[0].metrics()
 
 
-__all__ = ["ActorRolloutWorker", "stop_token_ids", "check_synced", "VERIFY_SYNC_ATOL"]
+__all__ = ["ActorRolloutWorker", "WeightSync", "stop_token_ids", "check_synced", "VERIFY_SYNC_ATOL"]

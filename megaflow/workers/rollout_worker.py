@@ -14,7 +14,7 @@ leaves the actor's processes (the disaggregated layout of verl, NeMo-RL, slime, 
   converts it into buckets and, on the ranks of generation replica 0, broadcasts them to
   the rollout ranks (:class:`~megaflow.hybrid_engine.transport.BroadcastTransport`).
 
-The two groups rendezvous once (:func:`megaflow.trainer.rollout_pipeline.connect_split`):
+The two groups rendezvous once (:func:`megaflow.trainer.rollout_source.connect_split`):
 actor rank 0 opens a ``TCPStore``, then the source ranks and the rollout ranks build
 one stateless process group per generation TP rank on it. Every sync is one call on
 each group, in lockstep; the rollout ranks record the actor version the stream carried,
@@ -23,14 +23,19 @@ which the controller compares with the actor's (:func:`check_split_synced`).
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megaflow.protocol import DataProto
 from megaflow.single_controller import Dispatch, ProtoResult, Worker, nd_compute, register
 from megaflow.topology.role_spec import RoleSpec
-from megaflow.workers.actor_rollout import _REPLICA_SEED_STRIDE, ActorRolloutWorker, check_synced, stop_token_ids
+from megaflow.workers.actor_rollout import ActorRolloutWorker, check_synced
+from megaflow.workers.rollout_host import RolloutHost
+from megaflow.workers.weight_sync import WeightSync
+
+if TYPE_CHECKING:
+    from megaflow.hybrid_engine.transport import TransportPlan
 
 #: Seconds a transport collective may wait (rendezvous included).
 TRANSPORT_TIMEOUT_S = 1800.0
@@ -60,9 +65,10 @@ class RolloutWorker(Worker):
     def __init__(self, spec: RoleSpec, eos_token_ids: tuple[int, ...], pad_token_id: int) -> None:
         super().__init__()
         self.role_spec, self.config = spec, spec.config
-        self.eos_token_ids = stop_token_ids(spec.config, eos_token_ids)
+        self.eos_token_ids = tuple(eos_token_ids)
         self.pad_token_id = int(pad_token_id)
-        self.rollout = None
+        self.host: RolloutHost | None = None
+        self.rollout = None  # the host's engine
         self.transport = None
         self._synced_actor_version = -1
         self.last_transport_stats = None
@@ -90,11 +96,11 @@ class RolloutWorker(Worker):
         self.layout = plan_hybrid_layout(gen_tp, 1, self.world_size // gen_tp, gen_tp,
                                          num_attention_heads=self.spec.num_heads,
                                          num_query_groups=self.spec.num_kv_heads)
-        self.rollout = self._build_engine(hf_config)
-
-    # The engine is built as the colocated actor builds its own (same settings, dummy weights).
-    _build_engine = ActorRolloutWorker._build_engine
-    _engine_model_dir = ActorRolloutWorker._engine_model_dir
+        # the engine is built as the colocated actor builds its own (same settings, dummy weights)
+        self.host = RolloutHost(self.config, hf_config, self.spec, rank=self.rank,
+                                tp_group_ranks=self.layout.gen_tp_groups, gen_replica=self._gen_replica,
+                                eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id)
+        self.rollout = self.host.engine
 
     @register(Dispatch.ONE_TO_ALL)
     def sharded_param_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -102,7 +108,7 @@ class RolloutWorker(Worker):
         return self.rollout.sharded_param_shapes()
 
     @register(Dispatch.ONE_TO_ALL)
-    def init_weight_transport(self, host: str, port: int, plan, backend: str) -> None:
+    def init_weight_transport(self, host: str, port: int, plan: TransportPlan, backend: str) -> None:
         """Join this rank's broadcast group of ``plan`` (blocks until all members joined)."""
         from megaflow.hybrid_engine.transport import BroadcastTransport, stateless_process_group
 
@@ -114,23 +120,20 @@ class RolloutWorker(Worker):
         self._store, self.transport = store, BroadcastTransport(pg, backend)
 
     @register(Dispatch.ONE_TO_ALL)
-    def receive_weights(self) -> dict[str, float]:
+    def receive_weights(self) -> WeightSync:
         """Receive one sync from the actor (collective with the actor's
         :meth:`SplitActorWorker.sync_rollout_weights`).
 
         Returns:
-            ``rollout/weight_version`` (engine syncs so far), ``rollout/synced_actor_version``
-            (the actor version this engine serves) and, when weights moved, the
-            ``transport/*`` figures and ``timing_s/transport``.
+            The engine's weight version (syncs so far), the actor version it serves and,
+            when weights moved, the ``transport/*`` figures and ``timing_s/transport``.
         """
         stats, changed = self.transport.receive(self.rollout)
         self._synced_actor_version = stats.version
-        metrics = {"rollout/weight_version": float(self.rollout.weight_version),
-                   "rollout/synced_actor_version": float(self._synced_actor_version)}
         if changed:
             self.last_transport_stats = stats
-            metrics.update(stats.as_metrics())
-        return metrics
+        return WeightSync(self.rollout.weight_version, self._synced_actor_version,
+                          figures=stats.as_metrics() if changed else {})
 
     @register(nd_compute("rollout"))
     def generate_sequences(self, prompts: DataProto) -> ProtoResult:
@@ -148,10 +151,7 @@ class RolloutWorker(Worker):
         if self._synced_actor_version < 0:
             raise RuntimeError("rollout worker: generate_sequences before the first weight sync")
         start = time.time()
-        meta = dict(prompts.meta_info)
-        if meta.get("seed") is not None:
-            meta["seed"] = int(meta["seed"]) + self._gen_replica * _REPLICA_SEED_STRIDE
-        out = self.rollout.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch, meta))
+        out = self.host.generate(prompts)
         out.batch["weight_version"] = torch.full((len(out),), self._synced_actor_version, dtype=torch.int64)
         return ProtoResult(out, {"rollout/weight_version": float(self.rollout.weight_version),
                                  "timeline/gen_start_unix": start, "timeline/gen_end_unix": time.time()})
@@ -161,14 +161,11 @@ class RolloutWorker(Worker):
         """Number of weight syncs the engine has received."""
         return self.rollout.weight_version
 
-    # the colocated actor's fixed verification probe (seeded prompts, greedy)
-    _probe = ActorRolloutWorker._probe
-
     @register(Dispatch.ONE_TO_ALL)
     def probe_rollout(self) -> DataProto:
         """Greedy rollout of the fixed probe (``rollout.verify_sync``; every replica
         generates it); each rank returns its replica's output."""
-        return self.rollout.generate_sequences(self._probe())
+        return self.host.probe_rollout()
 
 
 class SplitActorWorker(ActorRolloutWorker):
@@ -177,14 +174,7 @@ class SplitActorWorker(ActorRolloutWorker):
     Args: as for :class:`ActorRolloutWorker`.
     """
 
-    def __init__(self, spec: RoleSpec, eos_token_ids: tuple[int, ...], pad_token_id: int) -> None:
-        super().__init__(spec, eos_token_ids, pad_token_id)
-        self.transport = None
-        self._vllm_shapes: Optional[dict] = None
-        self._num_sends = 0
-        self.last_transport_stats = None
-
-    def _build_engine(self, hf_config):
+    def _build_host(self, hf_config: Any, gen_replica: int) -> None:
         return None  # the engines live on the rollout pool
 
     @register(Dispatch.RANK_ZERO)
@@ -195,7 +185,8 @@ class SplitActorWorker(ActorRolloutWorker):
         return host, int(self._store.port)
 
     @register(Dispatch.ONE_TO_ALL)
-    def init_weight_transport(self, host: str, port: int, plan, vllm_shapes: list, backend: str) -> None:
+    def init_weight_transport(self, host: str, port: int, plan: TransportPlan, vllm_shapes: list,
+                              backend: str) -> None:
         """Join the broadcast group this rank is the source of, if any (blocks until its
         members joined); ``vllm_shapes[j]``: the shard shapes of generation TP rank ``j``."""
         from megaflow.hybrid_engine.transport import BroadcastTransport, stateless_process_group
@@ -210,47 +201,8 @@ class SplitActorWorker(ActorRolloutWorker):
                                      prefix=f"tp{group.gen_tp_rank}", timeout_s=TRANSPORT_TIMEOUT_S)
         self.transport = BroadcastTransport(pg, backend)
 
-    def _sync_rollout_weights(self, bucket_bytes: int) -> None:
-        """train -> generation layout -> buckets -> broadcast (sources) -> train."""
-        from megaflow.hybrid_engine.rollout_weights import iter_vllm_buckets
-
-        if self._synced_version == self._actor_version:
-            if self.transport is not None:
-                self.transport.send_unchanged(self._actor_version)
-            return
-        self._before_phase(("params",))  # parameters only: grads/optimizer stay offloaded
-        try:
-            with self.resharder.generation() as stats:
-                buckets = iter_vllm_buckets(
-                    self.resharder.named_generation_tensors(), self.spec, gen_tp=self.layout.gen_tp,
-                    gen_tp_rank=self._gen_tp_rank, vllm_shapes=self._vllm_shapes,
-                    gather_vocab=self._gather_gen_tp, bucket_bytes=bucket_bytes)
-                if self.transport is not None:
-                    self.last_transport_stats = self.transport.send(buckets, self._actor_version)
-                else:
-                    for _ in buckets:  # the conversion's collectives (vocabulary gathers) run on every rank
-                        pass
-        finally:
-            self._after_phase()
-        self.last_reshard_stats = stats
-        self._synced_version = self._actor_version
-        self._num_sends += 1
-
-    def _sync_metrics(self, stale: bool) -> dict[str, float]:
-        """Version metrics; with ``stale`` (this call sent new weights) also the reshard's and transport's."""
-        metrics = {"rollout/weight_version": float(self._num_sends),
-                   "rollout/synced_actor_version": float(self._synced_version),
-                   "rollout/actor_version": float(self._actor_version)}
-        if stale and self.last_reshard_stats is not None:
-            s = self.last_reshard_stats
-            metrics.update({"timing_s/reshard": s.seconds, "reshard/bytes_received": float(s.bytes_received),
-                            "reshard/bytes_sent": float(s.bytes_sent)})
-            if self.transport is not None and self.last_transport_stats is not None:
-                metrics.update(self.last_transport_stats.as_metrics())
-        return metrics
-
     def _verify_sync(self) -> float:
-        raise RuntimeError("split placement: the controller verifies the sync (rollout_pipeline.verify_split_sync)")
+        raise RuntimeError("split placement: the controller verifies the sync (rollout_source.verify_split_sync)")
 
     @register(nd_compute("rollout"))
     def generate_sequences(self, prompts: DataProto) -> ProtoResult:
@@ -264,7 +216,7 @@ class SplitActorWorker(ActorRolloutWorker):
         return self._num_sends
 
 
-def check_split_synced(actor: list[dict[str, float]], rollout: list[dict[str, float]]) -> dict[str, float]:
+def check_split_synced(actor: list[WeightSync], rollout: list[WeightSync]) -> dict[str, float]:
     """Controller-side check of one split-placement sync.
 
     Args:
@@ -281,17 +233,16 @@ def check_split_synced(actor: list[dict[str, float]], rollout: list[dict[str, fl
             engines with different sync counts (ranks named).
     """
     metrics = check_synced(actor)
-    version = actor[0]["rollout/actor_version"]
-    stale = [r for r, m in enumerate(rollout) if m["rollout/synced_actor_version"] != version]
+    version = actor[0].actor_version
+    stale = [r for r, m in enumerate(rollout) if m.synced_actor_version != version]
     if stale:
         raise RuntimeError(f"weight sync: rollout ranks {stale} serve actor version "
-                           f"{[rollout[r]['rollout/synced_actor_version'] for r in stale]}, the actor is at {version}")
-    engine_versions = {m["rollout/weight_version"] for m in rollout}
-    if len(engine_versions) > 1:
+                           f"{[rollout[r].synced_actor_version for r in stale]}, the actor is at {version}")
+    if len({m.weight_version for m in rollout}) > 1:
         raise RuntimeError(f"weight sync: the rollout engines disagree on their weight version "
-                           f"{[m['rollout/weight_version'] for m in rollout]} (index = rollout rank)")
-    metrics["rollout/weight_version"] = rollout[0]["rollout/weight_version"]
-    received = [m.get("transport/bytes_received") for m in rollout if "transport/bytes_received" in m]
+                           f"{[m.weight_version for m in rollout]} (index = rollout rank)")
+    metrics["rollout/weight_version"] = float(rollout[0].weight_version)
+    received = [m.figures["transport/bytes_received"] for m in rollout if "transport/bytes_received" in m.figures]
     if received:
         metrics["transport/bytes_received"] = max(received)
     return metrics

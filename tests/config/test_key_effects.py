@@ -646,7 +646,7 @@ def test_val_do_sample_makes_validation_sample_instead_of_decoding_greedily(tiny
         flags = []
         prompts = DataProto.from_dict({"input_ids": torch.zeros(2, 3, dtype=torch.long)})
         trainer = SimpleNamespace(
-            cfg=run_from_dict(tiny(rollout=rollout)), val_loader=[prompts], sync_rollout_weights=lambda: None,
+            cfg=run_from_dict(tiny(rollout=rollout)), val_loader=[prompts], rollouts=SimpleNamespace(sync=lambda: None),
             rollout=lambda batch, n, greedy: flags.append((n, greedy)) or batch,
             score=lambda batch, keep_reward_fields: DataProto.from_dict(
                 {"token_level_scores": torch.tensor([[1.0, 0.0], [0.0, 0.0]])}))
@@ -668,6 +668,8 @@ def _advantages_of_a_step(cfg, seq_scores, values=None):
 
     from megaflow.protocol import DataProto
     from megaflow.trainer.ppo_trainer import RayPPOTrainer
+    from megaflow.trainer.rollout_source import SyncReport
+    from megaflow.workers.weight_sync import WeightSync
 
     b, r = 4, 2
     prompts, responses = torch.tensor([[5, 6]] * b), torch.tensor([[7, 8], [8, 7], [7, 7], [8, 8]])
@@ -688,7 +690,7 @@ def _advantages_of_a_step(cfg, seq_scores, values=None):
         seen.update(returns=data.batch["returns"].tolist())
         return [{}]
 
-    synced = [{"rollout/weight_version": 0.0, "rollout/synced_actor_version": 0.0, "rollout/actor_version": 0.0}]
+    synced = [WeightSync(0, 0, 0)]
     actor = SimpleNamespace(compute_log_prob=lambda data: DataProto.from_dict({"old_log_probs": torch.zeros(b, r)}),
                             update_actor=update, sync_rollout_weights=lambda verify=False, bucket_mb=None: synced)
     critic = None if values is None else SimpleNamespace(
@@ -696,12 +698,10 @@ def _advantages_of_a_step(cfg, seq_scores, values=None):
         update_critic=update_critic)
     trainer = SimpleNamespace(
         cfg=cfg, groups=SimpleNamespace(actor=actor, ref=None, critic=critic), global_step=0,
-        rollout_pipeline=SimpleNamespace(sync=lambda tr: {}, generate=lambda tr, p: (batch, {}),
-                                         correction=lambda c: c.algorithm.rollout_correction),
-        _generate=lambda p, n, greedy: (batch, {}),  # the step's generation with or without a pipeline
-        sync_rollout_weights=lambda: {},
+        rollouts=SimpleNamespace(sync=lambda: SyncReport(0, {}), next_batch=lambda step: (batch, {}),
+                                 correction=lambda: cfg.algorithm.rollout_correction),
         score=lambda data: data.union(DataProto.from_dict({"token_level_scores": scores})))
-    RayPPOTrainer.train_step(trainer, batch)
+    RayPPOTrainer.train_step(trainer)
     return seen
 
 

@@ -68,7 +68,7 @@ def groups(ray_session, hf_dirs):
     views = RayWorkerGroup(ResourcePool([4], num_cpus_per_process=0.5, name_prefix="mf_megatron"),
                            spec).spawn()
     for name in ("actor", "ref", "critic", "rm"):
-        views[name].init_model()
+        views[name].call("init_model")
     return views
 
 
@@ -89,16 +89,16 @@ def test_forward_roles_return_input_order_and_match_transformers(groups, hf_dirs
         per_token = (hidden @ scorer.score.weight.T).squeeze(-1)
     tol = dict(atol=1e-5, rtol=0)
 
-    old = groups["actor"].compute_log_prob(data)
+    old = groups["actor"].call("compute_log_prob", data)
     assert len(old) == 7
     torch.testing.assert_close(old.batch["old_log_probs"], ref["log_probs"] * valid, **tol)
     torch.testing.assert_close(old.batch["entropys"], ref["entropy"] * valid, **tol)
-    ref_lp = groups["ref"].compute_ref_log_prob(data)
+    ref_lp = groups["ref"].call("compute_ref_log_prob", data)
     torch.testing.assert_close(ref_lp.batch["ref_log_probs"], ref["log_probs"] * valid, **tol)
 
-    values = groups["critic"].compute_values(data).batch["values"]
+    values = groups["critic"].call("compute_values", data).batch["values"]
     torch.testing.assert_close(values, per_token[:, -resp_len - 1:-1] * valid, **tol)
-    scores = groups["rm"].compute_rm_score(data).batch["rm_scores"]
+    scores = groups["rm"].call("compute_rm_score", data).batch["rm_scores"]
     last = batch["attention_mask"].cumsum(-1).argmax(-1)  # index of the last real token
     expected = torch.zeros_like(scores)
     for row in range(7):
@@ -109,34 +109,34 @@ def test_forward_roles_return_input_order_and_match_transformers(groups, hf_dirs
 def _update_batch(groups):
     batch = make_batch(22, batch=8)
     data = _proto(batch)
-    data = data.union(groups["actor"].compute_log_prob(data).select(batch_keys=["old_log_probs"]))
+    data = data.union(groups["actor"].call("compute_log_prob", data).select(batch_keys=["old_log_probs"]))
     adv = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(2))
     returns = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(3))
     extra = DataProto.from_dict({"advantages": adv, "returns": returns})
-    data = data.union(extra).union(groups["critic"].compute_values(data))
+    data = data.union(extra).union(groups["critic"].call("compute_values", data))
     return data
 
 
 def test_updates_and_checkpoint_round_trip(groups, tmp_path):
     data = _update_batch(groups)
     before = data.batch["old_log_probs"].clone()
-    per_rank = groups["actor"].update_actor(data)  # one dict per DP rank, DP-reduced by the engine
+    per_rank = groups["actor"].call("update_actor", data)  # one dict per DP rank, DP-reduced by the engine
     assert len(per_rank) >= 1 and all(m == per_rank[0] for m in per_rank), per_rank
     metrics = per_rank[0]
     # two mini-batches of 4 rows: the first is on-policy (ratio 1), the second is not
     assert metrics["actor/grad_norm"] > 0 and metrics["actor/lr"] == pytest.approx(5e-3)
     assert 0 <= metrics["actor/clip_fraction"] < 0.5
     assert set(metrics) >= {"actor/pg_loss", "actor/approx_kl", "actor/entropy"}
-    critic = groups["critic"].update_critic(data)[0]
+    critic = groups["critic"].call("update_critic", data)[0]
     assert critic["critic/vf_loss"] > 0 and critic["critic/grad_norm"] > 0
 
-    trained = groups["actor"].compute_log_prob(data).batch["old_log_probs"]
+    trained = groups["actor"].call("compute_log_prob", data).batch["old_log_probs"]
     assert (trained - before).abs().max() > 1e-3  # the policy moved
     path = str(tmp_path / "actor_ckpt")
-    groups["actor"].save_checkpoint(path)
-    groups["actor"].update_actor(data)  # move away from the saved state ...
-    moved = groups["actor"].compute_log_prob(data).batch["old_log_probs"]
+    groups["actor"].call("save_checkpoint", path)
+    groups["actor"].call("update_actor", data)  # move away from the saved state ...
+    moved = groups["actor"].call("compute_log_prob", data).batch["old_log_probs"]
     assert (moved - trained).abs().max() > 1e-4
-    groups["actor"].load_checkpoint(path)  # ... and back
-    restored = groups["actor"].compute_log_prob(data).batch["old_log_probs"]
+    groups["actor"].call("load_checkpoint", path)  # ... and back
+    restored = groups["actor"].call("compute_log_prob", data).batch["old_log_probs"]
     torch.testing.assert_close(restored, trained, atol=1e-6, rtol=0)

@@ -20,7 +20,7 @@ def _group(name: str, cls: type, *args, **kwargs):
     pool = ResourcePool([2], num_cpus_per_process=0.5, name_prefix=f"sc_{name}")
     group = RayWorkerGroup(pool, ClassWithInitArgs(cls, *args, **kwargs), name_prefix=name)
     try:
-        group.init()
+        group.call("init")
         yield group
     finally:
         group.shutdown()
@@ -48,7 +48,7 @@ def test_submit_returns_futures_whose_values_equal_the_blocking_calls(scale_grou
     assert torch.equal(out.batch["values"], values * 3.0)
     assert torch.equal(out.batch["row"], torch.arange(5))
     # A future passed on: the next call's workers resolve it (no round trip through the controller).
-    twice = scale_group.scale(future)
+    twice = scale_group.call("scale", future)
     assert torch.equal(twice.batch["values"], values * 9.0)
 
 

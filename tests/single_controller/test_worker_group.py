@@ -21,7 +21,7 @@ def mesh_group(sc_ray):
     """4 ranks as a (dp=2, tp=2) mesh in Megatron order, gloo world initialised."""
     pool = ResourcePool([4], num_cpus_per_process=0.5, name_prefix="sc_mesh")
     group = RayWorkerGroup(pool, ClassWithInitArgs(MeshWorker, tp=2), name_prefix="mesh")
-    group.init()
+    group.call("init")
     yield group
     group.shutdown()
     pool.remove()
@@ -35,8 +35,8 @@ def colocated(sc_ray):
                                         "b": ClassWithInitArgs(ScaleWorker, 3.0)})
     group = RayWorkerGroup(pool, spec)
     views = group.spawn()
-    views["a"].init()
-    views["b"].init()  # the second role finds the process group already there
+    views["a"].call("init")
+    views["b"].call("init")  # the second role finds the process group already there
     yield views
     group.shutdown()
     pool.remove()
@@ -66,7 +66,7 @@ class GetSpy:
 
 
 def test_gloo_all_reduce_across_ray_actors(mesh_group):
-    assert mesh_group.all_reduce_rank() == [10.0] * 4  # sum of rank + 1 over 4 ranks
+    assert mesh_group.call("all_reduce_rank") == [10.0] * 4  # sum of rank + 1 over 4 ranks
     meta = mesh_group.worker_metadata
     assert [m.rank for m in meta] == [0, 1, 2, 3] and [m.local_rank for m in meta] == [0, 1, 2, 3]
     assert len({m.pid for m in meta}) == 4 and all(m.world_size == 4 for m in meta)
@@ -80,45 +80,47 @@ def test_nd_compute_splits_by_dp_rank_and_restores_order(mesh_group, monkeypatch
     for num_rows, seen in [(6, [[0, 1, 2]] * 2 + [[3, 4, 5]] * 2), (5, [[0, 1, 2]] * 2 + [[3, 4, 0]] * 2)]:
         puts.clear()
         data = make_batch(num_rows)
-        out = mesh_group.transform(data)
+        out = mesh_group.call("transform", data)
         assert len(puts) == 2  # one object-store put per dp rank, shared by its tp peers
-        assert mesh_group.last_seen() == seen
+        assert mesh_group.call("last_seen") == seen
         assert out.batch["row"].tolist() == list(range(num_rows))
         torch.testing.assert_close(out.batch["values"], expected_transform(data, 2))
 
 
 def test_other_modes_and_method_exposure(mesh_group):
-    assert mesh_group.rank_zero_pid() == (0, mesh_group.worker_metadata[0].pid)
-    assert mesh_group.executed_on() == 0
-    assert mesh_group.transform.__doc__ == MeshWorker.transform.__doc__
-    metrics = mesh_group.per_rank_metrics(make_batch(4))
+    assert mesh_group.call("rank_zero_pid") == (0, mesh_group.worker_metadata[0].pid)
+    assert mesh_group.call("executed_on") == 0
+    assert not hasattr(mesh_group, "transform")  # registered methods run by name, no attribute is bound
+    with pytest.raises(AttributeError, match="has no registered method 'nope'"):
+        mesh_group.call("nope")
+    metrics = mesh_group.call("per_rank_metrics", make_batch(4))
     assert metrics == [{"rank": r, "rows": [r]} for r in range(4)]
 
 
 def test_wrong_argument_types_fail_on_the_controller(mesh_group):
-    calls_before = mesh_group.calls()
+    calls_before = mesh_group.call("calls")
     with pytest.raises(TypeError, match="mesh.transform.*argument 0 must be a DataProto.*got dict"):
-        mesh_group.transform({"input_ids": torch.zeros(2, 4, dtype=torch.long)})
-    assert mesh_group.calls() == calls_before  # nothing reached the workers
+        mesh_group.call("transform", {"input_ids": torch.zeros(2, 4, dtype=torch.long)})
+    assert mesh_group.call("calls") == calls_before  # nothing reached the workers
 
 
 def test_failure_on_a_non_collect_rank_is_not_lost(mesh_group):
     data = make_batch(4)
     data.meta_info["fail_rank"] = 1  # tp rank 1: its output is never fetched, its error must be
     with pytest.raises(WorkerError, match="(?s)role 'mesh' \\(MeshWorker\\) rank 1.*transform refused on rank 1"):
-        mesh_group.transform(data)
+        mesh_group.call("transform", data)
     with pytest.raises(WorkerError, match="rank 1"):
-        mesh_group.transform_async(data).get()
+        mesh_group.call("transform_async", data).get()
 
 
 def test_colocated_roles_share_one_process_and_world(colocated):
     a, b = colocated["a"], colocated["b"]
-    world_a, world_b = a.world(), b.world()
+    world_a, world_b = a.call("world"), b.call("world")
     assert [w[:2] for w in world_a] == [(0, 2), (1, 2)] and [w[3] for w in world_b] == [3.0, 3.0]
     assert [w[2] for w in world_a] == [w[2] for w in world_b]  # same pid per rank
     data = DataProto.from_dict({"row": torch.arange(3), "values": torch.ones(3, 2)})
-    torch.testing.assert_close(a.scale(data).batch["values"], torch.full((3, 2), 2.0))
-    torch.testing.assert_close(b.scale(data).batch["values"], torch.full((3, 2), 3.0))
+    torch.testing.assert_close(a.call("scale", data).batch["values"], torch.full((3, 2), 2.0))
+    torch.testing.assert_close(b.call("scale", data).batch["values"], torch.full((3, 2), 3.0))
     with pytest.raises(KeyError, match="unknown role"):
         RayWorkerGroup.spawn(a, ["critic"])
 
@@ -128,9 +130,9 @@ def test_futures_chain_across_groups_without_controller_get(mesh_group, colocate
     monkeypatch.setattr(ray, "get", spy)
     a, b = colocated["a"], colocated["b"]
     data = make_batch(8)
-    produced = mesh_group.transform_async(data)  # (dp=2, tp=2) -> 2 chunks, no padding
-    scaled = a.scale_async(produced)  # dp=2: each rank fetches only its producer chunk
-    final = b.scale_async(scaled)
+    produced = mesh_group.call("transform_async", data)  # (dp=2, tp=2) -> 2 chunks, no padding
+    scaled = a.call("scale_async", produced)  # dp=2: each rank fetches only its producer chunk
+    final = b.call("scale_async", scaled)
     assert isinstance(final, DataProtoFuture) and spy.refs == []
     out = final.get()
     assert set(spy.refs) <= set(final.refs)  # only the last future was materialised here
@@ -144,12 +146,12 @@ def test_futures_rechunked_by_workers(mesh_group, colocated, monkeypatch, num_ro
     monkeypatch.setattr(ray, "get", spy)
     data = make_batch(num_rows)
     # 5 rows: the producer padded (1 row), so consumer ranks cut chunks from the whole batch.
-    produced = mesh_group.transform_async(data)
-    out = colocated["a"].scale(produced)
+    produced = mesh_group.call("transform_async", data)
+    out = colocated["a"].call("scale", produced)
     torch.testing.assert_close(out.batch["values"], expected_transform(data, 2) * 2.0)
     # dp 2 -> dp 4: the consumer pads on the workers and reports its padding back.
-    produced = mesh_group.transform_async(data)
-    out = mesh_group.add_rank(produced)
+    produced = mesh_group.call("transform_async", data)
+    out = mesh_group.call("add_rank", produced)
     assert not set(spy.refs) & set(produced.refs)
     rank_of_row = torch.tensor([i // 2 for i in range(num_rows)], dtype=torch.float32)  # 8 padded rows / 4
     torch.testing.assert_close(out.batch["values"], expected_transform(data, 2) + 1000.0 * (rank_of_row[:, None] + 1))
@@ -160,15 +162,15 @@ def test_worker_errors_name_role_and_rank_without_hanging(sc_ray):
     pool = ResourcePool([2], num_cpus_per_process=0.5, name_prefix="sc_err")
     group = RayWorkerGroup(pool, ClassWithInitArgs(MeshWorker, tp=1), name_prefix="err")
     try:
-        group.init()
+        group.call("init")
         with pytest.raises(WorkerError) as info:
-            group.fail_on(1, in_collective=False)
+            group.call("fail_on", 1, in_collective=False)
         assert (info.value.role, info.value.rank, info.value.method) == ("err", 1, "fail_on")
         assert "role 'err' (MeshWorker) rank 1" in str(info.value)
         assert "ValueError: injected failure on rank 1" in info.value.remote_traceback
         start = time.monotonic()
         with pytest.raises(WorkerError, match="rank 1"):  # rank 0 meanwhile waits in an all-reduce
-            group.fail_on(1, in_collective=True)
+            group.call("fail_on", 1, in_collective=True)
         assert time.monotonic() - start < 30.0  # the collective timeout is 120 s
         with pytest.raises(WorkerError, match="exit_process failed on rank-1 label:\nthe worker process died"):
             get_all([group.execute_async(1, "exit_process")], ["rank-1 label"], "exit_process")
@@ -200,14 +202,14 @@ def test_each_rank_runs_one_thread_per_reserved_cpu(sc_ray, cpus):
     assert pool.bundle()["CPU"] == cpus
     group = RayWorkerGroup(pool, ClassWithInitArgs(ThreadsWorker), name_prefix=f"threads{cpus}")
     try:
-        assert group.threads() == [(cpus, str(cpus))]
+        assert group.call("threads") == [(cpus, str(cpus))]
     finally:
         group.shutdown()
         pool.remove()
     half = ResourcePool([2], num_cpus_per_process=0.5, name_prefix="sc_threads_half")
     group = RayWorkerGroup(half, ClassWithInitArgs(ThreadsWorker), name_prefix="threads_half")
     try:
-        assert group.threads() == [(1, "1"), (1, "1")]
+        assert group.call("threads") == [(1, "1"), (1, "1")]
     finally:
         group.shutdown()
         half.remove()
@@ -220,15 +222,15 @@ def test_worker_start_up_runs_with_garbage_collection_paused(sc_ray):
     pool = ResourcePool([2], num_cpus_per_process=0.5, name_prefix="sc_gc")
     explicit = RayWorkerGroup(pool, ClassWithInitArgs(GcWorker), name_prefix="gc_explicit")
     try:
-        explicit.init_model()
+        explicit.call("init_model")
         explicit.end_startup()
-        for during, now, frozen in explicit.gc_state():
+        for during, now, frozen in explicit.call("gc_state"):
             assert during is False and now is True and frozen > 10_000
     finally:
         explicit.shutdown()
     fallback = RayWorkerGroup(pool, ClassWithInitArgs(GcWorker), name_prefix="gc_fallback")
     try:
-        for during, now, frozen in fallback.gc_state():  # no init_model, no end_startup
+        for during, now, frozen in fallback.call("gc_state"):  # no init_model, no end_startup
             assert during is None and now is True and frozen > 10_000
     finally:
         fallback.shutdown()

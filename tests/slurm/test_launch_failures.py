@@ -26,11 +26,11 @@ def test_killed_rank_of_a_real_group_names_role_rank_and_node(launch_ray):
     group = RayWorkerGroup(pool, ClassWithInitArgs(PidWorker), name_prefix="actor")
     try:
         (meta,) = group.worker_metadata
-        assert group.pid() == [meta.pid]
+        assert group.call("pid") == [meta.pid]
         os.kill(meta.pid, signal.SIGKILL)  # the rank's Ray actor process, started by this test
         with pytest.raises(WorkerError) as info:
             for _ in range(50):  # the death reaches the owner asynchronously
-                group.pid()
+                group.call("pid")
                 time.sleep(0.2)
         assert is_worker_death(info.value)
         err = worker_lost_error(info.value, placements_of({"actor": group}))

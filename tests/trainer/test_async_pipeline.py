@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from megaflow.protocol import DataProto
-from megaflow.trainer.rollout_pipeline import staleness_metrics
+from megaflow.single_controller.collect import GroupProtoResult
+from megaflow.trainer.rollout_source import staleness_metrics
 
 SPLIT = ["resources.procs_per_node=4", "resources.pools={actor: {procs_per_node: 2}, gen: {procs_per_node: 2}}",
          "resources.placement.actor=actor", "resources.placement.ref=actor", "resources.placement.critic=actor",
@@ -39,19 +40,19 @@ def test_staleness_is_enforced_and_measured_per_sample():
 
 def test_async_mode_turns_token_level_correction_on_unless_configured():
     from megaflow.topology import load_run
-    from megaflow.trainer.rollout_pipeline import OneStepOffPipeline, RolloutPipeline
+    from megaflow.trainer.rollout_source import OneStepOffSource, SplitSource
 
     def cfg(*rc):
         return load_run("tiny_arith_grpo", [*SPLIT, "trainer.async_rollout=true",
                                             *(f"algorithm.rollout_correction.{kv}" for kv in rc)])
 
     default = cfg()
-    assert OneStepOffPipeline(default).correction(default).is_level == "token"
-    assert RolloutPipeline(default).correction(default).is_level == "none"  # the synchronous pipeline: as set
+    assert OneStepOffSource(None, [], default).correction().is_level == "token"
+    assert SplitSource(None, [], default).correction().is_level == "none"  # the synchronous source: as set
     chosen = cfg("is_level=sequence")
-    assert OneStepOffPipeline(chosen).correction(chosen).is_level == "sequence"
+    assert OneStepOffSource(None, [], chosen).correction().is_level == "sequence"
     bypass = cfg("bypass=true")
-    assert OneStepOffPipeline(bypass).correction(bypass).is_level == "none"
+    assert OneStepOffSource(None, [], bypass).correction().is_level == "none"
 
 
 # ---------------------------------------------------------------------------- slow: worker groups
@@ -65,7 +66,7 @@ def test_one_step_stale_batch_has_the_version_k_policys_log_probs(ray_session, t
                                       _SEQUENCE_KEYS)
 
     from megaflow.trainer.roles import build_worker_groups, shutdown_worker_groups
-    from megaflow.trainer.rollout_pipeline import sync_split_weights
+    from megaflow.trainer.rollout_source import sync_split_weights
 
     model_dir = _model_dir(tmp_path_factory, tied=False)
     cfg = split_config(model_dir, 1, split=True)
@@ -78,8 +79,8 @@ def test_one_step_stale_batch_has_the_version_k_policys_log_probs(ray_session, t
         update.batch["advantages"] = torch.where(torch.arange(ROWS) % 2 == 0, 1.0, -1.0)[:, None] \
             * torch.ones_like(update.batch["old_log_probs"])
         # generation of batch 1 and the actor's update run at the same time on their pools
-        pending = groups.rollout.submit("generate_sequences", _prompts({"temperature": 1.0, "seed": 12}))
-        updating = groups.actor.submit("update_actor", update)
+        pending = groups.rollout.generate_sequences_async(_prompts({"temperature": 1.0, "seed": 12}))
+        updating = groups.actor.update_actor_async(update)
         batch1, _ = pending.get().batch, updating.get()
         assert batch1.batch["weight_version"].tolist() == [0] * ROWS
         updated = _trainer_log_probs(groups.actor, batch1, 1.0)  # the actor is at version 1 now
@@ -110,28 +111,33 @@ def _train(root: Path, name: str, overrides: list[str], trained: list | None = N
     ids (hashed rows); ``kill_before_step`` makes that step raise before it trains (a kill)."""
     from megaflow.topology import load_run
     from megaflow.trainer.main import run_dir_of, train
+    import megaflow.trainer.ppo_trainer as ppo
     from megaflow.trainer.ppo_trainer import RayPPOTrainer
+    from megaflow.trainer.stages import prompts_of
     from megaflow.utils.tracking import read_metrics_jsonl
 
     cfg = load_run("tiny_arith_grpo", [f"trainer.output_dir={root}", f"trainer.experiment_name={name}",
-                                       "trainer.logger=[jsonl]", "ray.num_cpus=4", *SPLIT, *overrides])
-    original = RayPPOTrainer.train_step
+                                          "trainer.logger=[jsonl]", "ray.num_cpus=4", *SPLIT, *overrides])
+    original, check = RayPPOTrainer.train_step, ppo.check_rollout_batch
 
-    def recording(self, prompts):
+    def recording(self):
         if kill_before_step is not None and self.global_step + 1 == kill_before_step:
             raise _Killed(f"killed before step {kill_before_step}")
+        return original(self)
+
+    def checked(batch):  # the step's batch, right after the rollout source handed it over
         if trained is not None:
             trained.append([hashlib.sha1(row.numpy().tobytes()).hexdigest()[:12]
-                            for row in prompts.batch["input_ids"]])
-        return original(self, prompts)
+                            for row in prompts_of(batch, cfg.rollout.n).batch["input_ids"]])
+        check(batch)
 
-    RayPPOTrainer.train_step = recording
+    RayPPOTrainer.train_step, ppo.check_rollout_batch = recording, checked
     try:
         train(cfg)
     except _Killed:
         pass
     finally:
-        RayPPOTrainer.train_step = original
+        RayPPOTrainer.train_step, ppo.check_rollout_batch = original, check
     return {int(r["step"]): r for r in read_metrics_jsonl(run_dir_of(cfg) / "metrics.jsonl")}
 
 
@@ -194,82 +200,75 @@ class _FakeFuture:
         return self.value
 
 
-class _FakeTrainer:
-    """What the pipeline calls on the trainer and the rollout group, recorded in order. The
-    rollout group stamps each batch with the actor version its engines serve (as
+class _FakeRun:
+    """The loader, the sync and the rollout group a one-step-off source talks to, recorded in
+    order. The rollout group stamps each batch with the actor version its engines serve (as
     RolloutWorker does); the actor's version moves when the test says it trained."""
 
-    def __init__(self, stale_by: int = 0):
-        self.calls, self.global_step, self.actor_version, self.position = [], 0, 0, 0
+    def __init__(self, run_seed: int, stale_by: int = 0):
+        self.calls, self.actor_version, self.position, self.run_seed = [], 0, 0, run_seed
         self.stale_by = stale_by  # pretend the engines lag this many versions behind
-        self.train_loader = self
-        self.groups = self
+        self.rollout = self
 
     # loader
     def state_dict(self):
         return {"position": self.position}
 
-    def next_prompts(self):
-        self.position += 1
-        return DataProto.from_dict({"input_ids": torch.full((2, 3), self.position)})
+    def __iter__(self):
+        while True:
+            self.position += 1
+            yield DataProto.from_dict({"input_ids": torch.full((2, 3), self.position),
+                                       "attention_mask": torch.ones(2, 3, dtype=torch.long)})
 
-    # trainer
-    def sync_rollout_weights(self):
+    # the split sync (sync_split_weights)
+    def sync(self, groups, rollout_cfg):
         self.calls.append(("sync", self.actor_version))
         self.served = self.actor_version - self.stale_by
         return {"rollout/actor_version": float(self.actor_version)}
 
-    def _generation_request(self, prompts, n, *, greedy, step):
-        return prompts, (prompts, step)
-
-    def submit(self, method, gen_in):
-        prompts, step = gen_in
-        self.calls.append(("generate", int(prompts.batch["input_ids"][0, 0]), step, self.served))
-        out = DataProto.from_dict({"input_ids": prompts.batch["input_ids"],
-                                   "weight_version": torch.full((2,), self.served)})
-        return _FakeFuture(out)
-
-    def _join_rollout(self, prompts, out, n):
-        return out, {}
-
-    @property
-    def rollout(self):
-        return self
+    # the rollout group
+    def generate_sequences_async(self, gen_in):
+        step = int(gen_in.meta_info["seed"]) - self.run_seed * 100_003
+        self.calls.append(("generate", int(gen_in.batch["input_ids"][0, 0]), step, self.served))
+        rows = DataProto.from_dict({"input_ids": gen_in.batch["input_ids"],
+                                    "weight_version": torch.full((len(gen_in),), self.served)})
+        return _FakeFuture(GroupProtoResult(rows, [{}]))
 
 
-def test_one_step_off_order_loader_state_and_staleness_bound():
+def test_one_step_off_order_loader_state_and_staleness_bound(monkeypatch):
     from megaflow.topology import load_run
-    from megaflow.trainer.rollout_pipeline import OneStepOffPipeline
+    import megaflow.trainer.rollout_source as source
 
-    cfg = load_run("tiny_arith_grpo", [*SPLIT, "trainer.async_rollout=true", "trainer.max_staleness=1"])
-    pipe, trainer = OneStepOffPipeline(cfg), _FakeTrainer()
+    def start(max_staleness: int, stale_by: int = 0):
+        cfg = load_run("tiny_arith_grpo", [*SPLIT, "trainer.async_rollout=true",
+                                               f"trainer.max_staleness={max_staleness}"])
+        run = _FakeRun(cfg.trainer.seed, stale_by)
+        monkeypatch.setattr(source, "sync_split_weights", run.sync)
+        return source.build_source(run, run, cfg), run
+
+    src, run = start(1)
+    assert isinstance(src, source.OneStepOffSource)
     for step in range(3):
-        prompts = pipe.next_prompts(trainer)
-        pipe.sync(trainer)
-        batch, metrics = pipe.generate(trainer, prompts)
-        assert int(batch.batch["input_ids"][0, 0]) == step + 1  # the batch of these prompts
+        assert src.sync().actor_version == step
+        batch, metrics = src.next_batch(step)
+        assert int(batch.batch["input_ids"][0, 0]) == step + 1  # the batch of this step's prompts
         assert metrics["rollout/staleness/max"] == (0.0 if step == 0 else 1.0)
-        trainer.actor_version += 1  # the update
-        trainer.global_step += 1
+        run.actor_version += 1  # the update
         # a checkpoint now stores the loader from before the batch in flight (prompt step + 2)
-        assert pipe.loader_state(trainer) == {"position": step + 1}
+        assert src.loader_state() == {"position": step + 1}
     # sync, then the step's batch (first step only), then the next step's batch with the new weights
-    assert trainer.calls == [("sync", 0), ("generate", 1, 0, 0), ("generate", 2, 1, 0),
-                             ("sync", 1), ("generate", 3, 2, 1), ("sync", 2), ("generate", 4, 3, 2)]
+    assert run.calls == [("sync", 0), ("generate", 1, 0, 0), ("generate", 2, 1, 0),
+                         ("sync", 1), ("generate", 3, 2, 1), ("sync", 2), ("generate", 4, 3, 2)]
 
     # trainer.max_staleness is the bound: engines one version behind make the second batch two old
     def lagging_run(max_staleness: int) -> float:
-        cfg = load_run("tiny_arith_grpo", [*SPLIT, "trainer.async_rollout=true",
-                                            f"trainer.max_staleness={max_staleness}"])
-        pipe, late = OneStepOffPipeline(cfg), _FakeTrainer(stale_by=1)
+        src, late = start(max_staleness, stale_by=1)
         late.actor_version = 1
-        prompts = pipe.next_prompts(late)
-        pipe.sync(late)  # the engines serve version 0, the actor is at 1
-        pipe.generate(late, prompts)  # batch 1: one version old
+        src.sync()  # the engines serve version 0, the actor is at 1
+        src.next_batch(0)  # batch 1: one version old
         late.actor_version = 2
-        prompts = pipe.next_prompts(late)
-        pipe.sync(late)
-        return pipe.generate(late, prompts)[1]["rollout/staleness/max"]  # batch 2: generated at 0
+        src.sync()
+        return src.next_batch(1)[1]["rollout/staleness/max"]  # batch 2: generated at 0
 
     with pytest.raises(RuntimeError, match=r"trainer\.max_staleness=1: .*weight versions \[0\].*version 2"):
         lagging_run(1)

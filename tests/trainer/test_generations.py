@@ -97,7 +97,7 @@ def test_every_validation_logs_its_first_prompts():
         cfg=SimpleNamespace(rollout=SimpleNamespace(val_do_sample=False),
                             trainer=SimpleNamespace(generations_count=1)),
         tracker=tracker, decode=decode, global_step=7, val_loader=[scored_batch()],
-        sync_rollout_weights=lambda: None, rollout=lambda batch, n, greedy: batch,
+        rollouts=SimpleNamespace(sync=lambda: None), rollout=lambda batch, n, greedy: batch,
         score=lambda batch, keep_reward_fields: batch)
     RayPPOTrainer.validate(trainer)
     assert logged == [(7, "val", sample_generations(scored_batch(), decode, count=1))]

@@ -5,15 +5,15 @@ from types import SimpleNamespace
 import torch
 
 from megaflow.trainer.checkpoint import CheckpointManager
-from megaflow.trainer.ppo_trainer import RayPPOTrainer, WorkerGroups
-from test_ppo_trainer_fake import FakeActor, Loader, make_cfg, reward_fn
+from megaflow.trainer.ppo_trainer import RayPPOTrainer
+from test_ppo_trainer_fake import FakeActor, Loader, actor_groups, make_cfg, reward_fn
 
 
 def _step(tmp_path, on_policy):
     cfg = make_cfg(tmp_path, total_steps=1)
     cfg.actor = SimpleNamespace(**{**vars(cfg.actor), "on_policy_old_log_probs": on_policy})
     actor = FakeActor()
-    trainer = RayPPOTrainer(cfg, WorkerGroups(actor=actor), reward_fn, Loader(),
+    trainer = RayPPOTrainer(cfg, actor_groups(actor), reward_fn, Loader(),
                             checkpoints=CheckpointManager(tmp_path / "ckpt"))
     trainer.fit()
     return actor

@@ -9,6 +9,7 @@ from megaflow.protocol import DataProto
 from megaflow.single_controller import GroupProtoResult
 from megaflow.trainer.checkpoint import CheckpointManager
 from megaflow.trainer.ppo_trainer import RayPPOTrainer, WorkerGroups
+from megaflow.trainer.proxies import ActorProxy
 
 R = 4  # response length
 
@@ -37,8 +38,9 @@ class FakeActor:
 
     def sync_rollout_weights(self, verify=False, bucket_mb=None):
         """One rank's view (ActorRolloutWorker.sync_rollout_weights): its engine serves the actor's version."""
-        v = float(self.version)
-        return [{"rollout/weight_version": v, "rollout/synced_actor_version": v, "rollout/actor_version": v}]
+        from megaflow.workers.weight_sync import WeightSync
+
+        return [WeightSync(self.version, self.version, self.version)]
 
     def mesh_info(self, mesh):
         return SimpleNamespace(dp_size=2)
@@ -60,6 +62,24 @@ class FakeActor:
 
     def load_checkpoint(self, path):
         self.version = torch.load(f"{path}/state.pt")["version"]
+
+
+class LocalGroup:
+    """A worker group of one in-process fake worker: the typed proxies' calls reach its methods."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def call(self, method, *args, **kwargs):
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def mesh_info(self, mesh):
+        return self.worker.mesh_info(mesh)
+
+
+def actor_groups(actor: FakeActor) -> WorkerGroups:
+    """The fake actor behind the real actor proxy (which sends each call only its declared fields)."""
+    return WorkerGroups(actor=ActorProxy(LocalGroup(actor)))
 
 
 class Loader:
@@ -106,6 +126,7 @@ def make_cfg(tmp_path, total_steps=3, resume="disable", balance_batch=False, fil
         rollout=ns(n=3, temperature=1.0, top_p=1.0, top_k=-1, response_length=R, val_do_sample=False,
                    verify_sync=False, weight_sync_bucket_mb=512),
         actor=ns(optim=ns(clip_grad=1.0), on_policy_old_log_probs=False),
+        data=ns(train_batch_size=2),  # Loader's prompts per batch
         trainer=ns(total_steps=total_steps, test_freq=0, save_freq=1, seed=7, resume=resume,
                    balance_batch=balance_batch, async_rollout=False, max_staleness=1, generations_every=2,
                    generations_count=1))
@@ -114,7 +135,7 @@ def make_cfg(tmp_path, total_steps=3, resume="disable", balance_batch=False, fil
 def run(tmp_path, total_steps, resume="disable", balance_batch=False, filter_groups=None):
     actor = FakeActor()
     cfg = make_cfg(tmp_path, total_steps, resume, balance_batch, filter_groups)
-    trainer = RayPPOTrainer(cfg, WorkerGroups(actor=actor), reward_fn,
+    trainer = RayPPOTrainer(cfg, actor_groups(actor), reward_fn,
                             Loader(), checkpoints=CheckpointManager(tmp_path / "ckpt"))
     return trainer, actor
 
@@ -161,15 +182,16 @@ def test_step_data_flow_groups_and_grpo_advantages(tmp_path, step_batches):
             assert (adv[i][~m] == 0).all()
 
 
-def test_rollout_rows_and_metrics_travel_apart(tmp_path):
-    trainer, _ = run(tmp_path, total_steps=1)
+def test_rollout_rows_and_metrics_travel_apart():
+    from megaflow.trainer.stages import join_rollout
+
     prompts = next(iter(Loader()))
     rows = DataProto.from_dict({k: prompts.batch[k].repeat_interleave(2, 0)
                                 for k in ("input_ids", "attention_mask", "position_ids")},
                                meta_info={"seed": 3, "temperature": 1.0})
     per_replica = [{"rollout/weight_version": 2.0, "timeline/gen_start_unix": 10.0, "timeline/gen_end_unix": 14.0},
                    {"rollout/weight_version": 2.0, "timeline/gen_start_unix": 9.0, "timeline/gen_end_unix": 13.0}]
-    batch, metrics = trainer._join_rollout(prompts, GroupProtoResult(rows, per_replica), 2)
+    batch, metrics = join_rollout(prompts, GroupProtoResult(rows, per_replica), 2)
     assert batch.meta_info == {}
     assert batch.non_tensor_batch["ground_truth"].tolist() == ["0", "0", "1", "1"]
     # the generate call spans the earliest replica start to the latest replica end
@@ -204,7 +226,7 @@ def test_balance_batch_gives_each_dp_rank_equal_rows_and_balanced_tokens(tmp_pat
     chunks = lengths[order].reshape(2, 3).sum(-1).tolist()
     assert sorted(chunks) == [14, 16]  # the best possible here; the batch-order split gives 18 and 12
     trainer, actor = run(tmp_path, total_steps=1, balance_batch=True)
-    metrics = trainer.train_step(next(iter(trainer.train_loader)))
+    metrics = trainer.train_step()
     batch = actor.updates[0]
     per_rank = batch.batch["attention_mask"].sum(-1).reshape(2, 3).sum(-1)
     assert metrics["perf/dp_tokens_imbalance"] == pytest.approx(float(per_rank.max() / per_rank.float().mean()))
@@ -220,7 +242,7 @@ def test_filter_groups_trains_on_the_informative_groups_of_extra_rounds(tmp_path
     train_batch_size groups whose scores vary (a hand filter over the rounds), the extra
     rounds draw new prompts with their own seeds."""
     from megaflow.config.schema import FilterGroupsConfig
-    import megaflow.trainer.ppo_trainer as ppo
+    import megaflow.trainer.rollout_source as source
 
     rounds = []
     real_score = RayPPOTrainer.score
@@ -242,13 +264,13 @@ def test_filter_groups_trains_on_the_informative_groups_of_extra_rounds(tmp_path
 
     actor = FakeActor()
     cfg = make_cfg(tmp_path, 1, filter_groups=FilterGroupsConfig(enable=True, max_extra_rounds=3))
-    trainer = RayPPOTrainer(cfg, WorkerGroups(actor=actor), reward_with_flat_groups, Loader(),
+    trainer = RayPPOTrainer(cfg, actor_groups(actor), reward_with_flat_groups, Loader(),
                             checkpoints=CheckpointManager(tmp_path / "ckpt"))
-    metrics = trainer.train_step(trainer.next_prompts())
+    metrics = trainer.train_step()
     gens = [c for c in actor.calls if c[0] == "generate"]
     assert len(gens) == len(rounds) >= 2  # one prompt of each 2-prompt round is flat: 2 rounds at least
     assert len({c[2]["seed"] for c in gens}) == len(gens)
-    assert gens[1][2]["seed"] - gens[0][2]["seed"] == ppo.ROUND_SEED_STRIDE
+    assert gens[1][2]["seed"] - gens[0][2]["seed"] == source.ROUND_SEED_STRIDE
     good = []
     for batch in rounds:
         scores = batch.batch["token_level_scores"].sum(-1)
@@ -279,8 +301,8 @@ def test_filter_groups_cap_says_so_on_the_console(tmp_path, capsys):
 
     actor = FakeActor()
     cfg = make_cfg(tmp_path, 1, filter_groups=FilterGroupsConfig(enable=True, max_extra_rounds=1))
-    trainer = RayPPOTrainer(cfg, WorkerGroups(actor=actor), flat, Loader())
-    metrics = trainer.train_step(trainer.next_prompts())
+    trainer = RayPPOTrainer(cfg, actor_groups(actor), flat, Loader())
+    metrics = trainer.train_step()
     assert [c[0] for c in actor.calls].count("generate") == 2 and len(actor.updates[0]) == 6
     assert metrics["filter_groups/cap_reached"] == 1.0 and metrics["filter_groups/padded_groups"] == 2.0
     assert ("step 1: 0 informative groups of 2 after 2 generation rounds "
@@ -317,7 +339,7 @@ def test_reject_scope_actor_or_whole_batch(tmp_path, step_batches, scope):
     # token_k1 = log(pi_rollout / pi_old) = -1 on each first token: outside [log 0.5, log 2] -> rejected
     cfg.algorithm.rollout_correction = RolloutCorrectionConfig(rs="token_k1", rs_threshold="2", reject_scope=scope)
     actor = MismatchedActor()
-    trainer = RayPPOTrainer(cfg, WorkerGroups(actor=actor), reward_fn, Loader(),
+    trainer = RayPPOTrainer(cfg, actor_groups(actor), reward_fn, Loader(),
                             checkpoints=CheckpointManager(tmp_path / "ckpt"))
     trainer.fit()
     step, update = step_batches[0].batch, actor.updates[0].batch

@@ -64,7 +64,7 @@ def test_validation_advances_a_bar_by_prompts():
     trainer = SimpleNamespace(
         cfg=SimpleNamespace(rollout=SimpleNamespace(val_do_sample=False)), tracker=tracker,
         val_loader=type("Loader", (), {"dataset": [0] * 10, "__iter__": lambda self: iter(prompts)})(),
-        sync_rollout_weights=lambda: None, rollout=lambda batch, n, greedy: batch,
+        rollouts=SimpleNamespace(sync=lambda: None), rollout=lambda batch, n, greedy: batch,
         score=lambda batch, keep_reward_fields: DataProto.from_dict(
             {"token_level_scores": torch.ones(len(batch), 2)}))
     metrics = RayPPOTrainer.validate(trainer)

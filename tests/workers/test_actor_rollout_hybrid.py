@@ -92,7 +92,7 @@ _SEQUENCE_KEYS = ("prompts", "responses", "input_ids", "attention_mask", "positi
 def _old_log_probs(group, out: DataProto, temperature: float) -> torch.Tensor:
     """The trainer's recomputation of ``out``'s response log-probs, ``[batch, R]``."""
     data = DataProto.from_dict({k: out.batch[k] for k in _SEQUENCE_KEYS}, meta_info={"temperature": temperature})
-    return group.compute_log_prob(data).batch["old_log_probs"]
+    return group.call("compute_log_prob", data).batch["old_log_probs"]
 
 
 def _assert_log_probs_match(rollout: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> None:
@@ -192,11 +192,11 @@ def hybrid(request, ray_session, model_dir):
     try:
         start = time.perf_counter()
         group = RayWorkerGroup(pool, ClassWithInitArgs(_probed_worker_class(), spec, (EOS,), EOS), name_prefix="actor")
-        group.init_model()
+        group.call("init_model")
         ready = time.perf_counter()
         state = Hybrid(gen_tp, group, model_dir, tied)
-        state.first_sync = check_synced(group.sync_rollout_weights())  # the first weight sync, default buckets
-        first = group.generate_sequences(_prompts(GREEDY))
+        state.first_sync = check_synced(group.call("sync_rollout_weights"))  # the first weight sync, default buckets
+        first = group.call("generate_sequences", _prompts(GREEDY))
         state.first_greedy, state.first_greedy_metrics = first.batch, first.metrics
         print(f"[gen_tp={gen_tp} tied={tied}] group + init_model {ready - start:.1f} s, first rollout "
               f"{time.perf_counter() - ready:.1f} s")
@@ -218,7 +218,7 @@ def test_generation_through_the_controller_keeps_input_order_and_equals_transfor
     assert out.batch["responses"].tolist() == ref.batch["responses"].tolist()
     assert torch.equal(out.batch["response_mask"], ref.batch["response_mask"])
     assert torch.equal(out.batch["input_ids"], ref.batch["input_ids"])
-    assert hybrid.group.rollout_weight_version() == [1] * WORLD
+    assert hybrid.group.call("rollout_weight_version") == [1] * WORLD
 
 
 def _bytes_of(*shape: int) -> int:
@@ -272,10 +272,10 @@ def test_rollout_log_probs_equal_the_trainers_position_by_position(hybrid):
 
     from megaflow.workers.actor_rollout import check_synced
 
-    again = check_synced(group.sync_rollout_weights())  # no update since: nothing moves
+    again = check_synced(group.call("sync_rollout_weights"))  # no update since: nothing moves
     assert "reshard/bytes_received" not in again and again["rollout/weight_version"] == 1
-    sampled = group.generate_sequences(_prompts(SAMPLED)).batch
-    assert group.rollout_weight_version() == [1] * WORLD
+    sampled = group.call("generate_sequences", _prompts(SAMPLED)).batch
+    assert group.call("rollout_weight_version") == [1] * WORLD
     rollout, mask = sampled.batch["rollout_log_probs"], sampled.batch["response_mask"]
     trainer = _old_log_probs(group, sampled, temperature=SAMPLE_TEMPERATURE)
     _assert_log_probs_match(rollout, trainer, mask)
@@ -295,31 +295,31 @@ def test_after_update_the_rollout_serves_the_new_weights(hybrid, tmp_path):
     from megaflow.workers.actor_rollout import check_synced
 
     group, before = hybrid.group, hybrid.first_greedy
-    sampled = group.generate_sequences(_prompts(SAMPLED)).batch
+    sampled = group.call("generate_sequences", _prompts(SAMPLED)).batch
     batch = DataProto.from_dict({k: sampled.batch[k] for k in _SEQUENCE_KEYS},
                                 meta_info={"temperature": SAMPLE_TEMPERATURE})
     batch.batch["old_log_probs"] = _old_log_probs(group, sampled, SAMPLE_TEMPERATURE)
     gen = torch.Generator().manual_seed(9)
     batch.batch["advantages"] = (torch.rand(sampled.batch["responses"].shape, generator=gen) + 0.5) \
         * torch.where(torch.arange(len(batch)) % 2 == 0, 1.0, -1.0).unsqueeze(-1)
-    metrics = group.update_actor(batch)[0]
+    metrics = group.call("update_actor", batch)[0]
     assert metrics["actor/clip_fraction"] == 0.0  # on-policy: ratio 1
 
     trained_before_sync = _old_log_probs(group, before, temperature=1.0)
     # Generation only generates: on weights older than the actor's it refuses, naming the versions.
     with pytest.raises(Exception, match=r"serves actor version 0 \(engine weight version 1\) but the actor is at "
                                         r"version 1; call sync_rollout_weights\(\) first"):
-        group.generate_sequences(_prompts(GREEDY))
+        group.call("generate_sequences", _prompts(GREEDY))
     # rollout.weight_sync_bucket_mb = 1: the shard streams in several buckets of at most 1 MiB
     # (the first sync, at the default 512 MiB, pushed it in one).
-    sync = check_synced(group.sync_rollout_weights(bucket_mb=1))
+    sync = check_synced(group.call("sync_rollout_weights", bucket_mb=1))
     shard_bytes = max(s.generation_bytes for s in _stats_per_rank(group))
     assert hybrid.first_sync["rollout/weight_sync_buckets"] == 1
     assert sync["rollout/weight_sync_buckets"] >= -(-shard_bytes // (1 << 20)) > 1
     assert 0 < sync["rollout/weight_sync_bucket_bytes"] <= 1 << 20
     assert sync["reshard/bytes_received"] == hybrid.first_sync["reshard/bytes_received"]
-    after = group.generate_sequences(_prompts(GREEDY)).batch
-    assert group.rollout_weight_version() == [2] * WORLD
+    after = group.call("generate_sequences", _prompts(GREEDY)).batch
+    assert group.call("rollout_weight_version") == [2] * WORLD
     # The transition leaves the training parameters as they were (bit for bit).
     assert torch.equal(_old_log_probs(group, before, temperature=1.0), trained_before_sync)
 
@@ -334,7 +334,7 @@ def test_after_update_the_rollout_serves_the_new_weights(hybrid, tmp_path):
                             after.batch["response_mask"])
 
     # Greedy generation equals transformers with the new weights, exported from the actor.
-    group.save_checkpoint(str(tmp_path / "ckpt"))
+    group.call("save_checkpoint", str(tmp_path / "ckpt"))
     hf_dir = convert_megatron_to_hf(tmp_path / "ckpt" / "model", tmp_path / "hf", tp=1, pp=1, progress=False)
     ref = _hf_greedy(str(hf_dir))
     assert after.batch["responses"].tolist() == ref.batch["responses"].tolist()
@@ -346,11 +346,11 @@ def test_verified_sync_reports_engine_equal_to_trainer(hybrid):
     from megaflow.workers.actor_rollout import VERIFY_SYNC_ATOL, check_synced
 
     group = hybrid.group
-    version = group.rollout_weight_version()[0]
-    per_rank = group.sync_rollout_weights(verify=True)  # nothing changed since the last sync: no reshard
+    version = group.call("rollout_weight_version")[0]
+    per_rank = group.call("sync_rollout_weights", verify=True)  # nothing changed since the last sync: no reshard
     metrics = check_synced(per_rank)
     assert "reshard/bytes_received" not in metrics and metrics["rollout/weight_version"] == version
-    diffs = [m["rollout/verify_sync_max_diff"] for m in per_rank]
+    diffs = [m.figures["rollout/verify_sync_max_diff"] for m in per_rank]
     assert len(set(diffs)) == 1 and 0.0 <= diffs[0] <= VERIFY_SYNC_ATOL, diffs
 
 
@@ -368,7 +368,7 @@ def test_verify_fails_on_a_corrupted_engine_naming_the_rank_and_the_difference(h
 
     ray.get(group.execute_async(corrupted, "overwrite_engine_parameter", "model.norm.weight", 3.0))
     with pytest.raises(Exception, match=r"rollout.verify_sync") as failure:
-        group.sync_rollout_weights(verify=True)
+        group.call("sync_rollout_weights", verify=True)
     text = str(failure.value)
     found = re.search(r"differ from the actor's by up to (\S+) on rank (\d+) \(tolerance 1e-05\); per rank: "
                       r"\[([^\]]*)\]", text)

@@ -25,8 +25,9 @@ def test_supported_layouts_load():
 
 
 def _rank(engine_version, synced, actor, **extra):
-    return {"rollout/weight_version": float(engine_version), "rollout/synced_actor_version": float(synced),
-            "rollout/actor_version": float(actor), **extra}
+    from megaflow.workers.weight_sync import WeightSync
+
+    return WeightSync(engine_version, synced, actor, figures=extra)
 
 
 def test_check_synced_returns_rank_0_metrics_without_the_bookkeeping():
@@ -39,21 +40,20 @@ def test_check_synced_returns_rank_0_metrics_without_the_bookkeeping():
 def test_check_synced_names_the_stale_ranks_and_disagreeing_versions():
     from megaflow.workers.actor_rollout import check_synced
 
-    with pytest.raises(RuntimeError, match=r"ranks \[1\] do not serve the actor's current weights.*\[1\.0\].*\[2\.0\]"):
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] do not serve the actor's current weights.*\[1\].*\[2\]"):
         check_synced([_rank(2, 2, 2), _rank(1, 1, 2)])
-    with pytest.raises(RuntimeError, match=r"disagree on their weight version.*\{2\.0: \[0\], 3\.0: \[1\]\}"):
+    with pytest.raises(RuntimeError, match=r"disagree on their weight version.*\{2: \[0\], 3: \[1\]\}"):
         check_synced([_rank(2, 2, 2), _rank(3, 2, 2)])
 
 
 def test_the_engine_is_built_from_the_config_sections(monkeypatch, tmp_path):
-    """``_build_engine`` reads rollout, data, model and trainer keys as they are (no process:
+    """``build_engine`` reads rollout, data, model and trainer keys as they are (no process:
     the vLLM engine class is replaced by a recorder)."""
     import json
-    from types import SimpleNamespace
 
     import megaflow.rollout.vllm_rollout as vllm_rollout
     from megaflow.dryrun.memory import GIB
-    from megaflow.workers.actor_rollout import ActorRolloutWorker
+    from megaflow.workers.rollout_host import build_engine
     from role_testlib import role_spec
 
     built = {}
@@ -63,10 +63,7 @@ def test_the_engine_is_built_from_the_config_sections(monkeypatch, tmp_path):
     spec = role_spec("actor", ["rollout.response_length=6", "data.max_prompt_length=10", "rollout.top_k=5",
                                "rollout.top_p=0.9", "rollout.temperature=0.7", "rollout.cpu_kv_cache_gib=2",
                                "rollout.gpu_memory_utilization=0.3", "trainer.seed=17"])
-    fake = SimpleNamespace(config=spec.config, rank=0, layout=SimpleNamespace(gen_tp_groups=[[0], [1]]),
-                           eos_token_ids=(), pad_token_id=3)
-    fake._engine_model_dir = lambda hf: ActorRolloutWorker._engine_model_dir(fake, hf)
-    ActorRolloutWorker._build_engine(fake, spec.hf_config())
+    build_engine(spec.config, spec.hf_config(), rank=0, tp_group_ranks=[[0], [1]], eos_token_ids=(), pad_token_id=3)
     engine, sampling = built["engine"], built["sampling"]
     assert (engine.tp_size, engine.max_model_len, engine.dtype, engine.seed) == (1, 10 + 6, "float32", 17)
     assert engine.kv_cache_bytes == 2 * GIB and engine.gpu_memory_utilization == 0.3

@@ -96,7 +96,7 @@ def _trainer_log_probs(actor, out: DataProto, temperature: float) -> torch.Tenso
 
 
 def _sync(cfg, groups) -> dict[str, float]:
-    from megaflow.trainer.rollout_pipeline import sync_split_weights
+    from megaflow.trainer.rollout_source import sync_split_weights
     from megaflow.workers.actor_rollout import check_synced
 
     if groups.rollout is not None:
@@ -131,7 +131,7 @@ def run_layout(cfg, update_batch: DataProto | None = None) -> dict:
         result["engine_versions"] = engines.rollout_weight_version()
         if groups.rollout is not None:
             result["no_change"] = _sync(cfg, groups)  # nothing moved since: an empty stream
-            from megaflow.trainer.rollout_pipeline import verify_split_sync
+            from megaflow.trainer.rollout_source import verify_split_sync
 
             result["verify"] = verify_split_sync(groups.actor, groups.rollout)
         return result

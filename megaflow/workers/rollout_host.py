@@ -1,0 +1,132 @@
+"""One rank's rollout engine: built from the config, probed, generating with a replica's seed.
+
+Held by both workers that generate: the colocated actor
+(:class:`~megaflow.workers.actor_rollout.ActorRolloutWorker`, the engine shard in the
+actor's process) and the standalone rollout worker of split placement
+(:class:`~megaflow.workers.rollout_worker.RolloutWorker`). The engine starts with dummy
+weights; the weight sync fills it (:mod:`megaflow.hybrid_engine.transport`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from megaflow.protocol import DataProto
+
+if TYPE_CHECKING:
+    from megaflow.config.schema import Config
+    from megaflow.models.hf_mapping import ModelSpec
+    from megaflow.rollout.vllm_rollout import VLLMRollout
+
+#: Offset between the sampling seeds of two generation replicas (distinct request seeds).
+REPLICA_SEED_STRIDE = 1_000_003
+#: The verification probe: prompt lengths (capped at ``data.max_prompt_length``) and
+#: response length (capped at ``rollout.response_length``).
+PROBE_LENGTHS, PROBE_RESPONSE = (8, 5), 8
+
+
+def stop_token_ids(cfg: Config, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """The ids that end a response: the tokenizer's EOS ids, or none with ``rollout.ignore_eos``
+    (every response is then ``rollout.response_length`` tokens)."""
+    return () if cfg.rollout.ignore_eos else tuple(int(i) for i in eos_token_ids)
+
+
+def engine_model_dir(hf_config: Any, rank: int) -> str:
+    """A fresh directory with the model's ``config.json`` for vLLM (weights come from the actor).
+
+    Args:
+        hf_config: the model's Hugging Face config (a ``PretrainedConfig`` or its dict).
+        rank: the worker's rank (named in the directory).
+    """
+    cfg = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+    path = tempfile.mkdtemp(prefix=f"megaflow_rollout_rank{rank}_")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def build_engine(cfg: Config, hf_config: Any, *, rank: int, tp_group_ranks: list[list[int]],
+                 eos_token_ids: tuple[int, ...], pad_token_id: int) -> VLLMRollout:
+    """The vLLM engine shard of one rank, with dummy weights.
+
+    Reads ``rollout`` (``tp`` = t_g, ``response_length``, ``gpu_memory_utilization``, the
+    sampling defaults, the CPU KV cache keys), ``data.max_prompt_length``, ``model.dtype``,
+    ``resources.use_gpu`` and ``trainer.seed``. Each call's ``meta_info`` overrides the
+    sampling parameters; ``n`` stays 1 (the controller repeats every prompt ``rollout.n`` times).
+
+    Args:
+        tp_group_ranks: the generation TP groups (global ranks), one list per replica.
+        eos_token_ids: the stop ids (:func:`stop_token_ids`).
+        pad_token_id: the id written after each response and left of each prompt.
+    """
+    from megaflow.dryrun.memory import cpu_kv_cache_bytes
+    from megaflow.topology.sizes import max_seq_len
+    from megaflow.rollout.sampling import SamplingConfig
+    from megaflow.rollout.vllm_rollout import VLLMRollout, VLLMRolloutConfig
+
+    engine_cfg = VLLMRolloutConfig(
+        model_path=engine_model_dir(hf_config, rank), tp_size=cfg.rollout.tp, tp_group_ranks=tp_group_ranks,
+        dtype=cfg.model.dtype, load_format="dummy", max_model_len=max_seq_len(cfg),
+        kv_cache_bytes=None if cfg.resources.use_gpu else cpu_kv_cache_bytes(cfg),
+        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.trainer.seed)
+    sampling = SamplingConfig(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                              top_k=cfg.rollout.top_k, response_length=cfg.rollout.response_length,
+                              eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
+    return VLLMRollout(engine_cfg, sampling)
+
+
+class RolloutHost:
+    """One rank's engine shard of generation replica ``gen_replica``.
+
+    Args:
+        cfg: the run's config.
+        hf_config: the served model's Hugging Face config.
+        spec: the served model's :class:`~megaflow.models.hf_mapping.ModelSpec`.
+        rank: the worker's rank.
+        tp_group_ranks: the generation TP groups (global ranks).
+        gen_replica: this rank's generation replica (its seed offset).
+        eos_token_ids: the tokenizer's end-of-sequence ids (stop ids unless ``rollout.ignore_eos``).
+        pad_token_id: the tokenizer's padding id.
+    """
+
+    def __init__(self, cfg: Config, hf_config: Any, spec: ModelSpec, *, rank: int, tp_group_ranks: list[list[int]],
+                 gen_replica: int, eos_token_ids: tuple[int, ...], pad_token_id: int) -> None:
+        self.cfg, self.spec, self.gen_replica, self.pad_token_id = cfg, spec, gen_replica, int(pad_token_id)
+        self.engine = build_engine(cfg, hf_config, rank=rank, tp_group_ranks=tp_group_ranks,
+                                   eos_token_ids=stop_token_ids(cfg, eos_token_ids), pad_token_id=self.pad_token_id)
+
+    def generate(self, prompts: DataProto) -> DataProto:
+        """The engine's rollout of ``prompts`` (:meth:`~megaflow.rollout.vllm_rollout.VLLMRollout.generate_sequences`),
+        the ``meta_info`` seed offset by ``gen_replica x`` :data:`REPLICA_SEED_STRIDE` so that
+        replicas draw distinct samples."""
+        meta = dict(prompts.meta_info)
+        if meta.get("seed") is not None:
+            meta["seed"] = int(meta["seed"]) + self.gen_replica * REPLICA_SEED_STRIDE
+        return self.engine.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch, meta))
+
+    def probe(self) -> DataProto:
+        """The fixed verification probe: left-padded prompts of seeded ids (from 3 up to the
+        vocabulary, generator seed 0) of :data:`PROBE_LENGTHS` tokens, greedy, seed 0."""
+        lengths = [min(n, self.cfg.data.max_prompt_length) for n in PROBE_LENGTHS]
+        width = max(lengths)
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.full((len(lengths), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, n in enumerate(lengths):
+            ids[i, width - n:] = torch.randint(3, self.spec.vocab_size, (n,), generator=gen)
+            mask[i, width - n:] = 1
+        return DataProto.from_dict({"input_ids": ids, "attention_mask": mask}, meta_info={
+            "do_sample": False, "response_length": min(PROBE_RESPONSE, self.cfg.rollout.response_length),
+            "seed": 0})
+
+    def probe_rollout(self) -> DataProto:
+        """The engine's greedy rollout of :meth:`probe` (no replica offset: every replica
+        generates the same)."""
+        return self.engine.generate_sequences(self.probe())
+
+
+__all__ = ["RolloutHost", "build_engine", "engine_model_dir", "stop_token_ids", "REPLICA_SEED_STRIDE"]
