@@ -71,6 +71,7 @@ from megaflow.rollout.sampling import SamplingConfig, request_seeds
 from megaflow.rollout.vllm_groups import prepare_vllm_tp_groups, verify_vllm_tp_group
 from megaflow.rollout.vllm_shm import prepare_engine_shm
 from megaflow.rollout.vllm_weights import ShardedWeightUpdate, refresh_tied_modules, sharded_param_shapes
+from megaflow.utils.device import pin_local_rank
 from megaflow.utils.startup_gc import collect_and_freeze
 
 WEIGHT_FORMATS = ("hf_full", "sharded")
@@ -178,7 +179,7 @@ def _prepare_process_env() -> str:
     if os.environ.setdefault("RANK", rank) != rank:
         raise RuntimeError(f"$RANK={os.environ['RANK']} disagrees with torch.distributed rank {rank}; "
                            f"vLLM's external launcher reads $RANK")
-    os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device()) if torch.cuda.is_available() else "0")
+    pin_local_rank()  # vLLM's launcher takes $LOCAL_RANK as the device index (megaflow.utils.device)
     return "external_launcher"
 
 
