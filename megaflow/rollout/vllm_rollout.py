@@ -99,7 +99,7 @@ class VLLMRolloutConfig:
         kv_cache_bytes: KV-cache size in bytes per rank; ``None``: 1 GiB on CPU, on GPUs
             the share ``gpu_memory_utilization`` of device memory.
         gpu_memory_utilization: GPU memory share for weights + KV cache (GPU only).
-        enforce_eager: no CUDA graphs / compilation.
+        enforce_eager: no CUDA graphs / compilation; ``None``: by device (on on CPU, off on GPUs).
         seed: engine seed; base of the per-request seeds when a call gives none.
         logprobs_mode: ``"processed_logprobs"`` or ``"raw_logprobs"`` (module docstring).
         free_cache_engine: sleep between rollouts where vLLM supports it (not on CPU).
@@ -118,7 +118,7 @@ class VLLMRolloutConfig:
     enable_prefix_caching: bool = True
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.5
-    enforce_eager: bool = True
+    enforce_eager: bool | None = None
     seed: int = 0
     logprobs_mode: str = "processed_logprobs"
     free_cache_engine: bool = True
@@ -242,7 +242,7 @@ class VLLMRollout:
             model=str(cfg.model_path), skip_tokenizer_init=True, generation_config="vllm",
             dtype=cfg.dtype or ("float32" if on_cpu else "bfloat16"), load_format=cfg.load_format,
             tensor_parallel_size=cfg.tp_size, distributed_executor_backend=backend,
-            enforce_eager=cfg.enforce_eager, seed=cfg.seed, max_num_seqs=cfg.max_num_seqs,
+            enforce_eager=on_cpu if cfg.enforce_eager is None else cfg.enforce_eager, seed=cfg.seed, max_num_seqs=cfg.max_num_seqs,
             enable_prefix_caching=cfg.enable_prefix_caching, logprobs_mode=cfg.logprobs_mode,
             enable_sleep_mode=self.sleep_mode_available and cfg.free_cache_engine,
             gpu_memory_utilization=cfg.gpu_memory_utilization, disable_log_stats=True,
@@ -266,6 +266,12 @@ class VLLMRollout:
     def sleep_mode_available(self) -> bool:
         """Whether this vLLM build can free its KV cache / weights between rollouts."""
         return bool(self._platform.is_sleep_mode_available())
+
+    @property
+    def weights_valid(self) -> bool:
+        """Whether the engine holds a complete set of weights (False after a level-2 sleep,
+        during or after a failed update: a complete weight update must come first)."""
+        return self._weights_valid
 
     @property
     def weight_version(self) -> int:

@@ -58,7 +58,7 @@ class ActorRolloutWorker(ActorWorker):
     """:class:`ActorWorker` plus a vLLM engine fed by the micro-DP resharder.
 
     The engine reads ``rollout`` (``tp`` = t_g, ``response_length``, ``gpu_memory_utilization``,
-    the CPU KV cache keys, ``ignore_eos``), ``data.max_prompt_length``, ``model.dtype`` and
+    ``sleep_level``, ``enforce_eager``, the CPU KV cache keys, ``ignore_eos``), ``data.max_prompt_length``, ``model.dtype`` and
     ``trainer.seed`` from the config; ``rollout.pp > 1`` is refused at load.
 
     Args:
@@ -101,7 +101,7 @@ class ActorRolloutWorker(ActorWorker):
 
     def _build_engine(self, hf_config):
         from megaflow.config.memory import cpu_kv_cache_bytes
-        from megaflow.config.topology import max_seq_len
+        from megaflow.config.topology import max_seq_len, rollout_sleep_level
         from megaflow.rollout.sampling import SamplingConfig
         from megaflow.rollout.vllm_rollout import VLLMRollout, VLLMRolloutConfig
 
@@ -111,7 +111,8 @@ class ActorRolloutWorker(ActorWorker):
             model_path=model_dir, tp_size=cfg.rollout.tp, tp_group_ranks=self.layout.gen_tp_groups,
             dtype=cfg.model.dtype, load_format="dummy", max_model_len=max_seq_len(cfg),
             kv_cache_bytes=None if cfg.resources.use_gpu else cpu_kv_cache_bytes(cfg),
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.trainer.seed)
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.trainer.seed,
+            sleep_level=rollout_sleep_level(cfg), enforce_eager=cfg.rollout.enforce_eager)
         # Each call's meta_info overrides the sampling parameters; n stays 1 (the controller
         # repeats every prompt rollout.n times).
         sampling = SamplingConfig(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
@@ -134,9 +135,10 @@ class ActorRolloutWorker(ActorWorker):
         The generation shard is produced by the resharder, converted to vLLM's names and
         local layout and pushed in buckets of at most ``bucket_bytes``
         (:func:`~megaflow.hybrid_engine.rollout_weights.iter_vllm_buckets`); at most one
-        bucket is alive at a time. Parameters only are reloaded onto the device.
+        bucket is alive at a time. Parameters only are reloaded onto the device. Also runs
+        when the engine discarded its weights (``rollout.sleep_level`` 2) with the actor unchanged.
         """
-        if self._synced_version == self._actor_version:
+        if self._synced_version == self._actor_version and self.rollout.weights_valid:
             return
         from megaflow.hybrid_engine.rollout_weights import iter_vllm_buckets
         from megaflow.hybrid_engine.transport import load_buckets
