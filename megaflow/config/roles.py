@@ -239,7 +239,8 @@ class RolloutConfig(Section):
     verify_sync: bool = False
     """After every weight sync, generate greedily on a fixed probe (2 prompts, up to 8
     tokens) and compare the engine's log-probs with the actor's recomputation; a largest
-    difference above 1e-5 (fp32) fails the step, naming the rank. Off by default (one
+    difference above model.dtype's tolerance fails the step, naming the rank (1e-5 in fp32;
+    bf16 and fp16 from a documented calibration, megaflow.rollout.verify_sync). Off by default (one
     extra short generation and forward per step)."""
     weight_sync_bucket_mb: int = 512
     """The weight sync streams the actor's generation shard into the engine in buckets of at

@@ -391,7 +391,7 @@ class RayPPOTrainer:
         if self.groups.rollout is not None:  # split placement: broadcast to the rollout pool
             from megaflow.trainer.rollout_pipeline import sync_split_weights
 
-            return sync_split_weights(self.groups, r)
+            return sync_split_weights(self.groups, r, dtype=self.cfg.model.dtype)
         return check_synced(self.groups.actor.sync_rollout_weights(verify=r.verify_sync,
                                                                    bucket_mb=r.weight_sync_bucket_mb))
 

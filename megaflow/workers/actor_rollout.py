@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megaflow.protocol import DataProto
+from megaflow.rollout.verify_sync import verify_sync_tolerance
 from megaflow.single_controller import Dispatch, ProtoResult, nd_compute, register
 from megaflow.config.role_spec import RoleSpec
 from megaflow.workers.megatron_workers import ActorWorker
@@ -38,9 +39,6 @@ if TYPE_CHECKING:
 
 #: Offset between the sampling seeds of two generation replicas (distinct request seeds).
 _REPLICA_SEED_STRIDE = 1_000_003
-#: ``verify`` of :meth:`ActorRolloutWorker.sync_rollout_weights`: largest accepted
-#: |engine - trainer| log-prob difference on the probe (fp32).
-VERIFY_SYNC_ATOL = 1e-5
 _PROBE_LENGTHS, _PROBE_RESPONSE = (8, 5), 8
 #: Default of ``bucket_mb`` (``rollout.weight_sync_bucket_mb``): a 70B model's generation
 #: shard at t_g = 8 (about 17 GB in bf16) streams in about 35 buckets, and its largest
@@ -187,8 +185,9 @@ class ActorRolloutWorker(ActorWorker):
 
         Raises:
             ValueError: ``bucket_mb <= 0``.
-            RuntimeError: with ``verify``, a difference above :data:`VERIFY_SYNC_ATOL`
-                (on every rank, naming the rank with the largest one).
+            RuntimeError: with ``verify``, a difference above ``model.dtype``'s tolerance
+                (:func:`~megaflow.rollout.verify_sync.verify_sync_tolerance`; on every rank,
+                naming the rank with the largest one).
         """
         if bucket_mb <= 0:
             raise ValueError(f"rollout.weight_sync_bucket_mb must be > 0, got {bucket_mb}")
@@ -225,8 +224,9 @@ class ActorRolloutWorker(ActorWorker):
             The largest |engine - trainer| log-prob difference over all ranks' engines.
 
         Raises:
-            RuntimeError: above :data:`VERIFY_SYNC_ATOL` (on every rank), naming the rank
-                with the largest difference and listing every rank's.
+            RuntimeError: above ``model.dtype``'s tolerance
+                (:func:`~megaflow.rollout.verify_sync.verify_sync_tolerance`; on every rank),
+                naming the rank with the largest difference and listing every rank's.
         """
         out = self.rollout.generate_sequences(self._probe())
         keys = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask")
@@ -244,10 +244,11 @@ class ActorRolloutWorker(ActorWorker):
         dist.all_gather_object(gathered, mine)
         diffs = next(d for d in gathered if d is not None)
         worst = max(range(world), key=lambda r: diffs[r])
-        if diffs[worst] > VERIFY_SYNC_ATOL:
+        tolerance = verify_sync_tolerance(self.config.model.dtype)
+        if diffs[worst] > tolerance:
             raise RuntimeError(f"rollout.verify_sync: after weight sync {self.rollout.weight_version} the engine's "
                                f"log-probs of the probe differ from the actor's by up to {diffs[worst]:.3g} on rank "
-                               f"{worst} (tolerance {VERIFY_SYNC_ATOL:g}); per rank: {diffs}")
+                               f"{worst} (tolerance {tolerance:g} for {self.config.model.dtype}); per rank: {diffs}")
         return float(diffs[worst])
 
     def _sync_metrics(self, stale: bool) -> dict[str, float]:
@@ -337,4 +338,4 @@ def check_synced(per_rank: list[dict[str, float]]) -> dict[str, float]:
             if k not in ("rollout/synced_actor_version", "rollout/actor_version")}
 
 
-__all__ = ["ActorRolloutWorker", "stop_token_ids", "check_synced", "VERIFY_SYNC_ATOL"]
+__all__ = ["ActorRolloutWorker", "stop_token_ids", "check_synced"]
