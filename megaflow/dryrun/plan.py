@@ -40,6 +40,7 @@ from megaflow.topology.sizes import (
     uses_distributed_optimizer,
 )
 from megaflow.topology.split_layout import TransportPlan, plan_split_transport, split_sync_bytes
+from megaflow.topology.transformer_engine import transformer_engine_usable
 
 #: Micro-batch size field of each role's forward-only pass.
 FORWARD_MICRO_BATCH = {"actor": "log_prob_micro_batch_size_per_gpu", "ref": "log_prob_micro_batch_size_per_gpu",
@@ -175,7 +176,7 @@ def _role_plan(cfg: Config, role: str) -> RolePlan:
     distributed = trained and uses_distributed_optimizer(cfg, role)
     memory = role_memory(role, spec, shape, dtype=cfg.model.dtype, trained=trained,
                          distributed_optimizer=distributed,
-                         fused_attention=bool(cfg.resources.use_gpu),
+                         fused_attention=bool(cfg.resources.use_gpu) and transformer_engine_usable(need_cuda=False),
                          head="lm" if role in ("actor", "ref") else "value", offload=offload)
     return RolePlan(role=role, model=spec, parallel=par, groups=megatron_groups(par.tp, par.pp, par.dp, par.cp),
                     batch=batch, forward_micro_batch=forward_mb, memory=memory,

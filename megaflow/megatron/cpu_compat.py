@@ -40,12 +40,14 @@ The accommodations, all minimal and none a copy of Megatron code:
    empty state and ignore it. The CPU generator's state, which is what draws on CPU
    (accommodation 4), is still saved and restored by the same Megatron code.
 6. **The default causal mask** (``megatron.core.transformer.utils.get_default_causal_mask``,
-   built on ``"cuda"``) is not patched: megaflow always passes an explicit mask
-   (:func:`megaflow.megatron.engine.causal_attention_mask`).
+   built on ``"cuda"``) is not patched: on CPU megaflow passes an explicit ``[1, 1, s, s]``
+   mask (:func:`attention_mask_argument`); on CUDA none, and the attention backend applies
+   its causal mask type.
+7. **TransformerConfig fields** (:func:`transformer_config_accommodations`):
+   ``use_cpu_initialization=True`` and every fusion off (their kernels are CUDA code);
+   :mod:`megaflow.megatron.model` applies them over its GPU defaults (fusions on).
 
-Also required on CPU, and set by :mod:`megaflow.megatron.model` rather than patched:
-``use_cpu_initialization=True``, ``gradient_accumulation_fusion=False``, every fusion
-off, ``sequence_parallel=False``.
+Also required on CPU: ``sequence_parallel=False`` (refused by the model builder without TE).
 """
 from __future__ import annotations
 
@@ -289,6 +291,34 @@ def apply_cpu_accommodations() -> bool:
     return True
 
 
+#: TransformerConfig fields of accommodation 7: CPU initialisation, no CUDA fusion kernels.
+_CPU_TRANSFORMER_CONFIG = dict(
+    use_cpu_initialization=True, gradient_accumulation_fusion=False, bias_activation_fusion=False,
+    masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False)
+
+
+def transformer_config_accommodations() -> dict[str, bool]:
+    """``TransformerConfig`` fields for this process: on CPU CPU initialisation and every
+    fusion off (accommodation 7); on CUDA none (the caller's GPU defaults stand)."""
+    return dict(_CPU_TRANSFORMER_CONFIG) if cpu_accommodations_needed() else {}
+
+
+def causal_attention_mask(seq_len: int, device: torch.device | str) -> torch.Tensor:
+    """Megatron attention mask ``[1, 1, seq, seq]`` (True = masked): causal attention."""
+    return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(1)[None, None]
+
+
+def attention_mask_argument(seq_len: int, device: torch.device | str) -> torch.Tensor | None:
+    """``GPTModel.forward``'s ``attention_mask`` for causal attention over ``seq_len`` tokens.
+
+    None on CUDA: the layer spec's attention takes the causal mask type (TE's fused or
+    flash attention, or the local spec's softmax, which builds its default causal mask on
+    the device) and needs no ``[s, s]`` tensor. On CPU :func:`causal_attention_mask`
+    (accommodation 6: megatron-core's default mask is built on ``"cuda"``).
+    """
+    return causal_attention_mask(seq_len, device) if cpu_accommodations_needed() else None
+
+
 def model_parallel_manual_seed(seed: int) -> None:
     """Seed Megatron's model-parallel RNG (``model_parallel_cuda_manual_seed``) on any device.
 
@@ -314,5 +344,5 @@ def model_parallel_manual_seed(seed: int) -> None:
         seed, inference_rng_tracker=True, force_reset_rng=True)
 
 
-__all__ = ["apply_cpu_accommodations", "cpu_accommodations_needed",
-           "model_parallel_manual_seed"]
+__all__ = ["apply_cpu_accommodations", "attention_mask_argument", "causal_attention_mask",
+           "cpu_accommodations_needed", "model_parallel_manual_seed", "transformer_config_accommodations"]

@@ -20,6 +20,7 @@ from typing import Callable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from megaflow.megatron import cpu_compat
 from megaflow.megatron.batch import LeftAlignedBatch, left_align_batch, token_budget_groups
 from megaflow.megatron.denominators import GlobalDenominators
 from megaflow.megatron.logprobs import chunked_vocab_parallel_log_probs, vocab_parallel_log_probs
@@ -74,14 +75,6 @@ def _output_layer_returns_hidden(model: torch.nn.Module) -> None:
         return _ContiguousGrad.apply(hidden), None
 
     layer.forward = hidden_in_tp_region
-
-
-def causal_attention_mask(seq_len: int, device: torch.device | str) -> torch.Tensor:
-    """Megatron attention mask ``[1, 1, seq, seq]`` (True = masked): causal attention.
-
-    Passed explicitly because megatron-core's default causal mask is built on ``"cuda"``.
-    """
-    return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(1)[None, None]
 
 
 class MegatronEngine:
@@ -181,7 +174,7 @@ class MegatronEngine:
         mb: LeftAlignedBatch = next(data_iterator)
         ids = mb.input_ids.to(self.device, non_blocking=True)
         positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-        output = model(ids, positions, causal_attention_mask(ids.shape[1], self.device))
+        output = model(ids, positions, cpu_compat.attention_mask_argument(ids.shape[1], self.device))
         return output, partial(head, mb)
 
     def _head_outputs(self, mb: LeftAlignedBatch, output: torch.Tensor, temperature: float,
@@ -431,4 +424,4 @@ class MegatronEngine:
             raise RuntimeError(f"engine state {missing} is offloaded; call reload() first")
 
 
-__all__ = ["MegatronEngine", "GlobalDenominators", "LossFn", "LOSS_MASK_KEY", "causal_attention_mask"]
+__all__ = ["MegatronEngine", "GlobalDenominators", "LossFn", "LOSS_MASK_KEY"]

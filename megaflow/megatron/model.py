@@ -26,13 +26,15 @@ Parameter names of the built model (PP stage-local layer numbers, 0-based):
 """
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
-from megaflow.megatron import parallel
+from megaflow.megatron import cpu_compat, parallel
 from megaflow.topology.model_spec import SUPPORTED_MODEL_TYPES, ModelSpec, model_spec, padded_vocab_size
+from megaflow.topology.transformer_engine import transformer_engine_usable
 
 #: Model heads: the LM head (actor, reference), the critic's value head, the reward model's head.
 HEADS = ("lm", "value", "reward")
@@ -48,14 +50,25 @@ def check_tp_divides_heads(arch: ModelSpec, tp: int) -> None:
                          f"(HF field 'num_key_value_heads')")
 
 
-def _use_transformer_engine() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # noqa: BLE001 - missing or broken TE: use the local spec
-        return False
-    return True
+def _kernel_installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def gpu_fusions(use_te: bool) -> dict[str, bool]:
+    """megatron-core's fusions, on wherever their kernel exists (the GPU defaults).
+
+    The bias-activation (SwiGLU) and bias-dropout-add fusions are torch JIT code;
+    attention's masked-softmax fusion runs in TE's attention, or in apex's
+    ``scaled_upper_triang_masked_softmax_cuda`` for the local spec; RoPE fusion needs TE;
+    gradient-accumulation fusion needs apex's ``fused_weight_gradient_mlp_cuda`` (also
+    for the output layer, a megatron-core ``ColumnParallelLinear`` under either spec).
+    On CPU :func:`megaflow.megatron.cpu_compat.transformer_config_accommodations` turns
+    them all off.
+    """
+    return dict(bias_activation_fusion=True, bias_dropout_fusion=True,
+                masked_softmax_fusion=use_te or _kernel_installed("scaled_upper_triang_masked_softmax_cuda"),
+                apply_rope_fusion=use_te,
+                gradient_accumulation_fusion=_kernel_installed("fused_weight_gradient_mlp_cuda"))
 
 
 def transformer_config_from_hf(hf_config: Any, *, dtype: torch.dtype = torch.float32,
@@ -65,7 +78,10 @@ def transformer_config_from_hf(hf_config: Any, *, dtype: torch.dtype = torch.flo
     GQA (``num_query_groups``), SwiGLU (``gated_linear_unit`` + SiLU, no linear biases),
     RMSNorm with ``rms_norm_eps``, QKV bias for Qwen2, ``head_dim`` as ``kv_channels``.
     RoPE base/scaling and tied embeddings are GPTModel arguments (see
-    :func:`build_gpt_model`). Fusions are off, and on CPU ``use_cpu_initialization=True``.
+    :func:`build_gpt_model`). Fusions are on where their kernels exist (:func:`gpu_fusions`;
+    TE as :func:`~megaflow.topology.transformer_engine.transformer_engine_usable` decides);
+    on CPU they are off and ``use_cpu_initialization=True``
+    (:func:`~megaflow.megatron.cpu_compat.transformer_config_accommodations`).
 
     Args:
         hf_config: ``transformers.PretrainedConfig`` or dict of ``config.json``.
@@ -82,7 +98,6 @@ def transformer_config_from_hf(hf_config: Any, *, dtype: torch.dtype = torch.flo
     from megatron.core.transformer import TransformerConfig
 
     arch = model_spec(hf_config)
-    on_cpu = not torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size, num_attention_heads=arch.num_attention_heads,
@@ -94,10 +109,10 @@ def transformer_config_from_hf(hf_config: Any, *, dtype: torch.dtype = torch.flo
         params_dtype=dtype, pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         attention_softmax_in_fp32=True, sequence_parallel=False,  # overridable (GPU, TE spec)
-        use_cpu_initialization=on_cpu, gradient_accumulation_fusion=False,
-        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False,
+        persist_layer_norm=False,  # apex's LayerNorm kernel; the models use RMSNorm
+        **gpu_fusions(transformer_engine_usable()),
     )
+    kwargs.update(cpu_compat.transformer_config_accommodations())
     kwargs.update(overrides)
     check_tp_divides_heads(arch, kwargs.get("tensor_model_parallel_size", 1))
     pp = kwargs.get("pipeline_model_parallel_size", 1)
@@ -144,8 +159,9 @@ def build_gpt_model(hf_config: Any, *, head: str = "lm", dtype: torch.dtype = to
     """Build this rank's TP shard and PP stage of a megatron-core ``GPTModel``.
 
     Needs :func:`megaflow.megatron.parallel.initialize_parallel` first. Uses the Transformer
-    Engine layer spec when TE is importable and CUDA is available, else the local spec
-    (CPU initialisation). The vocabulary is padded with
+    Engine layer spec when CUDA is available and megatron-core can build it
+    (:func:`~megaflow.topology.transformer_engine.transformer_engine_usable`), else the local
+    spec (with one warning line on a GPU). The vocabulary is padded with
     ``padded_vocab_size(vocab, tp, 128)``; critic/reward models end in a :class:`ScalarHead`
     (parameter names in the module docstring).
 
@@ -180,7 +196,7 @@ def build_gpt_model(hf_config: Any, *, head: str = "lm", dtype: torch.dtype = to
     config = transformer_config_from_hf(
         hf_config, dtype=dtype, tensor_model_parallel_size=info.tp_size,
         pipeline_model_parallel_size=info.pp_size, **config_overrides)
-    use_te = _use_transformer_engine()
+    use_te = transformer_engine_usable()
     if config.sequence_parallel and not use_te:
         raise ValueError("sequence_parallel needs Transformer Engine's layer spec (CUDA + transformer_engine): "
                          "megatron-core's local spec builds its norms with WrappedTorchNorm, which refuses "
@@ -208,6 +224,6 @@ def build_gpt_model(hf_config: Any, *, head: str = "lm", dtype: torch.dtype = to
     return model
 
 
-__all__ = ["ScalarHead", "build_gpt_model", "check_tp_divides_heads",
+__all__ = ["ScalarHead", "build_gpt_model", "check_tp_divides_heads", "gpu_fusions",
            "padded_vocab_size", "transformer_config_from_hf",
            "SUPPORTED_MODEL_TYPES", "HEADS"]

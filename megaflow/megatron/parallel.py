@@ -13,13 +13,13 @@ So on 8 ranks with tp=2, pp=2 (dp=2): TP groups {0,1} {2,3} {4,5} {6,7}, DP grou
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megaflow.megatron import cpu_compat
+from megaflow.utils.device import pin_local_rank
 
 ProcessGroup = dist.ProcessGroup
 
@@ -97,9 +97,10 @@ def validate_parallel_sizes(world_size: int, tp: int = 1, pp: int = 1, cp: int =
 
 
 def _set_cuda_device() -> None:
+    """Bind this process to its CUDA device: the one Ray made visible (index 0), or
+    ``$LOCAL_RANK`` among several visible ones (:func:`megaflow.utils.device.pin_local_rank`)."""
     if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(pin_local_rank())
 
 
 def _current_info() -> ParallelInfo:

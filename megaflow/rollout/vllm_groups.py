@@ -38,6 +38,8 @@ from typing import Sequence
 
 import torch.distributed as dist
 
+from megaflow.utils.device import pin_local_rank
+
 
 def consecutive_tp_groups(world_size: int, tp_size: int) -> list[list[int]]:
     """vLLM's default TP groups: ``[[0..tp-1], [tp..2tp-1], ...]``."""
@@ -119,7 +121,7 @@ def _init_vllm_groups(groups: list[list[int]], world_size: int, rank: int) -> No
     from vllm.distributed import parallel_state as ps
     from vllm.platforms import current_platform
 
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = pin_local_rank()  # vLLM builds its groups' device as cuda:{local_rank}
     # The CPU communicator names its shared-memory segment after this; the CPU worker sets it
     # from the init method later, but the TP group's communicator is created here.
     os.environ.setdefault("VLLM_DIST_IDENT", f"megaflow-{os.environ.get('MASTER_PORT', 'world')}")

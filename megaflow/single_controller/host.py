@@ -20,6 +20,7 @@ from megaflow.single_controller.errors import WorkerError
 from megaflow.single_controller.futures import resolve_arguments
 from megaflow.single_controller.worker import WorkerMetadata
 from megaflow.utils import startup_gc
+from megaflow.utils.device import rank_device_env
 from megaflow.utils.launch import find_free_port
 
 
@@ -28,7 +29,9 @@ class WorkerHost:
 
     Args:
         rank / world_size: the rank's place in the group.
-        local_rank: index among the group's ranks on this node.
+        local_rank: index among the group's ranks on this node (``$MEGAFLOW_NODE_LOCAL_RANK``;
+            ``$LOCAL_RANK`` is the CUDA device index, 0 when Ray made one GPU visible:
+            :mod:`megaflow.utils.device`).
         node_index: index of the node in the resource pool.
         num_threads: torch intra-op threads of this process
             (:meth:`~megaflow.single_controller.resource_pool.ResourcePool.actor_threads`). Set
@@ -44,8 +47,8 @@ class WorkerHost:
         startup_gc.pause()
         import torch
 
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
-                          OMP_NUM_THREADS=str(num_threads))
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), OMP_NUM_THREADS=str(num_threads),
+                          **rank_device_env(local_rank))
         torch.set_num_threads(num_threads)
         self._rank, self._world_size = rank, world_size
         self._local_rank, self._node_index = local_rank, node_index

@@ -8,7 +8,9 @@ The worker group sets the standard ``torch.distributed`` environment in every ra
 process before the role objects are built:
 
 * ``RANK``, ``WORLD_SIZE``: global rank and size of the group;
-* ``LOCAL_RANK``: index of the rank among the group's ranks on its node;
+* ``LOCAL_RANK``: the rank's CUDA device index (0 when Ray made one GPU visible; without
+  CUDA the node index), and ``MEGAFLOW_NODE_LOCAL_RANK``: index of the rank among the
+  group's ranks on its node (:mod:`megaflow.utils.device`);
 * ``MASTER_ADDR``, ``MASTER_PORT``: rank 0's node IP and a port that was free there.
 
 so :meth:`Worker.init_distributed` (or any ``env://`` initialisation, including
@@ -88,7 +90,7 @@ class Worker:
 
     @property
     def local_rank(self) -> int:
-        """Index among this group's ranks on the same node (0 when unset)."""
+        """``$LOCAL_RANK``: the CUDA device index (the node index without CUDA; 0 when unset)."""
         return int(os.environ.get("LOCAL_RANK", "0"))
 
     @property

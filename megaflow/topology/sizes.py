@@ -166,12 +166,20 @@ def split_rollout_pool(cfg: Config) -> str | None:
     return placement.rollout if placement.rollout not in (None, placement.actor) else None
 
 
+def rollout_sleep_level(cfg: Config) -> int:
+    """``rollout.sleep_level``, null resolved: 2 when colocated, 1 under split placement."""
+    if cfg.rollout.sleep_level is not None:
+        return cfg.rollout.sleep_level
+    return 1 if split_rollout_pool(cfg) is not None else 2
+
+
 def _check_split_rollout_pool(cfg: Config) -> int:
     """Split placement's rules; returns the rollout pool's ranks.
 
     Raises:
         ConfigError: the pool's ranks are not a positive multiple of ``rollout.tp``, or
-            another role shares the pool (its processes hold engines only).
+            another role shares the pool (its processes hold engines only), or
+            ``rollout.sleep_level=2`` (nothing would restore the discarded weights).
     """
     pool, res = split_rollout_pool(cfg), cfg.resources
     world = res.pool_world_size(pool)
@@ -182,6 +190,9 @@ def _check_split_rollout_pool(cfg: Config) -> int:
         check(getattr(res.placement, role) != pool, f"resources.placement.{role}",
               f"pool {pool!r} is the rollout's own pool (resources.placement.rollout): its ranks hold only "
               f"engines; place {role} on another pool")
+    check(cfg.rollout.sleep_level != 2, "rollout.sleep_level",
+          "2 discards the engine's weights after each generation, but under split placement ({0}) a sync "
+          "sends nothing when the actor is unchanged: use 1 or null", "resources.placement.rollout")
     return world
 
 

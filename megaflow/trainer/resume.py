@@ -41,7 +41,7 @@ RESUME_MAY_DIFFER: tuple[str, ...] = (
     "trainer.experiment_name", "trainer.console_*",
     "data.val_files", "data.val_batch_size", "rollout.val_*",
     "*.param_offload", "*.grad_offload", "*.optimizer_offload", "*.recompute_*",
-    "rollout.gpu_memory_utilization", "rollout.cpu_kv_cache_gib",
+    "rollout.gpu_memory_utilization", "rollout.cpu_kv_cache_gib", "rollout.sleep_level", "rollout.enforce_eager",
     "resources.*", "ray.*",
 )
 #: Worker-group parts of a trainer checkpoint that record a parallel layout.

@@ -83,7 +83,7 @@ def connect_split(actor: ActorProxy, rollout: RolloutProxy, actor_layout: Hybrid
     return plan
 
 
-def sync_split_weights(groups: WorkerGroups, rollout_cfg: RolloutConfig) -> dict[str, float]:
+def sync_split_weights(groups: WorkerGroups, rollout_cfg: RolloutConfig, *, dtype: str) -> dict[str, float]:
     """One split-placement sync: the actor broadcasts (in buckets of
     ``rollout.weight_sync_bucket_mb``), the rollout group receives, both in lockstep; with
     ``rollout.verify_sync`` the probe check follows (:func:`verify_split_sync`).
@@ -104,14 +104,14 @@ def sync_split_weights(groups: WorkerGroups, rollout_cfg: RolloutConfig) -> dict
     metrics = check_split_synced(per_actor, per_rollout)
     metrics["rollout/actor_version"] = float(per_actor[0].actor_version)
     if rollout_cfg.verify_sync:
-        metrics["rollout/verify_sync_max_diff"] = verify_split_sync(groups.actor, groups.rollout)
+        metrics["rollout/verify_sync_max_diff"] = verify_split_sync(groups.actor, groups.rollout, dtype)
     return metrics
 
 
-def verify_split_sync(actor: ActorProxy, rollout: RolloutProxy) -> float:
+def verify_split_sync(actor: ActorProxy, rollout: RolloutProxy, dtype: str) -> float:
     """``rollout.verify_sync`` for split placement: the engines' log-probs of a fixed greedy
-    probe against the actor's recomputation (fp32 tolerance
-    :data:`~megaflow.workers.actor_rollout.VERIFY_SYNC_ATOL`).
+    probe against the actor's recomputation (tolerance by ``model.dtype``:
+    :func:`~megaflow.rollout.verify_sync.verify_sync_tolerance`).
 
     Returns:
         The largest |engine - trainer| log-prob difference over the probe's response tokens.
@@ -119,7 +119,7 @@ def verify_split_sync(actor: ActorProxy, rollout: RolloutProxy) -> float:
     Raises:
         RuntimeError: a difference above the tolerance, naming it.
     """
-    from megaflow.workers.actor_rollout import VERIFY_SYNC_ATOL
+    from megaflow.rollout.verify_sync import verify_sync_tolerance
 
     out = rollout.probe_rollout()[0]
     keys = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask")
@@ -128,9 +128,10 @@ def verify_split_sync(actor: ActorProxy, rollout: RolloutProxy) -> float:
     mask = out.batch["response_mask"].bool()
     delta = (out.batch["rollout_log_probs"] - trainer.batch["old_log_probs"].to(torch.float32)).abs()
     worst = float(delta[mask].max()) if mask.any() else 0.0
-    if worst > VERIFY_SYNC_ATOL:
+    tolerance = verify_sync_tolerance(dtype)
+    if worst > tolerance:
         raise RuntimeError(f"rollout.verify_sync: after the weight sync the rollout group's log-probs of the probe "
-                           f"differ from the actor's by up to {worst:.3g} (tolerance {VERIFY_SYNC_ATOL:g})")
+                           f"differ from the actor's by up to {worst:.3g} (tolerance {tolerance:g} for {dtype})")
     return worst
 
 
@@ -289,7 +290,7 @@ class SplitSource(ColocatedSource):
     """Synchronous rollouts on a rollout group of its own (split placement)."""
 
     def sync(self) -> SyncReport:
-        metrics = sync_split_weights(self.groups, self.cfg.rollout)
+        metrics = sync_split_weights(self.groups, self.cfg.rollout, dtype=self.cfg.model.dtype)
         return SyncReport(actor_version=int(metrics["rollout/actor_version"]), metrics=metrics)
 
     def _engines(self) -> ActorProxy | RolloutProxy:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megaflow.protocol import DataProto
+from megaflow.rollout.verify_sync import verify_sync_tolerance
 from megaflow.single_controller import Dispatch, ProtoResult, nd_compute, register
 from megaflow.topology.role_spec import RoleSpec
 from megaflow.workers.megatron_workers import ActorWorker
@@ -35,9 +36,6 @@ from megaflow.workers.weight_sync import WeightSync
 if TYPE_CHECKING:
     from megaflow.hybrid_engine.transport import WeightTransport
 
-#: ``verify`` of :meth:`ActorRolloutWorker.sync_rollout_weights`: largest accepted
-#: |engine - trainer| log-prob difference on the probe (fp32).
-VERIFY_SYNC_ATOL = 1e-5
 #: Default of ``bucket_mb`` (``rollout.weight_sync_bucket_mb``): a 70B model's generation
 #: shard at t_g = 8 (about 17 GB in bf16) streams in about 35 buckets, and its largest
 #: tensor (the embedding shard, 128256 / 8 x 8192 x 2 bytes = 250 MiB) fits in one.
@@ -48,7 +46,7 @@ class ActorRolloutWorker(ActorWorker):
     """:class:`ActorWorker` plus a vLLM engine fed by the micro-DP resharder.
 
     The engine reads ``rollout`` (``tp`` = t_g, ``response_length``, ``gpu_memory_utilization``,
-    the CPU KV cache keys, ``ignore_eos``), ``data.max_prompt_length``, ``model.dtype`` and
+    ``sleep_level``, ``enforce_eager``, the CPU KV cache keys, ``ignore_eos``), ``data.max_prompt_length``, ``model.dtype`` and
     ``trainer.seed`` from the config; ``rollout.pp > 1`` is refused at load.
 
     Args:
@@ -117,11 +115,13 @@ class ActorRolloutWorker(ActorWorker):
         placement, to the rollout group
         (:class:`~megaflow.hybrid_engine.transport.BroadcastTransport`; a rank that is no
         source has no transport but still runs the conversion's collectives). Unchanged
-        weights send only that news. Parameters only are reloaded onto the device.
+        weights send only that news. Parameters only are reloaded onto the device. Also runs
+        when the engine discarded its weights (``rollout.sleep_level`` 2) with the actor unchanged.
         """
         from megaflow.hybrid_engine.rollout_weights import iter_vllm_buckets
 
-        if self._synced_version == self._actor_version:
+        engine_valid = self.rollout is None or self.rollout.weights_valid  # level-2 sleep discards them
+        if self._synced_version == self._actor_version and engine_valid:
             if self.transport is not None:
                 self.transport.send_unchanged(self._actor_version)
             return
@@ -174,8 +174,9 @@ class ActorRolloutWorker(ActorWorker):
 
         Raises:
             ValueError: ``bucket_mb <= 0``.
-            RuntimeError: with ``verify``, a difference above :data:`VERIFY_SYNC_ATOL`
-                (on every rank, naming the rank with the largest one).
+            RuntimeError: with ``verify``, a difference above ``model.dtype``'s tolerance
+                (:func:`~megaflow.rollout.verify_sync.verify_sync_tolerance`; on every rank,
+                naming the rank with the largest one).
         """
         if bucket_mb <= 0:
             raise ValueError(f"rollout.weight_sync_bucket_mb must be > 0, got {bucket_mb}")
@@ -199,8 +200,9 @@ class ActorRolloutWorker(ActorWorker):
             The largest |engine - trainer| log-prob difference over all ranks' engines.
 
         Raises:
-            RuntimeError: above :data:`VERIFY_SYNC_ATOL` (on every rank), naming the rank
-                with the largest difference and listing every rank's.
+            RuntimeError: above ``model.dtype``'s tolerance
+                (:func:`~megaflow.rollout.verify_sync.verify_sync_tolerance`; on every rank),
+                naming the rank with the largest difference and listing every rank's.
         """
         out = self.host.probe_rollout()
         keys = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask")
@@ -218,10 +220,11 @@ class ActorRolloutWorker(ActorWorker):
         dist.all_gather_object(gathered, mine)
         diffs = next(d for d in gathered if d is not None)
         worst = max(range(world), key=lambda r: diffs[r])
-        if diffs[worst] > VERIFY_SYNC_ATOL:
+        tolerance = verify_sync_tolerance(self.config.model.dtype)
+        if diffs[worst] > tolerance:
             raise RuntimeError(f"rollout.verify_sync: after weight sync {self.rollout.weight_version} the engine's "
                                f"log-probs of the probe differ from the actor's by up to {diffs[worst]:.3g} on rank "
-                               f"{worst} (tolerance {VERIFY_SYNC_ATOL:g}); per rank: {diffs}")
+                               f"{worst} (tolerance {tolerance:g} for {self.config.model.dtype}); per rank: {diffs}")
         return float(diffs[worst])
 
     def _sync_figures(self) -> dict[str, float]:
@@ -307,4 +310,4 @@ def check_synced(per_rank: list[WeightSync]) -> dict[str, float]:
     return per_rank[0].metrics()
 
 
-__all__ = ["ActorRolloutWorker", "WeightSync", "stop_token_ids", "check_synced", "VERIFY_SYNC_ATOL"]
+__all__ = ["ActorRolloutWorker", "WeightSync", "stop_token_ids", "check_synced"]

@@ -326,6 +326,13 @@ KEYS: dict[str, Consumed | Refused] = {
     "rollout.top_p": consumed(ARS),
     "rollout.top_k": consumed(ARS, "tests/rollout/test_vllm_rollout.py::test_top_k_log_probs_are_of_the_truncated_distribution"),
     "rollout.gpu_memory_utilization": consumed(ARS),
+    "rollout.sleep_level": consumed(
+        "tests/workers/test_actor_rollout_settings.py::test_sleep_level_and_enforce_eager_reach_the_engine",
+        "tests/rollout/test_vllm_engine_settings.py::test_sleep_level_reaches_vllm_and_level_2_invalidates_the_weights",
+        "tests/workers/test_actor_rollout_settings.py::test_the_actor_re_syncs_an_engine_that_discarded_its_weights"),
+    "rollout.enforce_eager": consumed(
+        "tests/workers/test_actor_rollout_settings.py::test_sleep_level_and_enforce_eager_reach_the_engine",
+        "tests/rollout/test_vllm_engine_settings.py::test_enforce_eager_by_device_unless_set"),
     "trainer.seed": consumed(ARS),
     "data.val_files": consumed(KE + "test_validation_files_become_the_validation_dataset"),
     "actor.optim.betas": consumed(KE + "test_optimizer_keys_reach_megatron_cores_optimizer"),

@@ -45,7 +45,7 @@ def _batch():
 def _saved_bytes_in_forward(module, batch) -> int:
     """Bytes of the tensors autograd saves for backward during one training-mode forward."""
     from megaflow.megatron.batch import left_align_batch
-    from megaflow.megatron.engine import causal_attention_mask
+    from megaflow.megatron.cpu_compat import causal_attention_mask
 
     aligned = left_align_batch(batch, max_seq_len=32)
     ids = aligned.input_ids

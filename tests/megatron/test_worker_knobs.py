@@ -104,6 +104,9 @@ def test_a_worker_refuses_the_spec_of_another_role():
         RefWorker(actor)
     with pytest.raises(TypeError, match="spec must be a megaflow.topology.role_spec.RoleSpec, got dict"):
         CriticWorker({"role": "critic"})
+    from megaflow.workers.rollout_host import stop_token_ids
+
     worker = ActorRolloutWorker(role_spec("actor", ["rollout.ignore_eos=true"]), (0, 5), 0)
-    assert worker.eos_token_ids == () and worker.role_spec.head == "lm"
-    assert ActorRolloutWorker(actor, [0, 5], 0).eos_token_ids == (0, 5)
+    assert stop_token_ids(worker.config, worker.eos_token_ids) == () and worker.role_spec.head == "lm"
+    default = ActorRolloutWorker(actor, [0, 5], 0)
+    assert stop_token_ids(default.config, default.eos_token_ids) == (0, 5)

@@ -72,7 +72,7 @@ def test_one_step_stale_batch_has_the_version_k_policys_log_probs(ray_session, t
     cfg = split_config(model_dir, 1, split=True)
     groups = build_worker_groups(cfg, TOKENIZER, total_steps=10)
     try:
-        assert sync_split_weights(groups, cfg.rollout)["rollout/actor_version"] == 0
+        assert sync_split_weights(groups, cfg.rollout, dtype=cfg.model.dtype)["rollout/actor_version"] == 0
         batch0 = groups.rollout.generate_sequences(_prompts({"temperature": 1.0, "seed": 11})).batch
         update = DataProto.from_dict({k: batch0.batch[k] for k in _SEQUENCE_KEYS}, meta_info={"temperature": 1.0})
         update.batch["old_log_probs"] = _trainer_log_probs(groups.actor, batch0, 1.0)
@@ -84,7 +84,7 @@ def test_one_step_stale_batch_has_the_version_k_policys_log_probs(ray_session, t
         batch1, _ = pending.get().batch, updating.get()
         assert batch1.batch["weight_version"].tolist() == [0] * ROWS
         updated = _trainer_log_probs(groups.actor, batch1, 1.0)  # the actor is at version 1 now
-        after = sync_split_weights(groups, cfg.rollout)
+        after = sync_split_weights(groups, cfg.rollout, dtype=cfg.model.dtype)
         assert after["rollout/actor_version"] == 1 and after["rollout/weight_version"] == 2
     finally:
         shutdown_worker_groups(groups)
@@ -221,7 +221,7 @@ class _FakeRun:
                                        "attention_mask": torch.ones(2, 3, dtype=torch.long)})
 
     # the split sync (sync_split_weights)
-    def sync(self, groups, rollout_cfg):
+    def sync(self, groups, rollout_cfg, *, dtype):
         self.calls.append(("sync", self.actor_version))
         self.served = self.actor_version - self.stale_by
         return {"rollout/actor_version": float(self.actor_version)}

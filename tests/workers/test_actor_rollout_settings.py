@@ -71,3 +71,75 @@ def test_the_engine_is_built_from_the_config_sections(monkeypatch, tmp_path):
     assert (sampling.eos_token_ids, sampling.pad_token_id, sampling.n) == ((), 3, 1)
     with open(tmp_path / "config.json") as f:
         assert json.load(f)["hidden_size"] == spec.config.model.hf_config["hidden_size"]
+
+
+def _built_engine(monkeypatch, tmp_path, overrides: list[str]):
+    """What ``build_engine`` hands the vLLM engine for ``overrides`` (no process: the vLLM
+    engine class is replaced by a recorder)."""
+    import megaflow.rollout.vllm_rollout as vllm_rollout
+    from megaflow.workers.rollout_host import build_engine
+    from role_testlib import role_spec
+
+    built = {}
+    monkeypatch.setattr(vllm_rollout, "VLLMRollout", lambda engine, sampling: built.update(engine=engine,
+                                                                                          sampling=sampling))
+    monkeypatch.setattr("tempfile.mkdtemp", lambda prefix: str(tmp_path))
+    spec = role_spec("actor", overrides)
+    build_engine(spec.config, spec.hf_config(), rank=0, tp_group_ranks=[[0], [1]], eos_token_ids=(), pad_token_id=3)
+    return spec, built["engine"], built["sampling"]
+
+
+def test_sleep_level_and_enforce_eager_reach_the_engine(monkeypatch, tmp_path):
+    """rollout.sleep_level: null is 2 when colocated (1 under split placement); rollout.enforce_eager:
+    null is left to the engine (by device), a value is passed on."""
+    from megaflow.topology.sizes import rollout_sleep_level
+
+    split = ["resources.procs_per_node=3", "resources.pools={actor: {procs_per_node: 2}, gen: {procs_per_node: 1}}",
+             "resources.placement.actor=actor", "resources.placement.rollout=gen"]
+
+    _, engine, _ = _built_engine(monkeypatch, tmp_path, [])
+    assert (engine.sleep_level, engine.enforce_eager) == (2, None)
+    _, engine, _ = _built_engine(monkeypatch, tmp_path, ["rollout.sleep_level=1", "rollout.enforce_eager=false"])
+    assert (engine.sleep_level, engine.enforce_eager) == (1, False)
+    assert rollout_sleep_level(load_run("tiny_arith_grpo", split)) == 1
+    with pytest.raises(ConfigError) as err:
+        load_run("tiny_arith_grpo", split + ["rollout.sleep_level=2"])
+    assert err.value.key == "rollout.sleep_level" and "split placement" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_run("tiny_arith_grpo", ["rollout.sleep_level=3"])
+    assert err.value.key == "rollout.sleep_level"
+
+
+def test_the_actor_re_syncs_an_engine_that_discarded_its_weights(monkeypatch):
+    """After a level-2 sleep the engine has no weights: the next sync pushes them again even
+    though the actor has not changed (validation after a step, two generations per update)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import megaflow.hybrid_engine.rollout_weights as rollout_weights
+    from megaflow.workers.actor_rollout import ActorRolloutWorker
+
+    class Transport:  # records what the one sync loop sends
+        def __init__(self):
+            self.sent, self.unchanged = [], []
+
+        def send(self, buckets, version):
+            self.sent.append((list(buckets), version))
+            return "stats"
+
+        def send_unchanged(self, version):
+            self.unchanged.append(version)
+
+    monkeypatch.setattr(rollout_weights, "iter_vllm_buckets", lambda *a, **k: iter([["bucket"]]))
+    engine, sent = SimpleNamespace(weights_valid=True), Transport()
+    fake = SimpleNamespace(
+        _synced_version=4, _actor_version=4, rollout=engine, transport=sent, spec=None, _vllm_shapes={},
+        layout=SimpleNamespace(gen_tp=1), _gen_tp_rank=0, _gather_gen_tp=None, _num_sends=0,
+        _before_phase=lambda kinds: None, _after_phase=lambda: None,
+        resharder=SimpleNamespace(generation=lambda: contextlib.nullcontext("stats"),
+                                  named_generation_tensors=lambda: iter(())))
+    ActorRolloutWorker._sync_rollout_weights(fake, 1 << 20)
+    assert sent.sent == [] and sent.unchanged == [4]  # same version, weights held: nothing to do
+    engine.weights_valid = False  # sleep_level=2 after the last generation
+    ActorRolloutWorker._sync_rollout_weights(fake, 1 << 20)
+    assert sent.sent == [([["bucket"]], 4)] and fake._synced_version == 4

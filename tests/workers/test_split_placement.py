@@ -100,7 +100,7 @@ def _sync(cfg, groups) -> dict[str, float]:
     from megaflow.workers.actor_rollout import check_synced
 
     if groups.rollout is not None:
-        return sync_split_weights(groups, cfg.rollout)
+        return sync_split_weights(groups, cfg.rollout, dtype=cfg.model.dtype)
     return check_synced(groups.actor.sync_rollout_weights(bucket_mb=cfg.rollout.weight_sync_bucket_mb))
 
 
@@ -133,7 +133,7 @@ def run_layout(cfg, update_batch: DataProto | None = None) -> dict:
             result["no_change"] = _sync(cfg, groups)  # nothing moved since: an empty stream
             from megaflow.trainer.rollout_source import verify_split_sync
 
-            result["verify"] = verify_split_sync(groups.actor, groups.rollout)
+            result["verify"] = verify_split_sync(groups.actor, groups.rollout, cfg.model.dtype)
         return result
     finally:
         shutdown_worker_groups(groups)
