@@ -138,29 +138,22 @@ class ActorRolloutWorker(ActorWorker):
         """
         if self._synced_version == self._actor_version:
             return
-        from megaflow.hybrid_engine.rollout_weights import iter_vllm_buckets
+        from megaflow.hybrid_engine.rollout_weights import generation_buckets
         from megaflow.hybrid_engine.transport import load_buckets
 
         self._before_phase(("params",))  # the sync reads parameters only: grads/optimizer stay offloaded
         try:
-            with self.resharder.generation() as stats:
-                buckets = iter_vllm_buckets(
-                    self.resharder.named_generation_tensors(), self.spec, gen_tp=self.layout.gen_tp,
-                    gen_tp_rank=self._gen_tp_rank, vllm_shapes=self.rollout.sharded_param_shapes(),
-                    gather_vocab=self._gather_gen_tp, bucket_bytes=bucket_bytes)
-                # a failure aborts the update: the engine refuses to generate until a complete sync
-                num_buckets, _, largest = load_buckets(self.rollout, buckets)
+            # streamed: load_buckets wakes the engine's weights before it pulls the first bucket, and each
+            # tensor is gathered only when its bucket is built (peak: actor + engine + one bucket + one tensor)
+            buckets = generation_buckets(self.resharder, self.spec, gen_tp_rank=self._gen_tp_rank,
+                                         vllm_shapes=self.rollout.sharded_param_shapes(), bucket_bytes=bucket_bytes)
+            # a failure aborts the update: the engine refuses to generate until a complete sync
+            num_buckets, _, largest = load_buckets(self.rollout, buckets)
         finally:
             self._after_phase()  # the training state goes back off the device while the engine generates
-        self.last_reshard_stats = stats
+        self.last_reshard_stats = self.resharder.last_stats
         self.last_sync_buckets = (num_buckets, largest)
         self._synced_version = self._actor_version
-
-    def _gather_gen_tp(self, shard: torch.Tensor) -> torch.Tensor:
-        """All-gather ``shard`` over the generation TP group along dim 0 (identity at t_g = 1)."""
-        from megaflow.hybrid_engine.rollout_weights import gather_rows
-
-        return gather_rows(shard, self.reshard_groups.gen_tp)
 
     # ------------------------------------------------------------------ registered methods
     @register(Dispatch.ONE_TO_ALL)

@@ -212,7 +212,7 @@ class SplitActorWorker(ActorRolloutWorker):
 
     def _sync_rollout_weights(self, bucket_bytes: int) -> None:
         """train -> generation layout -> buckets -> broadcast (sources) -> train."""
-        from megaflow.hybrid_engine.rollout_weights import iter_vllm_buckets
+        from megaflow.hybrid_engine.rollout_weights import generation_buckets
 
         if self._synced_version == self._actor_version:
             if self.transport is not None:
@@ -220,19 +220,17 @@ class SplitActorWorker(ActorRolloutWorker):
             return
         self._before_phase(("params",))  # parameters only: grads/optimizer stay offloaded
         try:
-            with self.resharder.generation() as stats:
-                buckets = iter_vllm_buckets(
-                    self.resharder.named_generation_tensors(), self.spec, gen_tp=self.layout.gen_tp,
-                    gen_tp_rank=self._gen_tp_rank, vllm_shapes=self._vllm_shapes,
-                    gather_vocab=self._gather_gen_tp, bucket_bytes=bucket_bytes)
-                if self.transport is not None:
-                    self.last_transport_stats = self.transport.send(buckets, self._actor_version)
-                else:
-                    for _ in buckets:  # the conversion's collectives (vocabulary gathers) run on every rank
-                        pass
+            # streamed: each tensor is gathered only when its bucket is built
+            buckets = generation_buckets(self.resharder, self.spec, gen_tp_rank=self._gen_tp_rank,
+                                         vllm_shapes=self._vllm_shapes, bucket_bytes=bucket_bytes)
+            if self.transport is not None:
+                self.last_transport_stats = self.transport.send(buckets, self._actor_version)
+            else:
+                for _ in buckets:  # the reshard's and conversion's collectives run on every rank
+                    pass
         finally:
             self._after_phase()
-        self.last_reshard_stats = stats
+        self.last_reshard_stats = self.resharder.last_stats
         self._synced_version = self._actor_version
         self._num_sends += 1
 
