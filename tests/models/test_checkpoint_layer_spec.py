@@ -84,6 +84,8 @@ def _world(rank: int, world_size: int, root: str) -> dict:
         out["unmappable"] = None
     except CheckpointError as err:
         out["unmappable"] = str(err)
+    except BaseException as err:  # noqa: BLE001 - not refused cleanly (torch's CheckpointException is a BaseException)
+        out["unmappable"] = f"not refused: {type(err).__name__}"
     return out
 
 
