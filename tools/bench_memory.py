@@ -31,7 +31,13 @@ counted once however many views share it) of
   training parameters' storages before it (training storage aliased into the gathered
   buffers is not counted twice);
 * KV cache: the ``past_key_values`` tensors ``transformers`` keeps after a prefill of the
-  full sequence length with the same config (generation at ``t_g = 1``).
+  full sequence length with the same config (generation at ``t_g = 1``);
+* weight sync: the actor's parameters plus the peak of tensors allocated during one
+  streamed sync (the worker's route, into a stand-in engine that re-allocates its weights
+  when the update opens, as vLLM's level-2 wake does; ``tools/bench_reshard.py``'s
+  tensor-allocation tracker), against the planner's bound
+  (:mod:`megaflow.topology.weight_sync`: actor + engine + one bucket + the largest tensor;
+  met when the measurement is not above it).
 
 Resident gradients with ``actor.grad_offload`` are measured after ``engine.offload``
 (megatron-core releases the grad buffers on CPU too); parameter and optimizer offload move
@@ -51,6 +57,8 @@ from typing import Any, Iterable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_reshard (the tensor-allocation tracker)
 
 RECIPE = "tiny_arith_grpo"
 STATIC_TOL, ACTIVATION_TOL = 0.05, 0.25
@@ -88,7 +96,7 @@ class Case:
                 f"actor.grad_offload={str(self.grad_offload).lower()}",
                 f"rollout.tp={self.gen_tp}", "rollout.n=2", f"data.train_batch_size={prompts}",
                 f"actor.ppo_mini_batch_size={prompts}", f"actor.ppo_micro_batch_size_per_gpu={self.micro_batch}",
-                f"model.dtype={self.dtype}"]
+                f"model.dtype={self.dtype}", "rollout.weight_sync_bucket_mb=1"]
 
 
 CASES = (
@@ -102,7 +110,8 @@ CASES = (
 )
 
 TERMS = ("params", "grads", "optimizer", "layer_activations", "head_activations", "gen_weights",
-         "gen_extra", "kv_cache")
+         "gen_extra", "kv_cache", "sync_peak")
+BOUND_TERMS = ("sync_peak",)  # the planner gives an upper bound: met when the measurement is not above it
 STATIC_TERMS = ("params", "grads", "optimizer", "gen_weights", "gen_extra", "kv_cache")
 
 
@@ -138,7 +147,8 @@ def planned(case: Case) -> dict[str, float]:
     logits += final_norm_bytes(seq=seq, micro_batch=case.micro_batch, hidden=spec.hidden_size, tp=par.tp,
                                sequence_parallel=False, dtype=case.dtype)
     gen = plan.rollout.memory
-    return {"params": mem.params, "grads": 0.0 if mem.grad_offload else mem.grads, "optimizer": mem.optimizer,
+    sync = plan.rollout.weight_sync
+    return {"sync_peak": sync.peak, "params": mem.params, "grads": 0.0 if mem.grad_offload else mem.grads, "optimizer": mem.optimizer,
             "layer_activations": mem.activations - logits, "head_activations": logits,
             "gen_weights": gen.weights, "gen_extra": gen.extra_weights,
             "kv_cache": gen.kv_per_sequence * case.micro_batch}
@@ -329,8 +339,28 @@ def measure_rank(rank: int, world: int, case: Case, hf_config: dict, prompt_len:
         out["gen_weights"] = sum(b.numel() * b.element_size() for b in gen)  # a buffer may view a param buffer
         # what generation adds: training storages may be released or aliased into the buffers
         out["gen_extra"] = unique_storage_bytes(gen + list(module.parameters())) - before
+    out["sync_peak"] = before + measure_sync(resharder, hf_config, cfg.rollout.weight_sync_bucket_mb << 20,
+                                             next(module.parameters()).dtype)
     parallel.destroy_parallel()
     return out
+
+
+def measure_sync(resharder, hf_config: dict, bucket_bytes: int, dtype: torch.dtype) -> int:
+    """Peak bytes of tensors allocated during one streamed weight sync, the engine's wake included.
+
+    The worker's route (``generation_buckets`` loaded by ``load_buckets``) into
+    ``tools/bench_reshard.py``'s :class:`SleepingEngine` (weights re-allocated when the update
+    opens, as vLLM's level-2 wake does), measured by its :class:`TensorAllocationTracker`;
+    the actor's parameters, allocated before, are not included.
+    """
+    from bench_reshard import SleepingEngine, TensorAllocationTracker, _vllm_shapes, streaming_sync
+    from megaflow.models.hf_mapping import ModelSpec
+
+    spec = ModelSpec.from_hf_config(hf_config)
+    engine = SleepingEngine(_vllm_shapes(resharder, spec, resharder.layout.gen_tp), dtype)
+    with TensorAllocationTracker() as tracker:
+        streaming_sync(resharder, spec, engine, resharder.placement.gen_tp_rank, bucket_bytes)
+    return tracker.peak
 
 
 def measure_kv_cache(hf_config: dict, rows: int, seq: int, dtype: str) -> int:
@@ -379,6 +409,8 @@ def within_target(term: str, plan: float, meas: float) -> bool:
     layer activations; the head term (a transient peak vs saved tensors) has no target."""
     if term == "head_activations":
         return True
+    if term in BOUND_TERMS:
+        return meas <= plan
     tol = STATIC_TOL if term in STATIC_TERMS else ACTIVATION_TOL
     return abs(relative_error(plan, meas)) <= tol
 

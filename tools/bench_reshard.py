@@ -38,6 +38,7 @@ Both push the same tensors into the engine (checked bit for bit). Per rank it re
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -54,8 +55,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megaflow.hybrid_engine import (MicroDPResharder, build_reshard_groups,  # noqa: E402
                                     gather_layout_to_shard, plan_hybrid_layout, reshard_cost)
 from megaflow.hybrid_engine.params import describe_local_params  # noqa: E402
-from megaflow.hybrid_engine.rollout_weights import (gather_rows, iter_vllm_buckets, to_vllm_shard,  # noqa: E402
-                                                     vllm_param_name)
+from megaflow.topology.weight_sync import VLLM_VOCAB_PADDING, weight_sync_peak_bytes  # noqa: E402
+from megaflow.hybrid_engine.rollout_weights import (gather_rows, generation_buckets, iter_vllm_buckets,  # noqa: E402
+                                                     to_vllm_shard, vllm_param_name, vocab_row_transfers)
+from megaflow.hybrid_engine.transport import load_buckets  # noqa: E402
 from megaflow.models.hf_mapping import ModelSpec  # noqa: E402
 from megaflow.utils.launch import run_distributed  # noqa: E402
 
@@ -151,9 +154,6 @@ def naive_transition(layout, params, metas, tp_group, pp_group, gen_tp_rank):
     return gen, received, held
 
 
-#: vLLM pads the vocabulary of its embedding and LM head to a multiple of this
-#: (``vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE``).
-VLLM_VOCAB_PADDING = 64
 
 
 def model_spec(args) -> ModelSpec:
@@ -214,16 +214,37 @@ class TensorAllocationTracker(TorchDispatchMode):
                 del self._storages[ptr]
 
 
-class _Engine:
-    """Stand-in for the vLLM engine's weights: one preallocated tensor per vLLM parameter."""
+class SleepingEngine:
+    """Stand-in for a vLLM engine that sleeps at level 2 between rollouts: its weights are
+    discarded after generation and re-allocated when a weight update opens (the wake),
+    one tensor per vLLM parameter; the streamed-update interface of
+    :class:`~megaflow.rollout.vllm_rollout.VLLMRollout` (what ``load_buckets`` calls)."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]]):
-        self.shapes = shapes
-        self.params = {name: torch.zeros(shape) for name, shape in shapes.items()}
+    def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype = torch.float32):
+        self.shapes, self.dtype = shapes, dtype
+        self.params: dict[str, torch.Tensor] = {}
 
-    def load(self, bucket) -> None:
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the engine's weights when awake."""
+        return sum(math.prod(s) for s in self.shapes.values()) * self.dtype.itemsize
+
+    def begin_weight_update(self) -> None:
+        self.params = {name: torch.zeros(shape, dtype=self.dtype) for name, shape in self.shapes.items()}
+
+    def load_weight_bucket(self, bucket) -> None:
         for name, tensor in bucket:
             self.params[name].copy_(tensor)
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def abort_weight_update(self) -> None:
+        pass
+
+    def sleep(self) -> None:
+        """Level 2: the weights are discarded (the next sync rewrites them)."""
+        self.params = {}
 
 
 def _vllm_shapes(resharder, spec, gen_tp: int) -> dict[str, tuple[int, ...]]:
@@ -239,44 +260,91 @@ def _vllm_shapes(resharder, spec, gen_tp: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _gatherer(group, counter: list):
-    """The conversion's vocabulary all-gather over the generation TP group, counting bytes received."""
-    def gather(shard: torch.Tensor) -> torch.Tensor:
+def _gatherer(group, spec, counter: list):
+    """The old conversion's vocabulary exchange: an all-gather of the whole padded vocabulary
+    over the generation TP group, then vLLM's rows cut out; counts the bytes received."""
+    def exchange(shard: torch.Tensor, vllm_rows: int) -> torch.Tensor:
         if group is not None:
             counter[0] += (dist.get_world_size(group) - 1) * shard.numel() * shard.element_size()
-        return gather_rows(shard, group)
-    return gather
+        full = gather_rows(shard, group)
+        rank = 0 if group is None else dist.get_rank(group)
+        out = full.new_zeros((vllm_rows, *full.shape[1:]))
+        real = max(0, min(spec.vocab_size, (rank + 1) * vllm_rows) - rank * vllm_rows)
+        out[:real] = full[rank * vllm_rows:rank * vllm_rows + real]
+        return out
+    return exchange
 
 
-def streaming_sync(resharder, spec, engine, gen_tp_rank, bucket_bytes, counter):
-    """megaflow's route; returns (reshard stats, number of buckets, largest bucket bytes)."""
-    buckets = largest = 0
+def vocab_exchange_bytes(group, spec, shard_rows: int, vllm_rows: int, hidden: int, matrices: int) -> int:
+    """Bytes this rank receives in the streamed route's point-to-point vocabulary exchange."""
+    if group is None or shard_rows == vllm_rows:
+        return 0
+    rank = dist.get_rank(group)
+    rows = sum(n for src, dst, _, _, n in vocab_row_transfers(dist.get_world_size(group), shard_rows, vllm_rows,
+                                                               spec.vocab_size) if dst == rank != src)
+    return matrices * rows * hidden * 4
+
+
+def streaming_sync(resharder, spec, engine, gen_tp_rank, bucket_bytes):
+    """megaflow's route (the worker's sync): wake the engine, then gather, convert and load
+    one bucket at a time. Returns (reshard stats, number of buckets, largest bucket bytes)."""
+    buckets = generation_buckets(resharder, spec, gen_tp_rank=gen_tp_rank, vllm_shapes=engine.shapes,
+                                 bucket_bytes=bucket_bytes)
+    num, _, largest = load_buckets(engine, buckets)
+    engine.sleep()
+    return resharder.last_stats, num, largest
+
+
+def gather_first_sync(resharder, spec, engine, gen_tp_rank, bucket_bytes, counter):
+    """megaflow's route before issue 31: the whole generation shard gathered first, the engine
+    woken after it, the vocabulary all-gathered. Returns the reshard stats."""
     with resharder.generation() as stats:
-        for bucket in iter_vllm_buckets(resharder.named_generation_tensors(), spec, gen_tp=resharder.layout.gen_tp,
-                                        gen_tp_rank=gen_tp_rank, vllm_shapes=engine.shapes,
-                                        gather_vocab=_gatherer(resharder.groups.gen_tp, counter),
-                                        bucket_bytes=bucket_bytes):
-            engine.load(bucket)
-            buckets += 1
-            largest = max(largest, sum(t.numel() * t.element_size() for _, t in bucket))
-            del bucket
-    return stats, buckets, largest
+        load_buckets(engine, iter_vllm_buckets(resharder.named_generation_tensors(), spec,
+                                               gen_tp=resharder.layout.gen_tp, gen_tp_rank=gen_tp_rank,
+                                               vllm_shapes=engine.shapes,
+                                               exchange_vocab=_gatherer(resharder.groups.gen_tp, spec, counter),
+                                               bucket_bytes=bucket_bytes))
+    engine.sleep()
+    return stats
+
+
+def largest_generation_tensor(resharder) -> int:
+    """Bytes of the largest tensor of this rank's generation shard (its gathered buffer)."""
+    return max(math.prod(shape) * dtype.itemsize for shape, dtype in resharder.generation_shapes().values())
 
 
 def naive_sync(layout, params, metas, order, tp_group, pp_group, gen_tp_group, spec, engine, gen_tp_rank, counter):
-    """Gather everything, convert everything into a list, then load; returns bytes received.
-    ``metas``: this stage's parameters; ``order``: every stage's, in generation order."""
+    """Gather everything, convert everything into a list, then wake the engine and load;
+    returns bytes received. ``metas``: this stage's parameters; ``order``: every stage's,
+    in generation order."""
     gen, received, _ = naive_transition(layout, params, metas, tp_group, pp_group, gen_tp_rank)
     converted = [to_vllm_shard(name, gen[name], spec, gen_tp=layout.gen_tp, gen_tp_rank=gen_tp_rank,
-                               vllm_shapes=engine.shapes, gather_vocab=_gatherer(gen_tp_group, counter))
+                               vllm_shapes=engine.shapes, exchange_vocab=_gatherer(gen_tp_group, spec, counter))
                  for name in sorted(gen, key=_generation_order(order))]
-    engine.load([c for c in converted if c is not None])
+    engine.begin_weight_update()
+    engine.load_weight_bucket([c for c in converted if c is not None])
+    engine.sleep()
     return received
 
 
 def _generation_order(metas):
     order = {m.name: i for i, m in enumerate(metas)}
     return lambda name: order.get(name, len(order))
+
+
+ROUTES = ("stream", "gather_first", "naive")
+ROUTE_LABELS = {"stream": "streaming", "gather_first": "gather-1st", "naive": "naive"}
+
+
+def sync_bound(resharder, engine, bucket_bytes: int, shard_bytes: int) -> int:
+    """The streamed sync's peak by :func:`~megaflow.topology.weight_sync.weight_sync_peak_bytes`
+    less the actor's shard (allocated before the measurement): engine + one bucket + the
+    largest tensor, gathered (Megatron layout) or converted (vLLM's, whose vocabulary
+    padding may be larger)."""
+    largest = max(largest_generation_tensor(resharder),  # the gathered side, or vLLM's (its vocabulary padding)
+                  max(math.prod(shape) for shape in engine.shapes.values()) * 4)
+    return int(weight_sync_peak_bytes(actor_shard=shard_bytes, engine_weights=engine.nbytes, bucket_bytes=bucket_bytes,
+                                      largest_tensor=largest)) - shard_bytes
 
 
 def _rank_main(rank: int, world_size: int, args) -> dict:
@@ -298,17 +366,27 @@ def _rank_main(rank: int, world_size: int, args) -> dict:
     order = [m for stage in range(PP) for m in next(ms for s, ms in all_metas if s == stage)]
     shapes = _vllm_shapes(resharder, spec, args.gen_tp)
     bucket_bytes = int(args.bucket_mb * 2 ** 20)
-    stream_engine, naive_engine = _Engine(shapes), _Engine(shapes)
-    stream_vocab, naive_vocab = [0], [0]
-    out: dict = {}
+    engines = {kind: SleepingEngine(shapes) for kind in ROUTES}
+    vocab = {kind: [0] for kind in ROUTES}
+    loaded = {}
+    out: dict = {"shard_bytes": sum(t.numel() * t.element_size() for t in params.values())}
 
     def run(kind: str):
+        engine = engines[kind]
         if kind == "stream":
-            return streaming_sync(resharder, spec, stream_engine, me.gen_tp_rank, bucket_bytes, stream_vocab)
-        return naive_sync(layout, params, metas, order, tp_group, pp_group, groups.gen_tp, spec, naive_engine,
-                          me.gen_tp_rank, naive_vocab)
+            return streaming_sync(resharder, spec, engine, me.gen_tp_rank, bucket_bytes)
+        if kind == "gather_first":
+            return gather_first_sync(resharder, spec, engine, me.gen_tp_rank, bucket_bytes, vocab[kind])
+        return naive_sync(layout, params, metas, order, tp_group, pp_group, groups.gen_tp, spec, engine,
+                          me.gen_tp_rank, vocab[kind])
 
-    for kind in ("stream", "naive"):  # peak memory: one tracked sync each
+    def keep(kind: str):  # what the engine held, for the bit-for-bit comparison (before it sleeps)
+        engine = engines[kind]
+        sleep = engine.sleep
+        engine.sleep = lambda: (loaded.__setitem__(kind, dict(engine.params)), sleep())
+
+    for kind in ROUTES:  # peak memory: one tracked sync each, the engine's wake inside it
+        keep(kind)
         dist.barrier()
         with TensorAllocationTracker() as tracker:
             result = run(kind)
@@ -317,21 +395,28 @@ def _rank_main(rank: int, world_size: int, args) -> dict:
             stats, out["buckets"], out["largest_bucket"] = result
             out["stream_bytes"] = stats.bytes_received
             out["generation_bytes"] = stats.generation_bytes
+        elif kind == "gather_first":
+            out["gather_first_bytes"] = result.bytes_received
         else:
             out["naive_bytes"] = result
-        out[f"{kind}_vocab_bytes"] = (stream_vocab if kind == "stream" else naive_vocab)[0]
-    for name in shapes:
-        if not torch.equal(stream_engine.params[name], naive_engine.params[name]):
-            raise AssertionError(f"rank {rank}: streaming and naive syncs loaded different {name!r}")
-    for kind in ("stream", "naive"):
+        out[f"{kind}_vocab_bytes"] = vocab[kind][0]
+    vocab_rows = shapes["model.embed_tokens.weight"][0]
+    out["stream_vocab_bytes"] = vocab_exchange_bytes(groups.gen_tp, spec, args.vocab // TP * TP // args.gen_tp,
+                                                     vocab_rows, args.hidden, 2)
+    for kind in ROUTES[1:]:
+        for name in shapes:
+            if not torch.equal(loaded["stream"][name], loaded[kind][name]):
+                raise AssertionError(f"rank {rank}: the streamed and {kind} syncs loaded different {name!r}")
+    out["bound"] = sync_bound(resharder, engines["stream"], bucket_bytes, out["shard_bytes"])
+    out["engine_bytes"] = engines["stream"].nbytes
+    for kind in ROUTES:
         times = []
         for _ in range(args.repeats):
             dist.barrier()
             start = time.perf_counter()
             run(kind)
             times.append(time.perf_counter() - start)
-        out[f"{kind}_time"] = statistics.median(times)
-    out["shard_bytes"] = sum(t.numel() * t.element_size() for t in params.values())
+        out[f"{kind}_time"] = statistics.median(times) if times else float("nan")
     return out
 
 
@@ -342,21 +427,24 @@ def report(args) -> None:
     cost = reshard_cost(plan_hybrid_layout(TP, PP, DP, gen_tp=args.gen_tp), M)
     mib = 2 ** 20
     worst = {k: max(r[k] for r in results) for k in results[0]}
-    target = max(r["generation_bytes"] + r["largest_bucket"] for r in results)
     print(f"\nmodel M = {M / mib:.1f} MiB fp32; training t={TP} p={PP} d={DP} -> generation t_g={args.gen_tp} "
-          f"p_g=1 on {TP * PP * DP} gloo CPU ranks; buckets of {args.bucket_mb:g} MiB (max over ranks)")
-    print(f"{'':>10} {'reshard MiB':>12} {'formula MiB':>12} {'vocab MiB':>10} {'peak extra MiB':>15} "
+          f"p_g=1 on {TP * PP * DP} gloo CPU ranks; buckets of {args.bucket_mb:g} MiB (max over ranks); "
+          f"peak: tensors allocated during the sync, the engine's wake included (actor shard excluded)")
+    print(f"{'':>10} {'reshard MiB':>12} {'formula MiB':>12} {'vocab MiB':>10} {'peak MiB':>9} {'bound MiB':>10} "
           f"{'time s':>8}")
-    for kind, formula in (("stream", cost.micro_dp_bytes), ("naive", cost.naive_bytes)):
-        print(f"{'streaming' if kind == 'stream' else 'naive':>10} {worst[kind + '_bytes'] / mib:>12.2f} "
-              f"{formula / mib:>12.2f} {worst[kind + '_vocab_bytes'] / mib:>10.2f} "
-              f"{worst[kind + '_peak'] / mib:>15.2f} {worst[kind + '_time']:>8.3f}")
+    formulas = {"stream": cost.micro_dp_bytes, "gather_first": cost.micro_dp_bytes, "naive": cost.naive_bytes}
+    for kind in ROUTES:
+        peak = worst[kind + "_peak"]
+        print(f"{ROUTE_LABELS[kind]:>10} {worst[kind + '_bytes'] / mib:>12.2f} {formulas[kind] / mib:>12.2f} "
+              f"{worst[kind + '_vocab_bytes'] / mib:>10.2f} {peak / mib:>9.2f} {worst['bound'] / mib:>10.2f} "
+              f"{worst[kind + '_time']:>8.3f}  {'within' if peak <= worst['bound'] else 'ABOVE'}")
     print(f"streaming: {worst['buckets']} buckets per rank, largest {worst['largest_bucket'] / mib:.2f} MiB; "
-          f"target peak <= generation shard + one bucket = {target / mib:.2f} MiB: "
-          f"{'met' if worst['stream_peak'] <= target else 'MISSED'}")
-    print(f"ratio naive/streaming: bytes {worst['naive_bytes'] / max(worst['stream_bytes'], 1):.2f}x, "
-          f"peak memory {worst['naive_peak'] / max(worst['stream_peak'], 1):.2f}x, "
-          f"time {worst['naive_time'] / worst['stream_time']:.2f}x")
+          f"bound = engine weights {worst['engine_bytes'] / mib:.2f} MiB + one bucket + the largest generation "
+          f"tensor (megaflow.topology.weight_sync)")
+    print(f"ratio gather-first/streaming: peak memory {worst['gather_first_peak'] / max(worst['stream_peak'], 1):.2f}x, "
+          f"time {worst['gather_first_time'] / worst['stream_time']:.2f}x; naive/streaming: bytes "
+          f"{worst['naive_bytes'] / max(worst['stream_bytes'], 1):.2f}x, "
+          f"peak memory {worst['naive_peak'] / max(worst['stream_peak'], 1):.2f}x")
 
 
 def main(argv=None) -> None:

@@ -41,6 +41,7 @@ from megaflow.topology.sizes import (
 )
 from megaflow.topology.split_layout import TransportPlan, plan_split_transport, split_sync_bytes
 from megaflow.topology.transformer_engine import transformer_engine_usable
+from megaflow.topology.weight_sync import WeightSyncMemory, weight_sync_memory
 
 #: Micro-batch size field of each role's forward-only pass.
 FORWARD_MICRO_BATCH = {"actor": "log_prob_micro_batch_size_per_gpu", "ref": "log_prob_micro_batch_size_per_gpu",
@@ -92,6 +93,7 @@ class RolloutPlan:
     reshard: ReshardCost
     memory: RolloutMemory
     split: SplitRolloutPlan | None = None
+    weight_sync: WeightSyncMemory | None = None  # colocated: the streamed sync's terms (megaflow.topology.weight_sync)
 
 
 @dataclass(frozen=True)
@@ -201,8 +203,12 @@ def _rollout_plan(cfg: Config, actor: RolePlan) -> RolloutPlan:
         per_rank, total = split_sync_bytes(model_bytes, sizes.tp, world)
         split = SplitRolloutPlan(pool=pool, world_size=world, transport=plan_split_transport(layout, world),
                                  bytes_per_rank=per_rank, bytes_total=total)
+    # --- weight sync phase (issue 31 item 2): actor shard + engine weights + one bucket + largest tensor
+    sync = None if split is not None else weight_sync_memory(
+        spec, actor_shard=actor.memory.params, engine_weights=memory.weights, bucket_mb=cfg.rollout.weight_sync_bucket_mb,
+        train_tp=par.tp, gen_tp=sizes.tp, dtype_bytes=DTYPE_BYTES[cfg.model.dtype])
     return RolloutPlan(sizes=sizes, layout=layout, reshard=reshard_cost(layout, model_bytes), memory=memory,
-                       split=split)
+                       split=split, weight_sync=sync)
 
 
 def _phases(roles: dict[str, RolePlan], pool_roles: tuple[str, ...], rollout: RolloutPlan) -> tuple[PhaseMemory, ...]:
@@ -219,6 +225,9 @@ def _phases(roles: dict[str, RolePlan], pool_roles: tuple[str, ...], rollout: Ro
                  ("actor grads+optimizer resident", actor.resident - (0 if actor.param_offload else actor.params))]
         phases.append(PhaseMemory("generate", sum(b for _, b in parts + others("actor")),
                                   tuple(parts + others("actor"))))
+        if rollout.weight_sync is not None:  # --- weight sync phase (issue 31 item 2)
+            sync = list(rollout.weight_sync.parts()) + parts[-1:] + others("actor")
+            phases.append(PhaseMemory("weight sync", sum(b for _, b in sync), tuple(sync)))
     for role in pool_roles:
         mem = roles[role].memory
         kind = "update" if role in TRAINED_ROLES else "forward"
@@ -235,6 +244,7 @@ _HINTS = {
     "update": "raise {r}.tp/{r}.pp, lower {r}.ppo_micro_batch_size_per_gpu, set {r}.recompute_granularity, "
               "or offload the colocated roles",
     "forward": "raise {r}.tp/{r}.pp, lower its micro-batch size, or offload the colocated roles",
+    "sync": "lower rollout.weight_sync_bucket_mb, raise rollout.tp, or offload the colocated roles",
 }
 
 

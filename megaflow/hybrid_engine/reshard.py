@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
-from typing import Iterator, Mapping, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,7 @@ import torch.distributed as dist
 from megaflow.topology.hybrid_layout import HybridLayout
 from .params import LocalParam, count_local_layers, describe_local_params
 
-__all__ = ["ReshardGroups", "build_reshard_groups", "ReshardStats", "MicroDPResharder",
+__all__ = ["ReshardGroups", "build_reshard_groups", "ReshardStats", "MicroDPResharder", "PendingTensor",
            "gather_layout_to_shard"]
 
 # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single.
@@ -146,6 +147,24 @@ def _owns_storage(tensor: torch.Tensor) -> bool:
             and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
 
 
+@dataclasses.dataclass(frozen=True)
+class PendingTensor:
+    """A generation tensor not gathered yet (:meth:`MicroDPResharder.stream_generation_tensors`).
+
+    ``shape`` and ``dtype`` are the generation tensor's (TP = t_g shard); :meth:`fetch`
+    runs its collectives and returns it (a view of a fresh buffer, or a regrouped copy).
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fetch: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the generation tensor."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
 @dataclasses.dataclass
 class _GenEntry:
     meta: LocalParam       # metadata of the source stage's rank with this rank's tp_rank
@@ -156,7 +175,7 @@ class _GenEntry:
 class _Accounting:
     def __init__(self):
         self.sent = self.received = self.collectives = 0
-        self.current = self.peak = 0
+        self.current = self.peak = self.held = 0
 
     def alloc(self, nbytes: int) -> None:
         self.current += nbytes
@@ -365,6 +384,103 @@ class MicroDPResharder:
             yield stats
         finally:
             self.to_training()
+
+    # -- the streamed transition (the weight sync's route) -----------------------------
+
+    def stream_generation_tensors(self) -> Iterator[tuple[str, "PendingTensor"]]:
+        """Yield ``(global megatron name, PendingTensor)`` for the generation shard, nothing
+        gathered ahead (collective: see below).
+
+        Unlike :meth:`to_generation` nothing is gathered before it is needed: a parameter's
+        all-gather (and fold broadcast) runs when the consumer calls
+        :meth:`PendingTensor.fetch`, into a buffer of its own that lives only as long as
+        the consumer keeps the fetched tensor (or a view of it), so the consumer can make
+        room (hand out a bucket) before the tensor exists. The training parameters keep
+        their storage (no aliasing). With a consumer that drops each bucket after loading
+        it, the sync's extra memory is one bucket plus one generation tensor in
+        conversion: the weight sync's peak is the actor's shard + the engine's weights +
+        one bucket + the largest generation tensor
+        (:func:`~megaflow.topology.weight_sync.weight_sync_peak_bytes`).
+
+        Collective: every rank iterates to the end, in the same order, and fetches the
+        same names as the other ranks of its gather and fold groups (a name may be left
+        unfetched on all of them, e.g. a tied output layer). After the last item,
+        ``last_stats`` holds this sync's :class:`ReshardStats` (``peak_extra_bytes``: the
+        largest buffer fetched; ``generation_bytes``: bytes fetched; ``num_aliased`` 0).
+
+        Raises:
+            RuntimeError: called while in the generation layout (:meth:`to_generation`).
+        """
+        if self._entries is not None:
+            raise RuntimeError("stream_generation_tensors called between to_generation and to_training")
+        start = time.perf_counter()
+        acc = _Accounting()
+        fetched: list[int] = []
+
+        def fetch_of(stage: int, meta: LocalParam):
+            def fetch() -> torch.Tensor:
+                buffer, slots, allocated = self._gather_one(stage, meta, acc)
+                fetched.append(allocated)
+                acc.held += buffer.numel() * buffer.element_size()
+                if meta.partition_dim is None:
+                    return buffer.view(meta.shard_shape)
+                return gather_layout_to_shard(buffer, meta.shard_shape, meta.partition_dim, meta.stride, slots)
+            return fetch
+
+        for stage, params in self._stage_params.items():
+            for meta in params:
+                yield meta.name, PendingTensor(self._generation_shape(meta), meta.dtype, fetch_of(stage, meta))
+                while fetched:  # the consumer asked for the next one: that buffer is its own now
+                    acc.release(fetched.pop())
+        own = self._stage_params[self.placement.pp_rank]
+        self.last_stats = ReshardStats(
+            bytes_sent=acc.sent, bytes_received=acc.received, generation_bytes=acc.held, peak_extra_bytes=acc.peak,
+            num_aliased=0, num_copied=sum(p.partition_dim is not None and self.layout.tp_ratio > 1 for p in own),
+            num_collectives=acc.collectives, seconds=time.perf_counter() - start)
+
+    def _generation_shape(self, meta: LocalParam) -> tuple[int, ...]:
+        shape = list(meta.shard_shape)
+        if meta.partition_dim is not None:
+            shape[meta.partition_dim] *= self.layout.tp_ratio
+        return tuple(shape)
+
+    def generation_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{global megatron name: (shape, dtype)}`` of the generation shard (no collective)."""
+        return {p.name: (self._generation_shape(p), p.dtype) for params in self._stage_params.values() for p in params}
+
+    def _gather_one(self, stage: int, meta: LocalParam, acc: _Accounting) -> tuple[torch.Tensor, int, int]:
+        """One parameter's generation buffer (gather layout): ``(flat buffer, slots, bytes allocated)``."""
+        layout, me = self.layout, self.placement
+        slots = layout.tp_ratio if meta.partition_dim is not None else 1
+        nbytes = slots * meta.shard_nbytes
+        if stage == me.pp_rank:
+            param = self._params[meta.local_name].data
+            if slots == 1:
+                allocated = 0 if param.is_contiguous() else nbytes
+                buffer = _flat_view(param, acc)
+            else:
+                buffer = torch.empty(slots * meta.shard_numel, dtype=param.dtype, device=param.device)
+                acc.alloc(nbytes)
+                allocated = nbytes
+                micro = me.tp_rank % slots
+                slot = buffer[micro * meta.shard_numel:(micro + 1) * meta.shard_numel]
+                slot.copy_(param.reshape(-1))
+                _all_gather_flat(buffer, slot, group=self.groups.gather)
+                acc.sent += (slots - 1) * meta.shard_nbytes
+                acc.received += (slots - 1) * meta.shard_nbytes
+                acc.collectives += 1
+            if self.groups.fold is not None:
+                acc.sent += (layout.pp_ratio - 1) * nbytes
+        else:
+            device = next(iter(self._params.values())).device if self._params else "cpu"
+            buffer = torch.empty(slots * meta.shard_numel, dtype=meta.dtype, device=device)
+            acc.alloc(nbytes)
+            allocated = nbytes
+            acc.received += nbytes
+        if self.groups.fold is not None:
+            dist.broadcast(buffer, src=layout.rank_of(me.tp_rank, stage, me.dp_rank), group=self.groups.fold)
+            acc.collectives += 1
+        return buffer, slots, allocated
 
     # -- the generation shard -----------------------------------------------------------
 

@@ -22,16 +22,21 @@ whose HF source tensors are exactly the ones a fused Megatron row joins. Layouts
   ``gate_up_proj`` shard as it is; row-parallel weights and norms likewise.
 * vocabulary rows (``"vocab"``): Megatron pads the vocabulary to a multiple of
   ``128 * t`` and vLLM to a multiple of 64, so the row ranges per rank can differ; then
-  the shards are all-gathered over the generation TP group (``vocab * hidden``
-  elements) and re-cut to vLLM's ranges, rows past the real vocabulary zero. Where the
-  paddings agree the shard is vLLM's as it is.
+  every rank of the generation TP group sends each peer exactly the real rows of its
+  Megatron range that fall in the peer's vLLM range (point-to-point,
+  :func:`exchange_vocab_rows`): no rank ever holds more than its own Megatron rows and
+  its vLLM rows (no full-vocabulary gather). Rows past the real vocabulary are zero.
+  Where the paddings agree the shard is vLLM's as it is.
 
-Memory: tensors are produced lazily from the resharder's iterator, converted one at a
-time and handed out in buckets of at most ``bucket_bytes`` (a bucket is handed out before
-the next tensor is converted); with a consumer that drops each bucket after loading it,
-the extra memory during a sync is the generation shard plus one bucket, plus the one
-generation tensor the resharder has materialised ahead (``linear_fc1`` or a row-parallel
-weight when t_g < t) (``tools/bench_reshard.py`` measures it).
+Memory: :func:`generation_buckets` gathers the generation shard one tensor at a time
+(:meth:`~megaflow.hybrid_engine.reshard.MicroDPResharder.stream_generation_tensors`),
+converts it and hands it out in buckets of at most ``bucket_bytes`` (a bucket is handed
+out before the next tensor is converted). With a consumer that wakes the engine's weights
+before asking for the first bucket and drops each bucket after loading it
+(:func:`~megaflow.hybrid_engine.transport.load_buckets`), the sync's peak is the actor's
+shard + the engine's weights + one bucket + one generation tensor being converted
+(:mod:`megaflow.topology.weight_sync`; ``tools/bench_reshard.py`` and
+``tools/bench_memory.py`` measure it).
 """
 from __future__ import annotations
 
@@ -44,7 +49,7 @@ import torch.distributed as dist
 from megaflow.models.hf_mapping import ModelSpec, find_mapping
 from megaflow.models.transforms import megatron_qkv_to_vllm
 
-from .reshard import _all_gather_flat
+from .reshard import PendingTensor, _all_gather_flat
 
 #: vLLM module that packs several HF modules -> the HF modules, in packing order
 #: (vLLM 0.32 ``packed_modules_mapping`` of ``LlamaForCausalLM`` and ``Qwen2ForCausalLM``;
@@ -105,12 +110,69 @@ def gather_rows(shard: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torc
     return out
 
 
+def vocab_row_transfers(size: int, megatron_rows: int, vllm_rows: int,
+                        vocab_size: int) -> list[tuple[int, int, int, int, int]]:
+    """Which real vocabulary rows move between the ranks of a generation TP group.
+
+    Rank ``s`` holds Megatron rows ``[s * megatron_rows, (s + 1) * megatron_rows)`` and rank
+    ``d`` needs vLLM rows ``[d * vllm_rows, (d + 1) * vllm_rows)``, of which only those
+    below ``vocab_size`` carry data (the rest are zero padding on vLLM's side).
+
+    Returns:
+        ``(src, dst, src_row, dst_row, count)`` for every non-empty overlap: rows
+        ``src_row .. src_row + count`` of ``src``'s shard go to rows ``dst_row ..`` of
+        ``dst``'s vLLM shard (local row indices), ordered by ``(src, dst)``.
+    """
+    moves = []
+    for src in range(size):
+        for dst in range(size):
+            lo = max(src * megatron_rows, dst * vllm_rows)
+            hi = min((src + 1) * megatron_rows, (dst + 1) * vllm_rows, vocab_size)
+            if hi > lo:
+                moves.append((src, dst, lo - src * megatron_rows, lo - dst * vllm_rows, hi - lo))
+    return moves
+
+
+def exchange_vocab_rows(shard: torch.Tensor, vllm_rows: int, vocab_size: int,
+                        group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """This rank's vLLM vocabulary rows from the Megatron rows of the group (collective).
+
+    Args:
+        shard: ``[V_megatron / t_g, hidden]``, this rank's Megatron rows (the same shape on
+            every rank of ``group``).
+        vllm_rows: vLLM's rows per rank (its padded vocabulary / t_g).
+        vocab_size: the real vocabulary size.
+        group: the generation TP group; None at t_g = 1.
+
+    Returns:
+        ``[vllm_rows, hidden]``: rows ``[r * vllm_rows, (r + 1) * vllm_rows)`` of the real
+        vocabulary for group rank ``r``, zero past ``vocab_size``. Only the overlapping
+        rows move (:func:`vocab_row_transfers`, batched ``isend``/``irecv``); the memory
+        used is the returned tensor.
+    """
+    rank, size = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+    out = shard.new_zeros((vllm_rows, *shard.shape[1:]))
+    ops = []
+    for src, dst, src_row, dst_row, count in vocab_row_transfers(size, shard.shape[0], vllm_rows, vocab_size):
+        rows_in, rows_out = shard[src_row:src_row + count], out[dst_row:dst_row + count]
+        if src == rank == dst:
+            rows_out.copy_(rows_in)
+        elif src == rank:
+            ops.append(dist.P2POp(dist.isend, rows_in.contiguous(), dist.get_global_rank(group, dst), group))
+        elif dst == rank:
+            ops.append(dist.P2POp(dist.irecv, rows_out, dist.get_global_rank(group, src), group))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return out
+
+
 def _vllm_vocab_rows(shard: torch.Tensor, vocab_size: int, rows_per_rank: int, rank: int,
-                     gather_vocab: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                     exchange_vocab: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
     """vLLM's vocabulary rows ``[rank * rows_per_rank, (rank + 1) * rows_per_rank)``, zero
     beyond the real ``vocab_size`` rows, from this rank's Megatron rows ``shard``.
 
-    When both paddings give a rank the same rows the shard is used as it is (no gather;
+    When both paddings give a rank the same rows the shard is used as it is (no exchange;
     the decision depends on shapes only, so every rank of the group takes the same branch).
     """
     start = rank * rows_per_rank
@@ -121,16 +183,12 @@ def _vllm_vocab_rows(shard: torch.Tensor, vocab_size: int, rows_per_rank: int, r
         out = shard.clone()
         out[real:] = 0
         return out
-    full_padded = gather_vocab(shard)
-    out = full_padded.new_zeros((rows_per_rank, *full_padded.shape[1:]))
-    if real:
-        out[:real] = full_padded[start:start + real]
-    return out
+    return exchange_vocab(shard, rows_per_rank)
 
 
 def to_vllm_shard(megatron_name: str, tensor: torch.Tensor, spec: ModelSpec, *, gen_tp: int, gen_tp_rank: int,
                   vllm_shapes: Mapping[str, tuple[int, ...]],
-                  gather_vocab: Callable[[torch.Tensor], torch.Tensor]) -> Optional[tuple[str, torch.Tensor]]:
+                  exchange_vocab: Callable[[torch.Tensor, int], torch.Tensor]) -> Optional[tuple[str, torch.Tensor]]:
     """Rename and re-lay out one generation-shard tensor into this rank's vLLM shard.
 
     Args:
@@ -140,8 +198,9 @@ def to_vllm_shard(megatron_name: str, tensor: torch.Tensor, spec: ModelSpec, *, 
         gen_tp, gen_tp_rank: generation TP size t_g and this rank's position in its group.
         vllm_shapes: vLLM name -> this rank's shard shape (the engine's
             :meth:`~megaflow.rollout.vllm_rollout.VLLMRollout.sharded_param_shapes`).
-        gather_vocab: all-gathers a vocabulary shard ``[V_megatron / t_g, hidden]`` over the
-            generation TP group along dim 0 (collective; identity at t_g = 1).
+        exchange_vocab: ``(Megatron vocabulary shard [V_megatron / t_g, hidden], vLLM rows
+            per rank) -> this rank's vLLM rows`` (collective over the generation TP group;
+            :func:`exchange_vocab_rows`), called only where the two paddings differ.
 
     Returns:
         ``(vLLM name, shard)`` — a view of ``tensor`` where the layouts agree, a new tensor
@@ -159,7 +218,7 @@ def to_vllm_shard(megatron_name: str, tensor: torch.Tensor, spec: ModelSpec, *, 
     shape = tuple(vllm_shapes[target])
     transform = find_mapping(megatron_name, spec)[0].transform
     if transform == "vocab":
-        tensor = _vllm_vocab_rows(tensor, spec.vocab_size, shape[0], gen_tp_rank, gather_vocab)
+        tensor = _vllm_vocab_rows(tensor, spec.vocab_size, shape[0], gen_tp_rank, exchange_vocab)
     elif transform == "qkv":
         tensor = megatron_qkv_to_vllm(tensor, num_heads=spec.num_heads // gen_tp,
                                       num_kv_heads=max(1, spec.num_kv_heads // gen_tp), head_dim=spec.head_dim)
@@ -171,16 +230,18 @@ def to_vllm_shard(megatron_name: str, tensor: torch.Tensor, spec: ModelSpec, *, 
 
 def iter_vllm_buckets(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec, *, gen_tp: int,
                       gen_tp_rank: int, vllm_shapes: Mapping[str, tuple[int, ...]],
-                      gather_vocab: Callable[[torch.Tensor], torch.Tensor],
+                      exchange_vocab: Callable[[torch.Tensor, int], torch.Tensor],
                       bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Stream this rank's generation shard as buckets of vLLM-layout tensors.
 
     Args:
-        named: ``(global megatron name, TP = gen_tp shard)`` pairs, consumed lazily (the
-            resharder's :meth:`~megaflow.hybrid_engine.reshard.MicroDPResharder.named_generation_tensors`).
-        spec, gen_tp, gen_tp_rank, vllm_shapes, gather_vocab: as in :func:`to_vllm_shard`.
+        named: ``(global megatron name, TP = gen_tp shard)`` pairs, consumed lazily; a
+            shard may be a :class:`~megaflow.hybrid_engine.reshard.PendingTensor` (the
+            resharder's :meth:`~megaflow.hybrid_engine.reshard.MicroDPResharder.stream_generation_tensors`),
+            fetched after the previous bucket is handed out.
+        spec, gen_tp, gen_tp_rank, vllm_shapes, exchange_vocab: as in :func:`to_vllm_shard`.
             Every rank of a generation TP group must iterate the same names in the same
-            order (``gather_vocab`` is a collective).
+            order (``exchange_vocab`` is a collective).
         bucket_bytes: the most bytes (``numel * element_size`` summed) one bucket holds;
             a single larger tensor forms a bucket of its own.
 
@@ -201,14 +262,16 @@ def iter_vllm_buckets(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec
     for name, tensor in named:
         target = vllm_param_name(name, spec)
         if target is None:
-            continue
+            continue  # a pending tensor left unfetched: no rank of its groups fetches it
         # the converted size is known before converting: hand out the full bucket first
-        nbytes = math.prod(vllm_shapes.get(target, tensor.shape)) * tensor.element_size()
+        nbytes = math.prod(vllm_shapes.get(target, tensor.shape)) * tensor.dtype.itemsize
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
+        if isinstance(tensor, PendingTensor):
+            tensor = tensor.fetch()  # gathered only now, with the previous bucket handed out
         converted = to_vllm_shard(name, tensor, spec, gen_tp=gen_tp, gen_tp_rank=gen_tp_rank,
-                                  vllm_shapes=vllm_shapes, gather_vocab=gather_vocab)
+                                  vllm_shapes=vllm_shapes, exchange_vocab=exchange_vocab)
         del tensor
         bucket.append(converted)
         size += nbytes
@@ -217,4 +280,32 @@ def iter_vllm_buckets(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec
         yield bucket
 
 
-__all__ = ["VLLM_PACKED_MODULES", "vllm_param_name", "to_vllm_shard", "iter_vllm_buckets", "gather_rows"]
+def generation_buckets(resharder, spec: ModelSpec, *, gen_tp_rank: int, vllm_shapes: Mapping[str, tuple[int, ...]],
+                       bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The streamed weight sync's buckets: nothing is gathered until the first is asked for.
+
+    Each generation tensor is gathered when needed
+    (:meth:`~megaflow.hybrid_engine.reshard.MicroDPResharder.stream_generation_tensors`),
+    converted (:func:`to_vllm_shard`, vocabulary rows by :func:`exchange_vocab_rows` over
+    the resharder's generation TP group) and bucketed (:func:`iter_vllm_buckets`). Wake the
+    engine's weights before pulling the first bucket
+    (:func:`~megaflow.hybrid_engine.transport.load_buckets` does) and drop each bucket after
+    loading it; afterwards ``resharder.last_stats`` describes the reshard. Collective over
+    the actor's world: every rank iterates to the end.
+
+    Args:
+        resharder: a :class:`~megaflow.hybrid_engine.reshard.MicroDPResharder`.
+        spec, gen_tp_rank, vllm_shapes, bucket_bytes: as in :func:`iter_vllm_buckets`.
+    """
+    group = resharder.groups.gen_tp
+
+    def exchange(shard: torch.Tensor, vllm_rows: int) -> torch.Tensor:
+        return exchange_vocab_rows(shard, vllm_rows, spec.vocab_size, group)
+
+    return iter_vllm_buckets(resharder.stream_generation_tensors(), spec, gen_tp=resharder.layout.gen_tp,
+                             gen_tp_rank=gen_tp_rank, vllm_shapes=vllm_shapes, exchange_vocab=exchange,
+                             bucket_bytes=bucket_bytes)
+
+
+__all__ = ["VLLM_PACKED_MODULES", "vllm_param_name", "to_vllm_shard", "iter_vllm_buckets", "gather_rows",
+           "vocab_row_transfers", "exchange_vocab_rows", "generation_buckets"]

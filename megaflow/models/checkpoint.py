@@ -96,18 +96,46 @@ def checkpoint_metadata(model_chunks: Any, hf_config: Any, parallel_info: Any,
     cfg = _config_dict(hf_config)
     spec = ModelSpec.from_hf_config(cfg)
     param = next(chunks[0].parameters())
-    names = {n for c in chunks for n, _ in c.named_parameters()}
-    te = any(n.endswith("layer_norm_weight") for n in names)
     meta = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "hf_config": cfg,
         "tie_word_embeddings": spec.tie_word_embeddings, "vocab_size": spec.vocab_size,
         "padded_vocab_size": chunks[0].vocab_size, "dtype": str(param.dtype).removeprefix("torch."),
         "tp": parallel_info.tp_size, "pp": parallel_info.pp_size,
-        "layer_spec": "transformer_engine" if te else "local",
+        "layer_spec": layer_spec_of(chunks),
         "megatron_core_version": mcore_version, "torch_version": torch.__version__,
     }
     meta.update(extra or {})
     return meta
+
+
+#: The layer specs a checkpoint records (``layer_spec`` in ``megaflow_checkpoint.json``).
+LAYER_SPECS = ("local", "transformer_engine")
+#: Parameter names per spec of the fused norms (megatron-core's local spec stores them under
+#: the Transformer Engine keys through its ``sharded_state_dict_keys_map``, so the stored
+#: tensors agree; only ``_extra_state`` objects differ between the specs).
+NORM_NAMES = {"local": ("input_layernorm.weight", "pre_mlp_layernorm.weight"),
+              "transformer_engine": ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight")}
+
+
+def layer_spec_of(model_chunks: Any) -> str:
+    """``"transformer_engine"`` when the layers' norms are fused into ``linear_qkv`` /
+    ``linear_fc1`` (``layer_norm_weight``, Transformer Engine's spec), else ``"local"``."""
+    names = (n for c in _chunks(model_chunks) for n, _ in c.named_parameters())
+    return "transformer_engine" if any(n.endswith("layer_norm_weight") for n in names) else "local"
+
+
+def _without_extra_state(sharded: dict[str, Any]) -> dict[str, Any]:
+    """``sharded`` (chunk key -> entries) less every ``_extra_state`` object."""
+    return {chunk_key: {k: v for k, v in entries.items() if not k.endswith("_extra_state")}
+            for chunk_key, entries in sharded.items()}
+
+
+def _check_layer_spec(meta: dict, model_spec: str, ckpt_dir: str | os.PathLike) -> str:
+    stored = meta.get("layer_spec", "local")
+    if stored not in LAYER_SPECS or model_spec not in LAYER_SPECS:
+        raise CheckpointError(f"{ckpt_dir} was saved with layer_spec={stored!r}, the model to load uses "
+                              f"layer_spec={model_spec!r}; megaflow maps between {list(LAYER_SPECS)} only")
+    return stored
 
 
 def save_checkpoint(model_chunks: Any, ckpt_dir: str | os.PathLike, hf_config: Any,
@@ -279,8 +307,16 @@ def load_checkpoint(model_chunks: Any, ckpt_dir: str | os.PathLike, *, strict: b
 
     Raises:
         CheckpointError: incomplete/foreign checkpoint, a file that differs from the
-            manifest, a refused pickle, missing or truncated tensor files, or a model whose
-            layer count or hidden size differs from the stored HF config.
+            manifest, a refused pickle, missing or truncated tensor files, a model whose
+            layer count or hidden size differs from the stored HF config, or a layer spec
+            (``local`` / ``transformer_engine``, recorded at save) that cannot be mapped onto
+            the model's (both named).
+
+    Layer specs: a checkpoint saved with megatron-core's local spec loads into a model built
+    with Transformer Engine's and back. The fused norms are stored under the same keys by
+    both (:data:`NORM_NAMES`: the local spec's ``sharded_state_dict_keys_map``); the
+    ``_extra_state`` objects, which differ between the specs (TE's FP8 metadata, its
+    attention's), are ignored and the model keeps the state it was built with.
     """
     from megatron.core import dist_checkpointing
 
@@ -294,14 +330,31 @@ def load_checkpoint(model_chunks: Any, ckpt_dir: str | os.PathLike, *, strict: b
     if have != want:
         raise CheckpointError(f"{ckpt_dir} holds a model with (num_layers, hidden_size, "
                               f"num_heads)={want}, the model to load has {have}")
-    state = dist_checkpointing.load(_sharded_state_dict(chunks), str(Path(ckpt_dir) / MODEL_SUBDIR))
+    model_spec = layer_spec_of(chunks)
+    stored_spec = _check_layer_spec(meta, model_spec, ckpt_dir)
+    sharded = _sharded_state_dict(chunks)
+    if stored_spec != model_spec:
+        # the tensors are stored under the same keys by both specs; the specs' _extra_state objects
+        # differ (e.g. TE's core attention): ignored, the model keeps the state it was built with
+        sharded = _without_extra_state(sharded)
+        stored = dist_checkpointing.load_tensors_metadata(str(Path(ckpt_dir) / MODEL_SUBDIR))
+        missing = sorted({v.key for entries in sharded.values() for v in entries.values()
+                          if hasattr(v, "key") and v.key not in stored})
+        if missing:
+            raise CheckpointError(f"{ckpt_dir} was saved with layer_spec={stored_spec!r} and cannot be mapped onto "
+                                  f"the model's layer_spec={model_spec!r}: the checkpoint has no {missing[:4]}")
+    state = dist_checkpointing.load(sharded, str(Path(ckpt_dir) / MODEL_SUBDIR))
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     for chunk, key in zip(chunks, keys):
+        if stored_spec != model_spec:  # every _extra_state the checkpoint did not give: the model's own
+            own = chunk.state_dict()
+            state[key].update({k: v for k, v in own.items() if k.endswith("_extra_state") and k not in state[key]})
         chunk.load_state_dict(state[key], strict=strict)
     return meta
 
 
-__all__ = ["save_checkpoint", "save_sharded", "load_checkpoint", "read_checkpoint_metadata",
+__all__ = ["save_checkpoint", "save_sharded", "load_checkpoint", "read_checkpoint_metadata", "layer_spec_of",
+           "LAYER_SPECS", "NORM_NAMES",
            "verify_checkpoint_files", "verify_on_rank0",
            "checkpoint_metadata", "METADATA_FILE", "MODEL_SUBDIR", "HF_SUBDIR", "FORMAT",
            "FORMAT_VERSION"]

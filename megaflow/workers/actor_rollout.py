@@ -118,7 +118,7 @@ class ActorRolloutWorker(ActorWorker):
         weights send only that news. Parameters only are reloaded onto the device. Also runs
         when the engine discarded its weights (``rollout.sleep_level`` 2) with the actor unchanged.
         """
-        from megaflow.hybrid_engine.rollout_weights import iter_vllm_buckets
+        from megaflow.hybrid_engine.rollout_weights import generation_buckets
 
         engine_valid = self.rollout is None or self.rollout.weights_valid  # level-2 sleep discards them
         if self._synced_version == self._actor_version and engine_valid:
@@ -127,28 +127,22 @@ class ActorRolloutWorker(ActorWorker):
             return
         self._before_phase(("params",))  # the sync reads parameters only: grads/optimizer stay offloaded
         try:
-            with self.resharder.generation() as stats:
-                buckets = iter_vllm_buckets(
-                    self.resharder.named_generation_tensors(), self.spec, gen_tp=self.layout.gen_tp,
-                    gen_tp_rank=self._gen_tp_rank, vllm_shapes=self._vllm_shapes,
-                    gather_vocab=self._gather_gen_tp, bucket_bytes=bucket_bytes)
-                # a failure aborts the update: the engine refuses to generate until a complete sync
-                if self.transport is not None:
-                    self.last_transport_stats = self.transport.send(buckets, self._actor_version)
-                else:
-                    for _ in buckets:  # the conversion's collectives (vocabulary gathers) run on every rank
-                        pass
+            # streamed: the colocated transport's load_buckets wakes the engine's weights before it pulls
+            # the first bucket, and each tensor is gathered only when its bucket is built (peak: actor +
+            # engine + one bucket + one tensor; megaflow.topology.weight_sync)
+            buckets = generation_buckets(self.resharder, self.spec, gen_tp_rank=self._gen_tp_rank,
+                                         vllm_shapes=self._vllm_shapes, bucket_bytes=bucket_bytes)
+            # a failure aborts the update: the engine refuses to generate until a complete sync
+            if self.transport is not None:
+                self.last_transport_stats = self.transport.send(buckets, self._actor_version)
+            else:
+                for _ in buckets:  # the conversion's collectives (vocabulary exchanges) run on every rank
+                    pass
         finally:
             self._after_phase()  # the training state goes back off the device while the engine generates
-        self.last_reshard_stats = stats
+        self.last_reshard_stats = self.resharder.last_stats
         self._synced_version = self._actor_version
         self._num_sends += 1
-
-    def _gather_gen_tp(self, shard: torch.Tensor) -> torch.Tensor:
-        """All-gather ``shard`` over the generation TP group along dim 0 (identity at t_g = 1)."""
-        from megaflow.hybrid_engine.rollout_weights import gather_rows
-
-        return gather_rows(shard, self.reshard_groups.gen_tp)
 
     # ------------------------------------------------------------------ registered methods
     @register(Dispatch.ONE_TO_ALL)

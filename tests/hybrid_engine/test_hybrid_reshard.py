@@ -109,6 +109,16 @@ def _run_scenario(rank: int, sc: Scenario) -> dict:
         out["mismatch_after_update"] = _compare(resharder, generation_shard(
             sc.cfg, bumped, gen_tp=sc.gen_tp, gen_tp_rank=me.gen_tp_rank, stages=stages))
     out["restored_after_update"] = [n for n in params if not torch.equal(params[n], originals[n] + 1)]
+    # the streamed route (the weight sync's): one tensor gathered per fetch, the same tensors
+    expected = generation_shard(sc.cfg, bumped, gen_tp=sc.gen_tp, gen_tp_rank=me.gen_tp_rank, stages=stages)
+    before = {n: t.data_ptr() for n, t in params.items()}
+    streamed = {name: pending.fetch().clone() for name, pending in resharder.stream_generation_tensors()}
+    out["stream_mismatch"] = sorted(n for n in set(expected) | set(streamed)
+                                    if n not in streamed or n not in expected or not torch.equal(streamed[n], expected[n]))
+    out["stream_stats"] = resharder.last_stats
+    out["largest_generation_tensor"] = max(t.numel() * t.element_size() for t in expected.values())
+    out["params_kept_by_stream"] = all(torch.equal(params[n], originals[n] + 1) and params[n].data_ptr() == before[n]
+                                       for n in params)
     return out
 
 
@@ -216,3 +226,16 @@ def test_misuse_raises_clear_errors(results):
         assert "only between to_generation and to_training" in errors["tensor_first"]
         assert "to_generation called twice" in errors["twice"]
         assert "'decoder.layers.9.x' is not in this rank's generation shard" in errors["unknown"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", [sc.key for sc in SCENARIOS])
+def test_streamed_generation_tensors_match_and_hold_one_tensor_at_a_time(results, key):
+    for rank, r in enumerate(results[key]):
+        assert r["stream_mismatch"] == [], (rank, r["stream_mismatch"])
+        assert r["params_kept_by_stream"], rank  # no aliasing: the training storage is never moved
+        stats = r["stream_stats"]
+        assert stats.bytes_received == r["expected_received"], rank  # the same traffic as to_generation
+        assert stats.generation_bytes == r["stats"].generation_bytes and stats.num_aliased == 0
+        # one buffer alive at a time (to_generation holds them all: its peak is the whole shard less aliasing)
+        assert 0 < stats.peak_extra_bytes <= r["largest_generation_tensor"], rank

@@ -4,8 +4,9 @@ Expected tensors are cut from full Hugging Face tensors by ``rollout_testlib.hf_
 (vLLM's per-rank layout written out by hand: q heads then k then v, gate rows then up rows,
 vocabulary padded to 64 rows), independently of the Megatron side, whose TP = t_g shards are
 built by the loader's :func:`~megaflow.models.hf_mapping.hf_to_megatron_shard`. Both ranks of
-a t_g = 2 group are simulated in this process (the vocabulary all-gather concatenates the two
-ranks' shards).
+a t_g = 2 group are simulated in this process (the vocabulary exchange copies the rows
+:func:`~megaflow.hybrid_engine.rollout_weights.vocab_row_transfers` names from the other
+rank's shard; the 2-process test below runs the real point-to-point exchange).
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import sys
 import pytest
 import torch
 
-from megaflow.hybrid_engine.rollout_weights import VLLM_PACKED_MODULES, iter_vllm_buckets, vllm_param_name
+from megaflow.hybrid_engine.rollout_weights import (VLLM_PACKED_MODULES, exchange_vocab_rows, iter_vllm_buckets,
+                                                     vllm_param_name, vocab_row_transfers)
 from megaflow.models.hf_mapping import (PARAM_MAPPINGS, ModelSpec, ShardLayout, hf_names, hf_shape,
                                         hf_to_megatron_shard, is_active)
 
@@ -83,17 +85,25 @@ def _expected(spec: ModelSpec, hf: dict, gen_tp: int, rank: int) -> dict[str, to
 
 def _convert(spec, hf, gen_tp, rank, bucket_bytes):
     shards = {r: _megatron_generation_shards(spec, hf, gen_tp, r) for r in range(gen_tp)}
-    by_ptr = {}
-    for name, _ in shards[rank]:
-        parts = [dict(shards[r])[name] for r in range(gen_tp)]
-        by_ptr[dict(shards[rank])[name].data_ptr()] = torch.cat(parts)
+    vocab_names = {name for name, t in shards[rank] if name.endswith(("word_embeddings.weight", "output_layer.weight"))}
 
-    def gather_vocab(shard):  # the all-gather over the generation TP group
-        return by_ptr[shard.data_ptr()]
+    def exchange_vocab(shard, vllm_rows):  # the point-to-point exchange over the generation TP group
+        name = next(n for n in vocab_names if dict(shards[rank])[n].data_ptr() == shard.data_ptr())
+        out = torch.zeros(vllm_rows, shard.shape[1])
+        for src, dst, src_row, dst_row, count in vocab_row_transfers(gen_tp, shard.shape[0], vllm_rows,
+                                                                     spec.vocab_size):
+            if dst == rank:
+                out[dst_row:dst_row + count] = dict(shards[src])[name][src_row:src_row + count]
+        return out
 
     shapes = {k: tuple(v.shape) for k, v in _expected(spec, hf, gen_tp, rank).items()}
     return list(iter_vllm_buckets(iter(shards[rank]), spec, gen_tp=gen_tp, gen_tp_rank=rank, vllm_shapes=shapes,
-                                  gather_vocab=gather_vocab, bucket_bytes=bucket_bytes))
+                                  exchange_vocab=exchange_vocab, bucket_bytes=bucket_bytes))
+
+
+def _alone(spec):
+    """The vocabulary exchange at t_g = 1 (no group)."""
+    return lambda shard, rows: exchange_vocab_rows(shard, rows, spec.vocab_size, None)
 
 
 @pytest.mark.parametrize("vocab", [VOCAB, 250, 512], ids=["vocab_regathered", "vocab_tail_zeroed", "vocab_as_is"])
@@ -150,7 +160,7 @@ def test_buckets_are_built_lazily():
     shapes = {k: tuple(v.shape) for k, v in _expected(spec, hf, 1, 0).items()}
     limit = max(t.numel() * t.element_size() for _, t in shards)
     buckets = iter_vllm_buckets(source(), spec, gen_tp=1, gen_tp_rank=0, vllm_shapes=shapes,
-                                gather_vocab=lambda t: t, bucket_bytes=limit)
+                                exchange_vocab=_alone(spec), bucket_bytes=limit)
     assert pulled == []
     first = next(buckets)
     assert len(pulled) == len(first) + 1  # the bucket, and the one tensor that did not fit any more
@@ -162,7 +172,7 @@ def test_bad_input_is_refused_naming_it():
     hf = _hf_state(spec)
     shards = _megatron_generation_shards(spec, hf, 1, 0)
     shapes = {k: tuple(v.shape) for k, v in _expected(spec, hf, 1, 0).items()}
-    kwargs = dict(gen_tp=1, gen_tp_rank=0, gather_vocab=lambda t: t)
+    kwargs = dict(gen_tp=1, gen_tp_rank=0, exchange_vocab=_alone(spec))
     with pytest.raises(ValueError, match="bucket_bytes must be > 0, got 0"):
         next(iter_vllm_buckets(iter(shards), spec, vllm_shapes=shapes, bucket_bytes=0, **kwargs))
     with pytest.raises(KeyError, match="decoder.layers.0.mlp.nope.weight"):
@@ -221,3 +231,37 @@ def test_gather_rows_concatenates_the_ranks_shards_in_rank_order():
     expected = torch.cat([torch.full((3, 2), float(r)) + torch.arange(6.0).view(3, 2) for r in range(2)])
     for res in results:
         assert torch.equal(res["gathered"], expected) and res["alone_is_itself"]
+
+
+def test_vocab_row_transfers_move_only_the_real_rows_each_rank_lacks():
+    # 2 ranks, Megatron 128 rows each (256 padded), vLLM 64 rows each (vocabulary 100, padded to 128)
+    assert vocab_row_transfers(2, 128, 64, 100) == [(0, 0, 0, 0, 64), (0, 1, 64, 0, 36)]
+    # Megatron 500 rows each, vLLM 512: rank 0 needs 12 rows of rank 1, rank 1 keeps its own
+    assert vocab_row_transfers(2, 500, 512, 1000) == [(0, 0, 0, 0, 500), (1, 0, 0, 500, 12), (1, 1, 12, 0, 488)]
+    # every real row goes exactly once, to the rank and row vLLM expects
+    for size, m_rows, v_rows, vocab in ((2, 128, 64, 100), (4, 320, 300, 1190), (3, 64, 64, 150)):
+        dest = [(dst * v_rows + dr + i) for src, dst, sr, dr, n in vocab_row_transfers(size, m_rows, v_rows, vocab)
+                for i in range(n)]
+        srcs = [(src * m_rows + sr + i) for src, dst, sr, dr, n in vocab_row_transfers(size, m_rows, v_rows, vocab)
+                for i in range(n)]
+        assert sorted(dest) == list(range(vocab)) and dest == srcs
+
+
+def _exchange_on_rank(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world_size)))
+    full = torch.arange(1000 * 3, dtype=torch.float32).view(1000, 3)  # Megatron: 500 rows per rank
+    shard = full[rank * 500:(rank + 1) * 500].clone()
+    return {"rows": exchange_vocab_rows(shard, 512, 1000, group)}
+
+
+@pytest.mark.slow
+def test_exchange_vocab_rows_gives_each_rank_vllms_rows_point_to_point():
+    from megaflow.utils.launch import run_distributed
+
+    results = run_distributed(_exchange_on_rank, 2)
+    full = torch.arange(1000 * 3, dtype=torch.float32).view(1000, 3)
+    padded = torch.cat([full, torch.zeros(24, 3)])  # vLLM: 1024 rows, 512 per rank, zero past 1000
+    for rank, res in enumerate(results):
+        assert torch.equal(res["rows"], padded[rank * 512:(rank + 1) * 512]), rank

@@ -113,7 +113,6 @@ def test_sleep_level_and_enforce_eager_reach_the_engine(monkeypatch, tmp_path):
 def test_the_actor_re_syncs_an_engine_that_discarded_its_weights(monkeypatch):
     """After a level-2 sleep the engine has no weights: the next sync pushes them again even
     though the actor has not changed (validation after a step, two generations per update)."""
-    import contextlib
     from types import SimpleNamespace
 
     import megaflow.hybrid_engine.rollout_weights as rollout_weights
@@ -130,14 +129,13 @@ def test_the_actor_re_syncs_an_engine_that_discarded_its_weights(monkeypatch):
         def send_unchanged(self, version):
             self.unchanged.append(version)
 
-    monkeypatch.setattr(rollout_weights, "iter_vllm_buckets", lambda *a, **k: iter([["bucket"]]))
+    monkeypatch.setattr(rollout_weights, "generation_buckets", lambda *a, **k: iter([["bucket"]]))
     engine, sent = SimpleNamespace(weights_valid=True), Transport()
     fake = SimpleNamespace(
         _synced_version=4, _actor_version=4, rollout=engine, transport=sent, spec=None, _vllm_shapes={},
         layout=SimpleNamespace(gen_tp=1), _gen_tp_rank=0, _gather_gen_tp=None, _num_sends=0,
         _before_phase=lambda kinds: None, _after_phase=lambda: None,
-        resharder=SimpleNamespace(generation=lambda: contextlib.nullcontext("stats"),
-                                  named_generation_tensors=lambda: iter(())))
+        resharder=SimpleNamespace(last_stats="stats"))
     ActorRolloutWorker._sync_rollout_weights(fake, 1 << 20)
     assert sent.sent == [] and sent.unchanged == [4]  # same version, weights held: nothing to do
     engine.weights_valid = False  # sleep_level=2 after the last generation
