@@ -326,7 +326,8 @@ def _communicators(pool: PoolPlan, roles: dict[str, RolePlan], rollout: RolloutP
 
 def _engine_sleep_level(cfg: Config) -> int:
     """vLLM's sleep level between rollouts: ``rollout.sleep_level`` where the config has it,
-    otherwise 1 (the engine's hard-wired default)."""
+    otherwise 1 (the engine's hard-wired default). Level 1 keeps the engine's weights in
+    pinned host memory; level 2 discards them."""
     return getattr(cfg.rollout, "sleep_level", 1)
 
 
@@ -339,8 +340,8 @@ def _gpu_pool(cfg: Config, pool: PoolPlan, roles: dict[str, RolePlan], rollout: 
                                           fixed_gib=cfg.resources.gpu_runtime_headroom_gib)
         phases.append(PhaseMemory(phase.phase, phase.total + headroom,
                                   phase.parts + (("runtime headroom", headroom),)))
-    colocated_engine = "actor" in pool.roles and rollout.split is None
-    asleep = rollout.memory.weights if colocated_engine and _engine_sleep_level(cfg) == 1 else 0.0
+    engine = ("actor" in pool.roles and rollout.split is None) or pool.roles == ("rollout",)
+    asleep = rollout.memory.weights if engine and _engine_sleep_level(cfg) == 1 else 0.0
     host = host_copies({r: roles[r].memory for r in pool.roles if r in roles}, asleep)
     return PoolPlan(placement=pool.placement, roles=pool.roles, phases=tuple(phases), communicators=comms,
                     host=host)

@@ -164,3 +164,19 @@ def test_planning_work_grows_no_faster_than_the_cluster():
     small = _calls_while_planning(load_run("llama70b_ppo"))
     large = _calls_while_planning(load_run("llama70b_ppo", ["resources.nodes=128"]))
     assert large < 16 * small
+
+
+def test_split_placement_counts_the_engines_communicators_and_their_sleeping_weights():
+    from test_split_plan import SPLIT
+
+    plan = build_plan(load_run("tiny_arith_grpo", SPLIT + ["resources.use_gpu=true"]))
+    actor_pool, gen_pool = plan.pools
+    assert actor_pool.communicators == ("world", "tp", "model-parallel", "weight broadcast")  # tp=2, pp=dp=1
+    assert gen_pool.communicators == ("world", "generation tp", "weight broadcast")
+    # the engines sleep at level 1: each rank pins its generation shard. tiny_arith_grpo at t_g=2,
+    # fp32: per layer (q, k, v, o 128 x 256 + 2 x 128 x 64 + 128 x 128 = 49152, MLP 3 x 128 x 384) / 2 + two
+    # norms; embedding and lm_head in the training padding (vocab 16 -> 256 at tp=2) / 2; the final norm
+    shard = 4 * (2 * ((49152 + 3 * 128 * 384) // 2 + 2 * 128) + 2 * 256 * 128 // 2 + 128)
+    assert plan.rollout.memory.weights == shard
+    assert gen_pool.host.pinned == shard and gen_pool.host.pageable == 0
+    assert plan.host_per_node == ((0, 4 * shard + 2 * actor_pool.host.pinned, 2 * actor_pool.host.pageable),)
