@@ -6,10 +6,11 @@ files brought along. megaflow is imported from this working tree (``sys.path``);
 missing pure-Python wheels are downloaded beforehand on a machine with network::
 
     pip download --no-deps --python-version 3.12 --only-binary=:all: \\
-        megatron-core==0.16.1 tensordict==0.15.3 -d .whl/
+        megatron-core==0.16.1 tensordict==0.15.3 pyvers==0.2.3 cloudpickle==3.1.3 -d .whl/
 
-(megatron-core for the model and optimizer, tensordict for megaflow's ``DataProto``; together
-well under 64 MiB) and copied next to the tree. ``--wheels .whl`` installs them with
+(:data:`WHEELS`: megatron-core for the model and optimizer, tensordict for megaflow's
+``DataProto``, and pyvers and cloudpickle, which ``import tensordict`` imports and neither torch
+nor transformers brings; together well under 64 MiB) and copied next to the tree. ``--wheels .whl`` installs them with
 ``pip install --no-deps --target .smoke_site`` (nothing outside the tree is touched) and puts
 that folder on ``sys.path``.
 
@@ -26,7 +27,18 @@ In one process, world size 1 on NCCL (gloo with ``--device cpu``), it
 
 and prints one table: per phase its seconds, ``torch.cuda.max_memory_allocated`` (peak reset
 per phase) and the dry-run planner's estimate (:func:`megaflow.dryrun.plan.build_plan` of the
-same config). Exit status 1 when a check fails. It is sized to finish in well under 8 minutes.
+same config). Then
+
+6. the device-index check (issue 31 item 1) in a subprocess: with ``LOCAL_RANK=3`` and
+   ``CUDA_VISIBLE_DEVICES`` naming one GPU, megaflow's Megatron entry point must bind CUDA
+   device 0 (skipped, with the reason, while ``megaflow.utils.device.pin_local_rank`` is absent);
+7. a random Llama-shaped model (~1.1B parameters on CUDA, the tiny one with ``--dry``) built
+   alone: ``max_memory_allocated`` of its parameters, a log-prob forward and a full-recompute
+   update against the planner (measured / planned, target 0.8-1.25), and tokens/s and model
+   TFLOP/s (``2N`` per token forward, ``6N`` per token update; Kaplan et al. 2020).
+
+``--json PATH`` (default ``$OUT/gpu_smoke.json`` when ``$OUT`` is set) writes every result.
+Exit status 1 when a check fails. It is sized to finish in well under 8 minutes.
 
 ``--device cpu --dry`` runs the same code on the CPU (fp32, gloo, no memory statistics: the
 memory column reads "-"); the tests run that path so the script is not dead code. It has not
@@ -36,7 +48,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -47,6 +61,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 RECIPE = "tiny_arith_grpo"
+#: Pure-Python wheels the target lacks (it has Python 3.12, CUDA torch and transformers).
+WHEELS = ("megatron-core==0.16.1", "tensordict==0.15.3", "pyvers==0.2.3", "cloudpickle==3.1.3")
+#: The module each wheel of :data:`WHEELS` provides (imported first, to fail early naming it).
+WHEEL_MODULES = {"megatron-core": "megatron.core", "tensordict": "tensordict", "pyvers": "pyvers",
+                 "cloudpickle": "cloudpickle"}
+#: The ~1.1B Llama shape of the memory/throughput section on CUDA (random weights).
+LLAMA_1B = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+            "max_position_embeddings": 4096, "tie_word_embeddings": False}
+#: Measured / planned memory the planner must meet on a GPU.
+RATIO_RANGE = (0.8, 1.25)
 PHASES = ("build+load", "log-probs", "update (recompute=full)", "reshard t=t_g=1", "generate (HF)")
 
 
@@ -69,6 +94,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--wheels", default=None, help="folder of pip-downloaded wheels to install (--no-deps)")
     parser.add_argument("--batch", type=int, default=8, help="prompts per phase (default 8)")
     parser.add_argument("--response-length", type=int, default=4, help="generated tokens (default 4)")
+    parser.add_argument("--mem-batch", type=int, default=4, help="rows of the memory section (default 4)")
+    parser.add_argument("--mem-seq", type=int, default=None,
+                        help="tokens per row of the memory section (default 2048 on CUDA, 32 on CPU)")
+    parser.add_argument("--json", default=None,
+                        help="write the results here (default $OUT/gpu_smoke.json when $OUT is set)")
     args = parser.parse_args(argv)
     if args.dry and args.device != "cpu":
         parser.error("--dry is the CPU rehearsal: use it with --device cpu")
@@ -76,9 +106,92 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--batch must be an even number >= 2 (rollout.n = 2), got {args.batch}")
     if args.response_length < 1:
         parser.error(f"--response-length must be >= 1, got {args.response_length}")
+    if args.mem_batch < 2 or args.mem_batch % 2 or (args.mem_seq is not None and args.mem_seq < 2):
+        parser.error(f"--mem-batch must be an even number >= 2 and --mem-seq >= 2, got {args.mem_batch}, "
+                     f"{args.mem_seq}")
+    if args.json is None and os.environ.get("OUT"):
+        args.json = os.path.join(os.environ["OUT"], "gpu_smoke.json")
     if args.wheels is not None and not glob.glob(os.path.join(args.wheels, "*.whl")):
         parser.error(f"--wheels {args.wheels!r}: no .whl files there (see the pip download command in the docstring)")
     return args
+
+
+def missing_wheels() -> list[str]:
+    """The entries of :data:`WHEELS` whose module does not import here."""
+    import importlib
+
+    missing = []
+    for wheel in WHEELS:
+        try:
+            importlib.import_module(WHEEL_MODULES[wheel.split("==")[0]])
+        except ImportError:
+            missing.append(wheel)
+    return missing
+
+
+#: Run in a fresh interpreter by :func:`device_index_check`; prints one JSON line. With
+#: ``MEGAFLOW_SMOKE_MOCK_CUDA=1`` (the CPU rehearsal) torch.cuda is one mocked device.
+_DEVICE_INDEX_CHILD = """
+import json, os, sys
+sys.path.insert(0, os.environ["MEGAFLOW_SMOKE_ROOT"])
+import torch
+if os.environ.get("MEGAFLOW_SMOKE_MOCK_CUDA") == "1":
+    bound = []
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 1
+    def set_device(index):
+        if int(index) >= 1:
+            raise RuntimeError(f"CUDA error: invalid device ordinal {index} (mocked: one visible device)")
+        bound.append(int(index))
+    torch.cuda.set_device = set_device
+    torch.cuda.current_device = lambda: bound[-1] if bound else 0
+try:
+    from megaflow.utils.device import pin_local_rank  # noqa: F401  (the fix of issue 31 item 1)
+except ImportError as exc:
+    print(json.dumps({"status": "skip", "reason": "megaflow.utils.device.pin_local_rank is not in this tree "
+                      f"(the device-index fix of issue 31 item 1): {exc}"}))
+    sys.exit(0)
+import tempfile
+import torch.distributed as dist
+from megaflow.megatron import parallel
+# the entry point runs after the process group exists (initialize_parallel), as under Ray
+dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(prefix="megaflow_smoke_"), 1), rank=0,
+                        world_size=1)
+try:
+    parallel._set_cuda_device()
+except Exception as exc:  # noqa: BLE001  (any error binding the device is the check's failure)
+    print(json.dumps({"status": "fail", "reason": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}))
+    sys.exit(0)
+device, local = torch.cuda.current_device(), os.environ.get("LOCAL_RANK")
+ok = device == 0 and local == "0"
+print(json.dumps({"status": "pass" if ok else "fail", "device": device, "LOCAL_RANK": local,
+                  "node_local_rank": os.environ.get("MEGAFLOW_NODE_LOCAL_RANK"),
+                  "reason": "" if ok else f"bound cuda:{device} with LOCAL_RANK={local}"}))
+"""
+
+
+def device_index_check(cuda: bool) -> dict:
+    """Issue 31 item 1 in a subprocess: ``LOCAL_RANK=3`` and one visible GPU (the first of
+    ``CUDA_VISIBLE_DEVICES``, else GPU 0; a mocked one-device CUDA on CPU) must make
+    ``megaflow.megatron.parallel._set_cuda_device`` bind device 0.
+
+    Returns:
+        ``{"status": "pass" | "fail" | "skip", "reason": ..., ...}``; "skip" while the fix's
+        ``megaflow.utils.device.pin_local_rank`` is missing.
+    """
+    import json
+
+    env = dict(os.environ, LOCAL_RANK="3", MEGAFLOW_SMOKE_ROOT=ROOT,
+               CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0")
+    env.pop("MEGAFLOW_NODE_LOCAL_RANK", None)
+    if not cuda:
+        env["MEGAFLOW_SMOKE_MOCK_CUDA"] = "1"
+    proc = subprocess.run([sys.executable, "-c", _DEVICE_INDEX_CHILD], env=env, capture_output=True, text=True,
+                          timeout=300)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode or not lines:
+        return {"status": "fail", "reason": f"the check's process exited {proc.returncode}: {proc.stderr[-500:]}"}
+    return json.loads(lines[-1])
 
 
 def install_wheels(folder: str, target: str) -> None:
@@ -125,6 +238,127 @@ def planned_bytes(cfg, batch: int) -> dict[str, float]:
             "generate (HF)": mem.static + gen.extra_weights + gen.kv_per_sequence * batch}
 
 
+def memory_config(cuda: bool, batch: int, seq: int):
+    """The run of the memory section: the ~1.1B :data:`LLAMA_1B` in bf16 on CUDA (the tiny
+    recipe's model in fp32 with ``--dry``), world size 1, ``batch`` rows of ``seq`` tokens
+    (half prompt, half response), one micro-batch, full recomputation."""
+    from megaflow.topology import load_run
+
+    response = seq // 2
+    overrides = ["resources.procs_per_node=1", "actor.tp=1", "actor.pp=1", "rollout.tp=1", "rollout.n=2",
+                 "actor.recompute_granularity=full", f"data.max_prompt_length={seq - response}",
+                 f"rollout.response_length={response}", f"data.train_batch_size={batch // 2}",
+                 f"actor.ppo_mini_batch_size={batch // 2}", f"actor.ppo_micro_batch_size_per_gpu={batch}",
+                 f"actor.log_prob_micro_batch_size_per_gpu={batch}", f"resources.use_gpu={str(cuda).lower()}",
+                 f"model.dtype={'bfloat16' if cuda else 'float32'}"]
+    if cuda:
+        hf = ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in LLAMA_1B.items())
+        overrides += ["resources.gpu_memory_gib=139", f"model.hf_config={{{hf}}}"]
+    return load_run(RECIPE, overrides)
+
+
+def planned_memory(cfg) -> dict[str, float]:
+    """The planner's bytes for the memory section's phases: the parameters; a log-prob forward
+    (parameters + one layer's activations + the logits, as the planner's forward roles); the
+    update's peak (parameters, fp32 grads, Adam state, recomputation's activations, logits)."""
+    from megaflow.dryrun.plan import build_plan
+
+    actor = build_plan(cfg).role("actor")
+    mem = actor.memory
+    forward = _forward_memory(cfg, actor)
+    return {"params": mem.params, "log-prob forward": mem.params + forward, "update": mem.peak}
+
+
+def _forward_memory(cfg, actor) -> float:
+    from megaflow.dryrun.memory import ParallelShape, role_memory
+    from megaflow.topology.sizes import max_seq_len
+    from megaflow.topology.transformer_engine import transformer_engine_usable
+
+    par = actor.parallel
+    shape = ParallelShape(tp=par.tp, pp=par.pp, cp=par.cp, dp=par.dp, vpp=par.vpp, sequence_parallel=False,
+                          recompute="none", micro_batch=actor.forward_micro_batch, num_micro_batches=1,
+                          seq=max_seq_len(cfg))
+    return role_memory("actor", actor.model, shape, dtype=cfg.model.dtype, trained=False, distributed_optimizer=False,
+                       fused_attention=bool(cfg.resources.use_gpu) and transformer_engine_usable(need_cuda=False),
+                       head="lm").activations
+
+
+def model_tflops(num_params: int, tokens: int, seconds: float, flops_per_param_token: int) -> float:
+    """Model TFLOP/s: ``flops_per_param_token * N * tokens / seconds / 1e12`` (2 for a forward,
+    6 for forward + backward; Kaplan et al. 2020, attention scores not counted; recomputation
+    is not counted either, so this is the model's, not the hardware's, rate)."""
+    return flops_per_param_token * num_params * tokens / seconds / 1e12
+
+
+def measure_memory(cuda: bool, batch: int, seq: int) -> dict:
+    """Section 7: build the random model alone and measure each phase against the planner.
+
+    Returns:
+        ``{"model": ..., "phases": {phase: {seconds, peak_bytes, planned_bytes, ratio,
+        within_range, tokens_per_s, model_tflops}}}``; ``peak_bytes`` and ``ratio`` are None on CPU.
+    """
+    import torch
+
+    from megaflow.config.loader import config_to_dict
+    from megaflow.megatron import parallel
+    from megaflow.megatron.engine import MegatronEngine
+    from megaflow.megatron.model import build_gpt_model
+    from megaflow.topology.role_spec import RoleSpec
+
+    cfg = memory_config(cuda, batch, seq)
+    planned = planned_memory(cfg)
+    hf_dict = dict(config_to_dict(cfg)["model"]["hf_config"])
+    dtype = getattr(torch, cfg.model.dtype)
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    info = parallel.initialize_parallel(tp=1, pp=1, seed=1)
+    results: dict = {}
+    baseline = float(torch.cuda.memory_allocated()) if cuda else 0.0  # what earlier sections left
+
+    def phase(name: str, fn: Callable[[], None], tokens: int = 0, flops: int = 0) -> None:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        peak = float(torch.cuda.max_memory_allocated()) - baseline if cuda else None
+        ratio = peak / planned[name] if peak is not None else None
+        results[name] = {"seconds": seconds, "peak_bytes": peak, "planned_bytes": planned[name], "ratio": ratio,
+                         "within_range": None if ratio is None else RATIO_RANGE[0] <= ratio <= RATIO_RANGE[1],
+                         "tokens_per_s": tokens / seconds if tokens else None,
+                         "model_tflops": model_tflops(num_params, tokens, seconds, flops) if tokens else None}
+
+    state: dict = {}
+    spec = RoleSpec(cfg, "actor", cfg.trainer.total_steps)
+    torch.manual_seed(0)
+    num_params = 0
+
+    def build() -> None:
+        model = build_gpt_model(hf_dict, dtype=dtype, **spec.model_overrides)
+        state["engine"] = MegatronEngine(model if cuda else model.to(device), info, spec,
+                                         vocab_size=hf_dict["vocab_size"])
+
+    phase("params", build)
+    num_params = sum(p.numel() for p in state["engine"].module.parameters())
+    g = torch.Generator().manual_seed(0)
+    prompt = cfg.data.max_prompt_length
+    ids = torch.randint(1, hf_dict["vocab_size"], (batch, seq), generator=g)
+    rows = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "position_ids": torch.arange(seq).expand_as(ids).contiguous(), "responses": ids[:, prompt:],
+            "response_mask": torch.ones(batch, seq - prompt), "advantages": torch.randn(batch, seq - prompt, generator=g)}
+
+    def loss(outputs, mb, den):
+        return -(outputs["log_probs"] * mb["advantages"] * mb["response_mask"].float()).sum() / den.num_tokens, {}
+
+    phase("log-prob forward", lambda: state["engine"].forward(rows), tokens=batch * seq, flops=2)
+    phase("update", lambda: state["engine"].train_step(rows, loss), tokens=batch * seq, flops=6)
+    del state["engine"]
+    return {"model": {k: hf_dict[k] for k in LLAMA_1B if k in hf_dict}, "num_params": num_params,
+            "dtype": cfg.model.dtype, "batch": batch, "seq": seq, "phases": results}
+
+
 def compare(measured: Optional[float], planned: Optional[float]) -> str:
     """``measured / planned`` as text (``-`` when either is missing or the plan is 0)."""
     if measured is None or not planned:
@@ -156,8 +390,9 @@ def _timed(phase: str, device, fn: Callable[[], str], planned: dict[str, float])
     return PhaseResult(phase, time.perf_counter() - start, peak, planned.get(phase), note)
 
 
-def run_smoke(args: argparse.Namespace) -> tuple[list[PhaseResult], list[str]]:
-    """Run the five phases; returns the table rows and the failed checks (empty = pass)."""
+def run_smoke(args: argparse.Namespace) -> tuple[list[PhaseResult], list[str], dict]:
+    """Run the five phases and the memory section; returns the table rows, the failed checks
+    (empty = pass) and :func:`measure_memory`'s results."""
     import torch
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -282,22 +517,28 @@ def run_smoke(args: argparse.Namespace) -> tuple[list[PhaseResult], list[str]]:
     try:
         for phase, fn in zip(PHASES, (build, log_probs, update, reshard, generate)):
             rows.append(_timed(phase, device, fn, planned))
+        state.clear()
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        memory = measure_memory(cuda, args.mem_batch, args.mem_seq or (2048 if cuda else 32))
+        for name, r in memory["phases"].items():
+            if r["within_range"] is False:
+                failures.append(f"memory {name}: measured / planned = {r['ratio']:.2f}, outside {RATIO_RANGE}")
     finally:
         parallel.destroy_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
-    return rows, failures
+    return rows, failures, memory
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.wheels:
         install_wheels(args.wheels, os.path.join(ROOT, ".smoke_site"))
-    try:
-        import megatron.core  # noqa: F401
-        import tensordict  # noqa: F401
-    except ImportError as exc:
-        print(f"error: {exc.name} is not importable; bring its wheel and pass --wheels (see the docstring)",
+    missing = missing_wheels()
+    if missing:
+        print(f"error: {', '.join(missing)} not importable; bring the wheel(s) and pass --wheels (see the docstring)",
               file=sys.stderr)
         return 2
     import torch
@@ -306,14 +547,46 @@ def main(argv=None) -> int:
         print("error: --device cuda but torch.cuda.is_available() is False; use --device cpu --dry", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    rows, failures = run_smoke(args)
+    device_index = device_index_check(args.device == "cuda")
+    rows, failures, memory = run_smoke(args)
+    if device_index["status"] == "fail":
+        failures.insert(0, f"device index: {device_index['reason']}")
     print(f"gpu_smoke: device={args.device} torch={torch.__version__} "
           f"({'dry CPU rehearsal' if args.dry else 'smoke check'}), {time.perf_counter() - start:.1f} s total")
     print(format_table(rows))
+    print(f"device index (LOCAL_RANK=3, one visible GPU -> cuda:0): {device_index['status']}"
+          + (f" ({device_index['reason']})" if device_index.get("reason") else ""))
+    print(format_memory(memory))
     for f in failures:
         print("FAILED:", f)
     print("PASS" if not failures else f"{len(failures)} check(s) failed")
+    if args.json:
+        write_json(args.json, {
+            "device": args.device, "dry": args.dry, "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+            "seconds": time.perf_counter() - start, "phases": [dataclasses.asdict(r) for r in rows],
+            "device_index": device_index, "memory": memory, "failures": failures, "passed": not failures})
     return 1 if failures else 0
+
+
+def format_memory(memory: dict) -> str:
+    """The memory section as text: per phase seconds, measured / planned MiB, ratio, tokens/s, TFLOP/s."""
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    lines = [f"random Llama, {memory['num_params']} params, {memory['dtype']}, {memory['batch']} x "
+             f"{memory['seq']} tokens (target measured/planned {RATIO_RANGE[0]}-{RATIO_RANGE[1]})",
+             f"  {'phase':<18} {'s':>7} {'peak MiB':>10} {'plan MiB':>10} {'ratio':>6} {'tokens/s':>10} {'TFLOP/s':>8}"]
+    for name, r in memory["phases"].items():
+        peak = None if r["peak_bytes"] is None else r["peak_bytes"] / 2**20
+        lines.append(f"  {name:<18} {r['seconds']:>7.2f} {fmt(peak, '.1f'):>10} {r['planned_bytes'] / 2**20:>10.1f} "
+                     f"{fmt(r['ratio'], '.2f'):>6} {fmt(r['tokens_per_s'], '.0f'):>10} {fmt(r['model_tflops'], '.3g'):>8}")
+    return "\n".join(lines)
+
+
+def write_json(path: str, results: dict) -> None:
+    """Write ``results`` to ``path`` (its folder created)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

@@ -867,7 +867,18 @@ class ResourcesConfig(Section):
     gpu_memory_gib: float = 80.0
     """Memory of one GPU, for the planner's fit check."""
     cpu_memory_gib: float | None = None
-    """Host memory per node, for the planner's fit check on CPU; null: not checked."""
+    """Host memory per node, for the planner's fit check; null: not checked. CPU runs: the ranks'
+    whole working sets; GPU runs: the host copies the ranks keep (pinned and pageable)."""
+    gpu_runtime_headroom_gib: float | None = None
+    """GPU memory per rank outside the planned tensors (CUDA context, cuBLAS workspaces, NCCL
+    communicators, allocator fragmentation), added to every phase of a GPU plan; null: derived
+    per pool by :func:`megaflow.dryrun.memory.runtime_headroom_bytes` (1 GiB context and
+    workspaces + 0.65 GiB per NCCL communicator + 5 % of the phase's tensors)."""
+    warn_pipeline_bubble: float = 0.25
+    """The plan warns when a trained role's pipeline bubble, ``(pp-1) / (vpp*m + pp-1)`` with
+    ``m`` micro-batches per dp rank per mini-batch, exceeds this fraction of the update."""
+    warn_samples_per_replica: int = 8
+    """The plan warns when a generation replica gets fewer samples per step than this."""
     pools: Mapping[str, PoolConfig] = field(default_factory=lambda: {"global": PoolConfig()})
     """Resource pools, laid out on the cluster's nodes in this order (first fit)."""
     placement: PlacementConfig = field(default_factory=PlacementConfig)
@@ -879,7 +890,11 @@ class ResourcesConfig(Section):
         super().__post_init__()
 
     def validate(self) -> None:
-        check_positive(self, "nodes", "procs_per_node", "num_cpus_per_proc", "gpu_memory_gib", "cpu_memory_gib")
+        check_positive(self, "nodes", "procs_per_node", "num_cpus_per_proc", "gpu_memory_gib", "cpu_memory_gib",
+                       "warn_samples_per_replica")
+        check_positive(self, "gpu_runtime_headroom_gib", allow_zero=True)
+        check(0.0 <= self.warn_pipeline_bubble <= 1.0, "warn_pipeline_bubble",
+              f"must lie in [0, 1] (a fraction of the update), got {self.warn_pipeline_bubble}")
         check(len(self.pools) > 0, "pools", "at least one pool is needed")
         # The roles' pools, and whether the pools fit the cluster's nodes, are checked across
         # sections (megaflow.topology.validate): a disabled role's placement is never read, so

@@ -312,3 +312,88 @@ def cpu_kv_cache_bytes(cfg) -> int:
         dtype_bytes=DTYPE_BYTES[cfg.model.dtype], gen_tp=r.tp)
 
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Runtime headroom, host copies and the pipeline bubble (issue 31 item 3)
+# ---------------------------------------------------------------------------------------------
+
+#: CUDA context with torch's kernels and the cuBLAS/cuBLASLt workspaces of one process. A
+#: bare torch process shows about 0.5-0.6 GiB in nvidia-smi on Hopper with CUDA 12's lazy
+#: module loading, growing as kernels load; NCCL issue #864 measured about 0.9 GiB before its
+#: communicator's buffers; torch's cuBLAS workspace is 32 MiB per (handle, stream) on Hopper
+#: (``CUBLAS_WORKSPACE_CONFIG=:4096:8``), a few streams. Rounded up to 1 GiB.
+CUDA_CONTEXT_BYTES = 1.0 * GIB
+#: One NCCL communicator after its first collective: NVIDIA/nccl issue #964 measured 544 MB
+#: (2 ranks) and 688 MB (> 2 ranks) per group on NVLink A100s; the buffers grow with the
+#: channels (issue #986), so the larger value, 0.65 GiB, is used for every group.
+NCCL_COMMUNICATOR_BYTES = 0.65 * GIB
+#: The caching allocator's fragmentation (2 MiB block rounding, split segments that cannot be
+#: reused): an allowance of 5 % of the tensors, not a measurement (``expandable_segments``
+#: lowers it).
+FRAGMENTATION_SHARE = 0.05
+
+
+def runtime_headroom_bytes(*, communicators: int, tensor_bytes: float, fixed_gib: float | None = None) -> float:
+    """GPU memory of one rank outside its planned tensors, in bytes.
+
+    ``fixed_gib`` (``resources.gpu_runtime_headroom_gib``) replaces the estimate when set;
+    otherwise ``CUDA_CONTEXT_BYTES + communicators * NCCL_COMMUNICATOR_BYTES +
+    FRAGMENTATION_SHARE * tensor_bytes`` (each constant's source is in its comment).
+
+    Args:
+        communicators: NCCL communicators the rank's process creates (groups of size > 1).
+        tensor_bytes: the phase's planned tensors on the rank (bytes).
+        fixed_gib: the headroom in GiB, or None for the estimate.
+    """
+    if fixed_gib is not None:
+        return fixed_gib * GIB
+    return CUDA_CONTEXT_BYTES + communicators * NCCL_COMMUNICATOR_BYTES + FRAGMENTATION_SHARE * tensor_bytes
+
+
+@dataclass(frozen=True)
+class HostCopies:
+    """Host memory one GPU rank keeps between phases (bytes).
+
+    ``pinned``: page-locked copies (megatron-core's param buffer ``offload_to_cpu`` and
+    megaflow's standalone parameters call ``pin_memory()``; vLLM's sleep level 1 keeps the
+    engine's weights in pinned memory). ``pageable``: the optimizer state and fp32 main
+    parameters (megatron-core's ``offload_to_cpu`` moves them with ``.cpu()``). Offloaded
+    gradient buffers are freed, not copied.
+    """
+
+    pinned: float
+    pageable: float
+    parts: tuple[tuple[str, float], ...]
+
+    @property
+    def total(self) -> float:
+        return self.pinned + self.pageable
+
+
+def host_copies(roles: dict[str, RoleMemory], engine_weights_pinned: float) -> HostCopies:
+    """The host copies of one rank: offloaded parameters (pinned) and optimizer state
+    (pageable) of ``roles`` (name -> memory, the roles of the rank's process), plus the
+    engine's weights when it sleeps at level 1 (``engine_weights_pinned`` bytes, 0 otherwise)."""
+    parts = [(f"{r} params (pinned)", m.params) for r, m in roles.items() if m.param_offload]
+    if engine_weights_pinned:
+        parts.append(("rollout weights asleep (pinned)", engine_weights_pinned))
+    pinned = sum(b for _, b in parts)
+    pageable_parts = [(f"{r} optimizer (pageable)", m.optimizer) for r, m in roles.items()
+                      if m.optimizer_offload and m.optimizer > 0]
+    return HostCopies(pinned=pinned, pageable=sum(b for _, b in pageable_parts), parts=tuple(parts + pageable_parts))
+
+
+def pipeline_bubble(pp: int, micro_batches: int, vpp: int | None = None) -> float:
+    """Idle fraction of a 1F1B pipeline update: ``(pp-1) / (v*m + pp-1)`` for ``m``
+    micro-batches per dp rank per mini-batch and ``v`` virtual stages (1 without
+    interleaving). Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on
+    GPU Clusters Using Megatron-LM", section 2.2: the bubble lasts ``(p-1)/(v*m)`` of the
+    ideal time, so ``(p-1)/(v*m + p-1)`` of the whole.
+
+    Raises:
+        ValueError: ``pp`` or ``micro_batches`` below 1.
+    """
+    if pp < 1 or micro_batches < 1:
+        raise ValueError(f"pipeline_bubble: pp and micro_batches must be >= 1, got {pp}, {micro_batches}")
+    return (pp - 1) / ((vpp or 1) * micro_batches + pp - 1)

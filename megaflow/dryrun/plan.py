@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 from megaflow.config.schema import Config
 from megaflow.config.typed import ConfigError
-from megaflow.dryrun.memory import (DTYPE_BYTES, GIB, ParallelShape, RoleMemory, RolloutMemory, cpu_kv_cache_bytes,
-                                    role_memory, rollout_memory)
+from megaflow.dryrun.memory import (DTYPE_BYTES, GIB, HostCopies, ParallelShape, RoleMemory, RolloutMemory,
+                                    cpu_kv_cache_bytes, host_copies, pipeline_bubble, role_memory, rollout_memory,
+                                    runtime_headroom_bytes)
 from megaflow.topology.hybrid_layout import HybridLayout, ReshardCost, reshard_cost
 from megaflow.topology.model_spec import ModelSpec, count_parameters
 from megaflow.topology.placement import MeshGroups, PoolPlacement, generation_layout, megatron_groups, pack_pools
@@ -40,6 +41,7 @@ from megaflow.topology.sizes import (
     uses_distributed_optimizer,
 )
 from megaflow.topology.split_layout import TransportPlan, plan_split_transport, split_sync_bytes
+from megaflow.topology.sizes import rollout_sleep_level
 from megaflow.topology.transformer_engine import transformer_engine_usable
 from megaflow.topology.weight_sync import WeightSyncMemory, weight_sync_memory
 
@@ -68,6 +70,9 @@ class RolePlan:
     """Whether the update shards the optimizer state over dp (megatron-core's distributed
     optimizer; :func:`~megaflow.topology.sizes.uses_distributed_optimizer`); False for
     forward-only roles."""
+    update_micro_batches: int | None = None
+    """Micro-batches per dp rank per mini-batch of the update (token budgets included);
+    None for forward-only roles."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,12 @@ class PoolPlan:
     placement: PoolPlacement
     roles: tuple[str, ...]
     phases: tuple[PhaseMemory, ...]
+    communicators: tuple[str, ...] = ()
+    """GPU plans: the NCCL groups (of size > 1) a rank of the pool creates, which the runtime
+    headroom counts; empty on CPU."""
+    host: HostCopies | None = None
+    """GPU plans: the host copies one rank of the pool keeps (None on CPU, where the phases
+    themselves are host memory)."""
 
     @property
     def peak(self) -> float:
@@ -139,6 +150,11 @@ class Plan:
     rollout: RolloutPlan
     problems: tuple[str, ...]
     notes: tuple[str, ...]
+    warnings: tuple[str, ...] = ()
+    """Layouts that run but waste the cluster (a large pipeline bubble, few samples per
+    generation replica); printed, never raised."""
+    host_per_node: tuple[tuple[int, float, float], ...] = ()
+    """GPU plans: (node, pinned bytes, pageable bytes) of the host copies of its ranks."""
 
     @property
     def fits(self) -> bool:
@@ -182,7 +198,7 @@ def _role_plan(cfg: Config, role: str) -> RolePlan:
                          head="lm" if role in ("actor", "ref") else "value", offload=offload)
     return RolePlan(role=role, model=spec, parallel=par, groups=megatron_groups(par.tp, par.pp, par.dp, par.cp),
                     batch=batch, forward_micro_batch=forward_mb, memory=memory,
-                    distributed_optimizer=distributed)
+                    distributed_optimizer=distributed, update_micro_batches=num_micro if trained else None)
 
 
 def _rollout_plan(cfg: Config, actor: RolePlan) -> RolloutPlan:
@@ -289,7 +305,103 @@ def _notes(cfg: Config, rollout: RolloutPlan, requirements: ClusterRequirements,
         notes.append(f"resources: the pools use {used} of the cluster's {total} ranks")
     if cfg.resources.use_gpu is False and requirements.gpus_per_node == 0 and cfg.resources.cpu_memory_gib is None:
         notes.append("CPU run: set resources.cpu_memory_gib to check the host memory per node")
+    if cfg.resources.use_gpu and cfg.resources.cpu_memory_gib is None:
+        notes.append("GPU run: set resources.cpu_memory_gib to check the host copies per node")
     return notes
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU runtime headroom, host copies per node, warnings (issue 31 item 3)
+# ---------------------------------------------------------------------------------------------
+
+def _communicators(pool: PoolPlan, roles: dict[str, RolePlan], rollout: RolloutPlan) -> tuple[str, ...]:
+    """The NCCL groups of size > 1 a rank of ``pool`` creates: the default group, Megatron's
+    groups of the pool's one mesh (colocated roles share it: ``megaflow.megatron.parallel``),
+    and the rollout's generation TP and micro-DP groups (or, split, the weight broadcast)."""
+    names = ["world"] if pool.placement.world_size > 1 else []
+    trained = [r for r in pool.roles if r in roles]
+    if trained:
+        par = roles[trained[0]].parallel
+        names += [n for n, size in (("tp", par.tp), ("cp", par.cp), ("dp", par.dp), ("pp", par.pp),
+                                    ("model-parallel", par.tp * par.pp)) if size > 1]
+        names += ["dp-cp"] if par.dp > 1 and par.cp > 1 else []
+        names += ["embedding"] if par.pp > 1 else []
+    sizes, split = rollout.sizes, rollout.split is not None
+    if "actor" in pool.roles and not split or pool.roles == ("rollout",):
+        names += ["generation tp"] if sizes.tp > 1 else []
+    if "actor" in pool.roles and not split:
+        names += ["micro-dp"] if sizes.micro_dp > 1 else []
+    if split and ("actor" in pool.roles or pool.roles == ("rollout",)):
+        names.append("weight broadcast")
+    return tuple(names)
+
+
+def _engine_sleep_level(cfg: Config) -> int:
+    """vLLM's sleep level between rollouts (:func:`~megaflow.topology.sizes.rollout_sleep_level`:
+    ``rollout.sleep_level``, null resolved by placement). Level 1 keeps the engine's weights
+    in pinned host memory; level 2 discards them."""
+    return rollout_sleep_level(cfg)
+
+
+def _gpu_pool(cfg: Config, pool: PoolPlan, roles: dict[str, RolePlan], rollout: RolloutPlan) -> PoolPlan:
+    """``pool`` with the runtime headroom added to each phase and its ranks' host copies."""
+    comms = _communicators(pool, roles, rollout)
+    phases = []
+    for phase in pool.phases:
+        headroom = runtime_headroom_bytes(communicators=len(comms), tensor_bytes=phase.total,
+                                          fixed_gib=cfg.resources.gpu_runtime_headroom_gib)
+        phases.append(PhaseMemory(phase.phase, phase.total + headroom,
+                                  phase.parts + (("runtime headroom", headroom),)))
+    engine = ("actor" in pool.roles and rollout.split is None) or pool.roles == ("rollout",)
+    asleep = rollout.memory.weights if engine and _engine_sleep_level(cfg) == 1 else 0.0
+    host = host_copies({r: roles[r].memory for r in pool.roles if r in roles}, asleep)
+    return PoolPlan(placement=pool.placement, roles=pool.roles, phases=tuple(phases), communicators=comms,
+                    host=host)
+
+
+def _host_per_node(pools: tuple[PoolPlan, ...]) -> tuple[tuple[int, float, float], ...]:
+    """(node, pinned, pageable) bytes of the host copies of every rank on the node."""
+    per_node: dict[int, tuple[float, float]] = {}
+    for pool in pools:
+        if pool.host is None:
+            continue
+        n = pool.placement.procs_per_node
+        for node in pool.placement.nodes:
+            pinned, pageable = per_node.get(node, (0.0, 0.0))
+            per_node[node] = (pinned + n * pool.host.pinned, pageable + n * pool.host.pageable)
+    return tuple((node, *per_node[node]) for node in sorted(per_node))
+
+
+def _host_problems(cfg: Config, host_per_node: tuple[tuple[int, float, float], ...]) -> list[str]:
+    limit = cfg.resources.cpu_memory_gib
+    return [f"node {node}: {(pinned + pageable) / GIB:.1f} GiB of host copies ({pinned / GIB:.1f} pinned, "
+            f"{pageable / GIB:.1f} pageable) > resources.cpu_memory_gib={limit:g}; turn off some "
+            f"<role>.param_offload/optimizer_offload or use more nodes"
+            for node, pinned, pageable in host_per_node if limit is not None and pinned + pageable > limit * GIB]
+
+
+def _warnings(cfg: Config, roles: dict[str, RolePlan], rollout: RolloutPlan) -> list[str]:
+    """A pipeline bubble above ``resources.warn_pipeline_bubble`` and fewer samples per
+    generation replica than ``resources.warn_samples_per_replica``."""
+    res, warnings = cfg.resources, []
+    for rp in roles.values():
+        par, m = rp.parallel, rp.update_micro_batches
+        if m is None or par.pp == 1:
+            continue
+        bubble = pipeline_bubble(par.pp, m, par.vpp)
+        if bubble > res.warn_pipeline_bubble:
+            warnings.append(f"{rp.role} update: pipeline bubble {bubble:.0%} of the update ((pp-1)/(vpp*m+pp-1) with "
+                            f"pp={par.pp}, m={m} micro-batches per dp rank per mini-batch) > "
+                            f"resources.warn_pipeline_bubble={res.warn_pipeline_bubble:g}; raise "
+                            f"{rp.role}.ppo_mini_batch_size, lower {rp.role}.ppo_micro_batch_size_per_gpu or "
+                            f"{rp.role}.pp, or set {rp.role}.vpp")
+    per_replica = rollout.sizes.samples_per_replica
+    if per_replica < res.warn_samples_per_replica:
+        warnings.append(f"rollout: {per_replica} sample(s) per generation replica per step < "
+                        f"resources.warn_samples_per_replica={res.warn_samples_per_replica}; the engines decode "
+                        f"nearly empty batches: raise rollout.tp, data.train_batch_size or rollout.n, or use "
+                        f"fewer GPUs")
+    return warnings
 
 
 def build_plan(cfg: Config) -> Plan:
@@ -318,6 +430,9 @@ def build_plan(cfg: Config) -> Plan:
             idle.append(f"resources.pools.{name}: no enabled role is placed on it; its ranks stay idle")
     pools = tuple(pools)
     res = cfg.resources
+    if res.use_gpu:  # issue 31 item 3: runtime headroom per GPU, host copies per node
+        pools = tuple(_gpu_pool(cfg, pool, roles, rollout) for pool in pools)
+    host_per_node = _host_per_node(pools)
     requirements = cluster_requirements(cfg)
     device_memory = res.gpu_memory_gib * GIB if res.use_gpu else (
         res.cpu_memory_gib * GIB if res.cpu_memory_gib is not None else None)
@@ -327,5 +442,7 @@ def build_plan(cfg: Config) -> Plan:
         dtype=cfg.model.dtype, use_gpu=bool(res.use_gpu), device_memory=device_memory, cluster_nodes=res.nodes,
         cluster_procs_per_node=res.procs_per_node, requirements=requirements,
         num_samples=num_samples_per_step(cfg), max_seq_len=max_seq_len(cfg), pools=pools,
-        roles=tuple(roles.values()), rollout=rollout, problems=tuple(_memory_problems(cfg, pools, rollout)),
-        notes=tuple(idle + _notes(cfg, rollout, requirements, pools)))
+        roles=tuple(roles.values()), rollout=rollout,
+        problems=tuple(_memory_problems(cfg, pools, rollout) + _host_problems(cfg, host_per_node)),
+        notes=tuple(idle + _notes(cfg, rollout, requirements, pools)),
+        warnings=tuple(_warnings(cfg, roles, rollout)), host_per_node=host_per_node)

@@ -118,7 +118,29 @@ def _memory_lines(plan: Plan) -> list[str]:
             parts = ", ".join(f"{name} {_gib(b)}" for name, b in phase.parts if b > 0)
             over = plan.use_gpu and plan.device_memory is not None and phase.total > plan.device_memory
             lines.append(f"    {phase.phase:<22} {_gib(phase.total):>10}{'  DOES NOT FIT' if over else ''}  ({parts})")
+        lines += _gpu_pool_lines(pool)
+    return lines + _host_lines(plan)
+
+
+def _gpu_pool_lines(pool: PoolPlan) -> list[str]:
+    """GPU plans: what the runtime headroom counts and the host copies of one rank."""
+    lines = []
+    if pool.communicators:
+        lines.append(f"    runtime headroom counts {len(pool.communicators)} NCCL communicator(s): "
+                     f"{', '.join(pool.communicators)}")
+    if pool.host is not None and pool.host.parts:
+        lines.append("    host copies per rank: " + ", ".join(f"{n} {_gib(b)}" for n, b in pool.host.parts))
     return lines
+
+
+def _host_lines(plan: Plan) -> list[str]:
+    """GPU plans: host copies per node, pinned and pageable."""
+    same: dict[tuple[float, float], list[int]] = {}
+    for node, pinned, pageable in plan.host_per_node:
+        same.setdefault((pinned, pageable), []).append(node)
+    return (["host memory per node (copies kept between phases):"] if same else []) + [
+        f"  node{'s' if len(nodes) > 1 else ''} {_span(tuple(nodes))}: {_gib(pinned + pageable)} each "
+        f"({_gib(pinned)} pinned, {_gib(pageable)} pageable)" for (pinned, pageable), nodes in same.items()]
 
 
 def format_plan(plan: Plan, max_groups: int = 4) -> str:
@@ -140,5 +162,6 @@ def format_plan(plan: Plan, max_groups: int = 4) -> str:
         lines += [f"  - {p}" for p in plan.problems]
     else:
         lines.append("fits: every phase is within the device memory")
+    lines += [f"warning: {w}" for w in plan.warnings]
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)

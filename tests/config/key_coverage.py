@@ -48,6 +48,7 @@ HF = "tests/config/test_hf_architecture.py::"
 KNOBS = "tests/config/test_config_knobs.py::"
 TOPO = "tests/config/test_config_topology.py::"
 PLAN = "tests/config/test_config_plan.py::"
+GPU_PLAN = "tests/config/test_plan_gpu_runtime.py::"
 LOSSES = "tests/algorithms/test_losses.py::"
 ADV = "tests/algorithms/test_advantages.py::"
 E2E_ALGO = "tests/trainer/test_e2e_algorithms.py::"
@@ -293,7 +294,12 @@ KEYS: dict[str, Consumed | Refused] = {
                                             "tests/single_controller/test_worker_group.py::"
                                             "test_each_rank_runs_one_thread_per_reserved_cpu"),
     "resources.gpu_memory_gib": consumed(PLAN + "test_impossible_memory_is_flagged_and_rejected"),
-    "resources.cpu_memory_gib": consumed(PLAN + "test_host_memory_per_node_on_cpu"),
+    "resources.cpu_memory_gib": consumed(PLAN + "test_host_memory_per_node_on_cpu",
+                                         GPU_PLAN + "test_host_copies_per_node_on_gpu_by_hand"),
+    "resources.gpu_runtime_headroom_gib": consumed(GPU_PLAN + "test_runtime_headroom_by_hand",
+                                                   GPU_PLAN + "test_gpu_runtime_headroom_gib_decides_whether_a_layout_fits"),
+    "resources.warn_pipeline_bubble": consumed(GPU_PLAN + "test_warning_thresholds_are_the_resources_keys"),
+    "resources.warn_samples_per_replica": consumed(GPU_PLAN + "test_warning_thresholds_are_the_resources_keys"),
     "resources.pools.*.nodes": consumed(PLAN + "test_pools_first_fit_on_nodes", TOPO + "test_pools_and_placement"),
     "resources.pools.*.procs_per_node": consumed(PLAN + "test_pools_first_fit_on_nodes", TOPO + "test_pools_and_placement"),
     "resources.placement.actor": consumed(TOPO + "test_pools_and_placement"),

@@ -147,7 +147,8 @@ def test_colocated_phase_adds_what_other_roles_keep_resident():
     actor, critic = plan.role("actor").memory, plan.role("critic").memory
     ref, rm = plan.role("ref").memory, plan.role("reward_model").memory
     # actor offloads only its optimizer; ref and reward model offload their params
-    assert critic_update.total == pytest.approx(critic.peak + actor.params + actor.grads)
+    tensors = critic_update.total - dict(critic_update.parts)["runtime headroom"]
+    assert tensors == pytest.approx(critic.peak + actor.params + actor.grads)
     assert ref.resident == 0 and rm.resident == 0
     assert plan.requirements.gpus_per_node == 8
     assert max(p.total for p in pool.phases) < 80 * GIB

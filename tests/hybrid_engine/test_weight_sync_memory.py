@@ -51,7 +51,8 @@ def test_the_70b_plan_has_a_weight_sync_phase_with_the_formula():
     assert parts["rollout engine weights"] == engine
     assert parts["weight-sync bucket"] == 512 * MIB  # rollout.weight_sync_bucket_mb of the recipe
     assert parts["largest generation tensor"] == 504 * MIB
-    assert sync.total == pytest.approx(actor.params + engine + 512 * MIB + 504 * MIB + actor.resident - actor.params)
-    # far below the gather-first route of issue 31: actor + gathered + engine (+ vocabulary gather + bucket)
-    assert sync.total < actor.params + 2 * engine
-    assert 37 * GIB < sync.total < 39 * GIB
+    tensors = sync.total - parts["runtime headroom"]  # the GPU run's CUDA context, NCCL and fragmentation
+    assert tensors == pytest.approx(actor.params + engine + 512 * MIB + 504 * MIB + actor.resident - actor.params)
+    # far below the gather-first route: actor + gathered + engine (+ vocabulary gather + bucket)
+    assert tensors < actor.params + 2 * engine
+    assert 37 * GIB < tensors < 39 * GIB
