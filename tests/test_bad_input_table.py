@@ -15,7 +15,9 @@ import json
 import re
 import shlex
 import shutil
+import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,7 +88,62 @@ def _corrupt_checkpoint(tmp: Path) -> str:
     return str(ckpt)
 
 
+#: Module name of the scorers built for the ``<scorer module>`` rows (in the test's tmp dir).
+SCORERS = "megaflow_bad_scorers"
+_SCORERS_SOURCE = """
+import math
+
+
+def raises(response, ground_truth, extra_info=None):
+    raise ValueError("always")
+
+
+def two_arguments(response, ground_truth):
+    return 1.0
+
+
+def nan(response, ground_truth, extra_info=None):
+    return math.nan
+
+
+def text(response, ground_truth, extra_info=None):
+    return "right"
+"""
+
+
+def _scorer_module(tmp: Path) -> str:
+    """A module of broken reward functions, importable because the test puts ``tmp`` on sys.path."""
+    (tmp / f"{SCORERS}.py").write_text(_SCORERS_SOURCE)
+    return SCORERS
+
+
+def _with_config(src: Path, dst: Path, text: str) -> Path:
+    shutil.copytree(src, dst)
+    (dst / "config.json").write_text(text)
+    return dst
+
+
+def _more_heads(src: Path) -> str:
+    config = json.loads((src / "config.json").read_text())
+    return json.dumps({**config, "num_attention_heads": 8, "num_key_value_heads": 4})
+
+
+def _int32_norm(file: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(file)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int32)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
 FIXTURES = {
+    "<scorer module>": lambda tmp, model: _scorer_module(tmp),
+    "<model dir whose config.json is a list>": lambda tmp, model: str(_with_config(model, tmp / "m4", "[1, 2]")),
+    "<model dir whose config.json says 8 heads>": lambda tmp, model: str(_with_config(model, tmp / "m5",
+                                                                                      _more_heads(model))),
+    "<model dir with int32 norm weights>": lambda tmp, model: str(_edit_weights(model, tmp / "m6", _int32_norm)),
+    "<300 characters>": lambda tmp, model: "x" * 300,
     "<recipe with a second lr: under actor.optim>":
         lambda tmp, model: _recipe_with(tmp, "dup_lr", "    lr: 1.0e-3\n", "    lr: 1.0e-3\n    lr: 2.0e-3\n"),
     "<recipe with a second trainer: block>":
@@ -132,14 +189,43 @@ def _load_tool(name: str):
     return module
 
 
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.device_count() > 0
+
+
+def _dashboard_installed() -> bool:
+    from ray._private.utils import get_dashboard_dependency_error
+
+    return get_dashboard_dependency_error() is None
+
+
+def _accepts_connections(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+#: A row's note -> whether this machine lacks what the row needs (the row is then skipped).
+ENVIRONMENT_NOTES = {
+    "(no GPU)": _has_gpu,
+    "(without wandb)": lambda: importlib.util.find_spec("wandb") is not None,
+    "(without ray[default])": _dashboard_installed,
+    "(port 1 closed)": lambda: _accepts_connections("127.0.0.1", 1),
+}
+
+
 @pytest.mark.parametrize("command, note, expected", table_rows(), ids=[r[0] for r in table_rows()])
 def test_bad_input_row(command, note, expected, tmp_path, model_dir, capsys, monkeypatch):
     monkeypatch.delenv("MEGAFLOW_DEBUG", raising=False)
-    if "(no GPU)" in note:
-        import torch
-
-        if torch.cuda.device_count() > 0:
-            pytest.skip("this machine has a GPU")
+    for condition, present in ENVIRONMENT_NOTES.items():
+        if condition in note and present():
+            pytest.skip(f"this machine does not fit the row's note {condition}")
+    monkeypatch.syspath_prepend(str(tmp_path))  # for <scorer module>
+    monkeypatch.delitem(sys.modules, SCORERS, raising=False)
     words = shlex.split(_resolve(command, tmp_path, model_dir))
     output = tmp_path / "outputs"
     if words[0] == "make":

@@ -29,7 +29,7 @@ import shutil
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Mapping, get_args
 
-from megaflow.config.typed import ConfigError, Section, check, check_positive
+from megaflow.config.typed import NAME_MAX, ConfigError, Section, check, check_positive, split_host_port
 
 #: The Megatron worker roles (config sections and resource placements).
 ROLES = ("actor", "ref", "critic", "reward_model")
@@ -816,6 +816,9 @@ class TrainerConfig(Section):
             value = getattr(self, name)
             check(value != "" and "/" not in value and value not in (".", ".."), name,
                   f"must be a non-empty name without '/', got {value!r}")
+            size = len(value.encode())
+            check(size <= NAME_MAX, name, f"is {size} bytes long; a directory name holds at most {NAME_MAX} "
+                                          f"(got {value[:40]!r}...)")
 
 
 @dataclass(frozen=True)
@@ -936,6 +939,10 @@ class RayConfig(Section):
 
     def validate(self) -> None:
         check_positive(self, "num_cpus", "resource_wait_timeout_s")
+        check(self.namespace.strip() != "", "namespace", f"must be a non-empty name, got {self.namespace!r}")
+        if self.address is not None and self.address != "auto":
+            check(split_host_port(self.address) is not None, "address",
+                  f"must be 'auto' or HOST:PORT (a port in 1-65535), got {self.address!r}")
 
 
 @dataclass(frozen=True)

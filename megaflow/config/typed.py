@@ -35,7 +35,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Literal, Union
 
-__all__ = ["ConfigError", "ConfigTypeError", "Section", "build_section", "freeze", "thaw", "join_key"]
+__all__ = ["ConfigError", "ConfigTypeError", "Section", "build_section", "freeze", "thaw", "join_key", "NAME_MAX",
+           "split_host_port"]
 
 
 def join_key(prefix: str, key: str) -> str:
@@ -274,6 +275,23 @@ class Section:
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (YAML-safe: dicts, lists, scalars)."""
         return thaw(self)
+
+
+#: Longest file or directory name (bytes) of Linux file systems (``NAME_MAX``).
+NAME_MAX = 255
+
+
+def split_host_port(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of ``"HOST:PORT"`` (``"[IPv6]:PORT"`` for an IPv6 address), or None
+    when ``address`` is not of that form or the port is not in 1-65535."""
+    host, sep, port = address.strip().rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or ":" in host and not address.strip().startswith("[") or any(c.isspace() for c in host):
+        return None
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host, int(port)
 
 
 def check(condition: bool, key: str, message: str, *related: str) -> None:

@@ -52,9 +52,11 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict:
     if not config.is_file():
         raise CheckpointError(f"{hf_dir} has no config.json")
     try:
-        json.loads(config.read_text())
+        fields = json.loads(config.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{config} is not valid JSON: {err}") from None
+    if not isinstance(fields, dict):
+        raise CheckpointError(f"{config} holds a JSON {type(fields).__name__}, not an object of config fields")
     try:
         return AutoConfig.from_pretrained(hf_dir, local_files_only=True).to_dict()
     except (OSError, ValueError, KeyError) as err:  # an unknown model_type, a bad field

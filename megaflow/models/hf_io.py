@@ -31,6 +31,13 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupt or does not match the model."""
 
 
+#: safetensors' names of the floating-point element types a checkpoint's weights may have.
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+_SAFETENSORS_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
+
+
 class HFWeights:
     """Tensors of an HF checkpoint, from a directory of safetensors files or a state dict.
 
@@ -103,6 +110,13 @@ class HFWeights:
             return tuple(self._tensors[name].shape)
         return tuple(self._files[self._where[name]].get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """Element type of tensor ``name`` without reading its data: safetensors' name
+        (``"F32"``, ``"BF16"``, ``"I32"``...)."""
+        if self._tensors is not None:
+            return _SAFETENSORS_DTYPE.get(self._tensors[name].dtype, str(self._tensors[name].dtype))
+        return self._files[self._where[name]].get_slice(name).get_dtype()
+
     def get(self, name: str) -> torch.Tensor:
         """Read tensor ``name`` (KeyError naming it when absent)."""
         if name not in self:
@@ -115,13 +129,15 @@ class HFWeights:
             raise CheckpointError(f"cannot read {name!r} from {self._where[name]}: {err}") from err
 
     def validate(self, spec: ModelSpec) -> None:
-        """Check the key set and every shape exactly against ``spec``.
+        """Check the key set, every shape exactly and the element types (floating point)
+        against ``spec``.
 
         A tied model may also carry ``lm_head.weight`` (ignored). Rotary ``inv_freq``
         buffers saved by old transformers versions are ignored.
 
         Raises:
-            CheckpointError: listing missing keys, extra keys and wrong shapes.
+            CheckpointError: listing missing keys, extra keys, wrong shapes and
+                non-floating-point tensors (int32 norm weights would load as integers).
         """
         expected = expected_hf_keys(spec)
         present = set(self.keys())
@@ -132,6 +148,7 @@ class HFWeights:
         extra = sorted(present - set(expected) - ignorable)
         wrong = [f"{k}: {self.shape(k)} != expected {hf_shape(k, spec)}" for k in expected
                  if k in present and self.shape(k) != hf_shape(k, spec)]
+        not_float = [f"{k}: {self.dtype(k)}" for k in expected if k in present and self.dtype(k) not in FLOAT_DTYPES]
         if spec.tie_word_embeddings and LM_HEAD in present and self.shape(LM_HEAD) != self.shape(EMBED):
             wrong.append(f"{LM_HEAD}: {self.shape(LM_HEAD)} != {EMBED} {self.shape(EMBED)}")
         problems = []
@@ -141,6 +158,8 @@ class HFWeights:
             problems.append(f"unexpected tensors ({len(extra)}): {_head(extra)}")
         if wrong:
             problems.append(f"wrong shapes ({len(wrong)}): {_head(wrong)}")
+        if not_float:
+            problems.append(f"not floating-point ({len(not_float)}): {_head(not_float)}")
         if problems:
             raise CheckpointError("HF checkpoint does not match its config: " + "; ".join(problems))
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -19,6 +19,36 @@ class RewardFunctionError(RuntimeError):
 
     The original exception, if any, is chained as ``__cause__``.
     """
+
+
+def score_one(fn: Callable[..., Any], source: str, text: str, truth: Any, extra: Any,
+              kwargs: Mapping[str, Any], *, where: Callable[[], str] | str) -> dict[str, float]:
+    """``fn(text, truth, extra, **kwargs)`` as a dict of floats with a finite ``"score"``.
+
+    ``where`` describes the sample for an error (a string, or a function called only then).
+
+    Raises:
+        RewardFunctionError: the scorer raised, returned a dict without ``"score"``, a
+            non-numeric value (a string) or a non-finite score (NaN, inf).
+    """
+    def fail(problem: str) -> RewardFunctionError:
+        described = where() if callable(where) else where
+        return RewardFunctionError(f"reward function for data source {source!r} {problem} ({described})")
+
+    try:
+        result = fn(text, truth, extra, **kwargs)
+    except Exception as exc:
+        raise fail(f"raised {type(exc).__name__}: {exc}") from exc
+    out = dict(result) if isinstance(result, Mapping) else {"score": result}
+    if "score" not in out:
+        raise fail(f"returned a dict without 'score' (keys {sorted(out)})")
+    try:
+        out = {k: float(v) for k, v in out.items()}
+    except (TypeError, ValueError):
+        raise fail(f"returned non-numeric values {out!r}") from None
+    if not math.isfinite(out["score"]):
+        raise fail(f"returned a non-finite score {out['score']}")
+    return out
 
 
 class RuleRewardManager:
@@ -125,33 +155,8 @@ class RuleRewardManager:
 
     def _score_one(self, spec: RewardSpec, data: DataProto, i: int, source: str, text: str,
                    truth: Any, extra: Any) -> dict[str, float]:
-        try:
-            result = spec.fn(text, truth, extra, **self.reward_kwargs.get(source, {}))
-        except Exception as exc:
-            raise RewardFunctionError(
-                f"reward function for data source {source!r} raised {type(exc).__name__}: {exc} "
-                f"({self._describe(data, i, text)})"
-            ) from exc
-        return self._normalize(result, source, data, i, text)
-
-    def _normalize(self, result: Any, source: str, data: DataProto, i: int, text: str) -> dict[str, float]:
-        out = dict(result) if isinstance(result, Mapping) else {"score": result}
-        problem = None
-        if "score" not in out:
-            problem = f"returned a dict without 'score' (keys {sorted(out)})"
-        else:
-            try:
-                out = {k: float(v) for k, v in out.items()}
-            except (TypeError, ValueError):
-                problem = f"returned non-numeric values {out!r}"
-            else:
-                if not math.isfinite(out["score"]):
-                    problem = f"returned a non-finite score {out['score']}"
-        if problem:
-            raise RewardFunctionError(
-                f"reward function for data source {source!r} {problem} ({self._describe(data, i, text)})"
-            )
-        return out
+        return score_one(spec.fn, source, text, truth, extra, self.reward_kwargs.get(source, {}),
+                         where=lambda: self._describe(data, i, text))
 
     def _describe(self, data: DataProto, i: int, text: str) -> str:
         parts = [f"sample {i}"]

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from megaflow.single_controller.decorator import Dispatch, register
 from megaflow.single_controller.dispatch import DPInfo
+from megaflow.single_controller.store import open_tcp_store
 
 _ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -123,8 +124,10 @@ class Worker:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(0)
-        dist.init_process_group(backend, init_method=f"tcp://{self.master_addr}:{self.master_port}",
-                                rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        store = open_tcp_store(self.master_addr, self.master_port, self.world_size, is_master=self.rank == 0,
+                               timeout=timeout)  # rank 0's listens on loopback only on a one-node run
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
 
     def register_dp_info(self, mesh: str, dp_rank: int, is_collect: bool) -> None:
         """Record this rank's place in ``mesh`` for ``nd_compute(mesh)`` dispatch.

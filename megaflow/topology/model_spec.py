@@ -12,6 +12,7 @@ and a feature megaflow cannot build is refused once, at load, naming the field a
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -109,9 +110,12 @@ def _read_config_json(path: str, key: str) -> dict[str, Any]:
         raise ConfigError(key, f"no config.json in {file.parent}; point it to an HF checkpoint directory "
                                "or set the inline hf_config next to it")
     try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as err:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(key, f"{file} is not valid JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(key, f"{file} holds a JSON {type(config).__name__}, not an object of config fields")
+    return config
 
 
 def resolve_hf_config(path: str | None, inline: Mapping[str, Any] | None, prefix: str) -> tuple[Mapping[str, Any], str]:
@@ -166,6 +170,39 @@ def _float_field(value: Any, name: str, source: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _field_error(source, name, f"must be a number, got {value!r}")
     return float(value)
+
+
+def _positive_float(value: Any, name: str, source: str) -> float:
+    number = _float_field(value, name, source)
+    if not math.isfinite(number) or number <= 0:
+        raise _field_error(source, name, f"must be a finite number > 0, got {value!r}")
+    return number
+
+
+def _bool_field(cfg: Mapping[str, Any], name: str, source: str, default: bool = False) -> bool:
+    value = cfg.get(name, default)
+    if not isinstance(value, bool):
+        raise _field_error(source, name, f"must be true or false, got {value!r}")
+    return value
+
+
+#: Special-token fields of an HF config: each an id (``eos_token_id`` also a list of ids) or null.
+TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _check_token_ids(cfg: Mapping[str, Any], vocab_size: int, source: str) -> None:
+    """Each of :data:`TOKEN_ID_FIELDS` is null or an id in ``[0, vocab_size)`` (a list of
+    them for ``eos_token_id``): an id outside has no embedding row, and a negative one
+    would stop nothing (``-1`` is not a token the model can emit)."""
+    for name in TOKEN_ID_FIELDS:
+        value = cfg.get(name)
+        if value is None:
+            continue
+        ids = value if isinstance(value, (list, tuple)) and name == "eos_token_id" else [value]
+        for token in ids:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+                raise _field_error(source, name, f"must be a token id in [0, vocab_size={vocab_size}) or null, "
+                                                 f"got {value!r}")
 
 
 def _as_mapping(hf_config: Any) -> Mapping[str, Any]:
@@ -304,12 +341,17 @@ def model_spec(hf_config: Any, source: str = "hf_config") -> ModelSpec:
         value = cfg.get(name)
         return _float_field(defaults[name] if value is None else value, name, source)
 
+    vocab_size = size("vocab_size")
+    _check_token_ids(cfg, vocab_size, source)
+    eps = cfg.get("rms_norm_eps")
     return ModelSpec(
         model_type=model_type, num_layers=size("num_hidden_layers"), hidden_size=hidden,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        ffn_hidden_size=size("intermediate_size"), vocab_size=size("vocab_size"),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) and head == "lm_head",
-        qkv_bias=model_type == "qwen2", norm_eps=number("rms_norm_eps"), rope_theta=theta,
+        ffn_hidden_size=size("intermediate_size"), vocab_size=vocab_size,
+        tie_word_embeddings=_bool_field(cfg, "tie_word_embeddings", source) and head == "lm_head",
+        qkv_bias=model_type == "qwen2",
+        norm_eps=_positive_float(defaults["rms_norm_eps"] if eps is None else eps, "rms_norm_eps", source),
+        rope_theta=theta,
         rope_scaling_factor=llama3_factor, rope_interpolation_factor=linear_factor,
         max_position_embeddings=size("max_position_embeddings"), attention_dropout=number("attention_dropout"),
         initializer_range=number("initializer_range"), head=head, source=source,

@@ -15,8 +15,11 @@ What it points at is checked here, by :func:`preflight`, which ``make train`` (a
 * data: ``data.task_args`` against the task's parameters; every row of the prompt files
   (``reward_model.ground_truth`` set, a ``data_source`` that has a reward); at least one
   batch (``data.train_batch_size``) of training prompts;
-* ``reward.functions``: each ``module:function`` imports and is callable;
-* ``trainer.output_dir``: the run directory can be created (nothing is created here);
+* ``reward.functions``: each ``module:function`` imports, takes the scorer's arguments, and
+  returns a finite number when probed once on a training row;
+* ``trainer.output_dir``: the run directory can be created (nothing is left behind);
+* ``trainer.logger``: the packages of its backends; ``ray``: the dashboard's packages, a
+  ``ray.address`` that answers within seconds;
 * resources of a local run (no ``ray.address``): one node, enough CPUs for the pools
   (``ray.num_cpus`` or this machine's), GPUs present when ``resources.use_gpu``.
 
@@ -29,12 +32,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import importlib.util
+import inspect
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from megaflow.config.typed import ConfigError
 from megaflow.topology.model_spec import resolve_hf_config
@@ -171,13 +176,55 @@ def resolve_reward_functions(cfg: Config) -> dict[str, Callable]:
                                    f"no attribute {attr!r}")
         if not callable(fn):
             raise ConfigError(key, f"{target!r}: {module_name}.{attr} is a {type(fn).__name__}, not a function")
+        _check_reward_signature(cfg, source, target, fn)
         out[source] = fn
     return out
 
 
+def _check_reward_signature(cfg: Config, source: str, target: str, fn: Callable) -> None:
+    """``fn`` takes the scorer's call, ``fn(response, ground_truth, extra_info, **reward.reward_kwargs[source])``
+    (:class:`megaflow.rewards.manager.RuleRewardManager`)."""
+    kwargs = dict(cfg.reward.reward_kwargs.get(source, {}))
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: the probe of check_reward_functions calls it
+    try:
+        signature.bind("", None, None, **kwargs)
+    except TypeError as exc:
+        passed = ", ".join(["response", "ground_truth", "extra_info", *kwargs])
+        raise ConfigError(f"reward.functions.{source}", f"{target!r}{signature} cannot be called as "
+                                                        f"fn({passed}): {exc}") from None
+
+
+def check_reward_functions(cfg: Config, functions: Mapping[str, Callable], datasets: Any) -> None:
+    """Call each ``reward.functions`` scorer once, on the first training row of its data
+    source with an empty response, the way the run scores (so a scorer that always raises,
+    or returns NaN or a string, is refused before start). Scorers are meant to be pure and
+    cheap (string matching); one call with an empty response is both. A scorer that fails
+    only on some responses is still caught at the first step.
+
+    Raises:
+        ConfigError: at ``reward.functions.<source>``, with the scorer's error.
+    """
+    from megaflow.rewards.manager import RewardFunctionError, score_one
+
+    for source, fn in functions.items():
+        row = next((r for r in datasets.records if r.data_source == source), None)
+        if row is None:
+            continue  # no training row of that source: its validation rows are scored at validation
+        try:
+            where = "a generated training row" if cfg.data.task is not None else row.location  # a temporary file
+            score_one(fn, source, "", row.ground_truth, row.extra_info, cfg.reward.reward_kwargs.get(source, {}),
+                      where=f"{where}, empty response")
+        except RewardFunctionError as exc:
+            raise ConfigError(f"reward.functions.{source}", f"called once before start: {exc}") from None
+
+
 def check_output_dir(cfg: Config) -> None:
     """The run directory ``<trainer.output_dir>/<project>/<experiment>`` can be created
-    (its nearest existing ancestor is a writable directory); creates nothing.
+    (:func:`megaflow.utils.paths.why_not_creatable`: its nearest existing ancestor is a
+    directory that takes a new entry; leaves nothing behind).
 
     Raises:
         ConfigError: at ``trainer.output_dir``, naming the path in the way.
@@ -247,6 +294,54 @@ def check_batch_fits(cfg: Config, train: Any, key: str) -> None:
     if cfg.data.train_batch_size > len(train):
         raise ConfigError("data.train_batch_size", f"{cfg.data.train_batch_size} prompts per step but the training "
                                                    f"set ({key}) has only {len(train)}: not one step can be drawn")
+
+
+#: Seconds :func:`check_ray_address` waits for the head's port to accept a connection.
+RAY_ADDRESS_PROBE_S = 3.0
+
+
+def check_ray(cfg: Config) -> None:
+    """What ``ray.init`` needs and would otherwise find late: a ``ray.address`` host:port
+    that accepts a TCP connection within :data:`RAY_ADDRESS_PROBE_S` seconds (without it
+    ``ray.init`` retries for minutes), and Ray's dashboard packages when
+    ``ray.include_dashboard`` is true.
+
+    Raises:
+        ConfigError: at ``ray.address`` (naming the error) or ``ray.include_dashboard``.
+    """
+    from megaflow.config.typed import split_host_port
+
+    if cfg.ray.include_dashboard:
+        from ray._private.utils import get_dashboard_dependency_error
+
+        missing = get_dashboard_dependency_error()
+        if missing is not None:
+            raise ConfigError("ray.include_dashboard", f"is true but Ray's dashboard packages are not installed "
+                                                       f"({missing}); install ray[default] or set it to false")
+    address = split_host_port(cfg.ray.address) if cfg.ray.address not in (None, "auto") else None
+    if address is not None:
+        from megaflow.launch.cluster import ClusterNotReadyError, wait_for_port
+
+        try:
+            wait_for_port(*address, timeout_s=RAY_ADDRESS_PROBE_S, poll_s=1.0)
+        except ClusterNotReadyError as exc:
+            raise ConfigError("ray.address", f"{exc}; start the head (python -m megaflow.launch.node head) or "
+                                             "fix the address") from None
+
+
+def check_loggers(cfg: Config) -> None:
+    """Each ``trainer.logger`` backend that needs a package (wandb, tensorboard) can import it.
+
+    Raises:
+        ConfigError: at ``trainer.logger``, naming the backend and the package.
+    """
+    from megaflow.utils.tracking import BACKEND_PACKAGES
+
+    for backend in cfg.trainer.logger:
+        package = BACKEND_PACKAGES.get(backend)
+        if package is not None and importlib.util.find_spec(package) is None:
+            raise ConfigError("trainer.logger", f"names {backend!r} but the {package!r} package is not installed; "
+                                                f"install it or remove {backend!r}")
 
 
 def check_local_resources(cfg: Config, *, cpu_count: int | None = None, gpu_count: int | None = None) -> None:
@@ -454,6 +549,8 @@ def preflight(cfg: Config, *, load_data: bool = True) -> Inputs | None:
     task, task_ok = attempt(check_task_args, cfg)
     functions, _ = attempt(resolve_reward_functions, cfg)
     attempt(check_output_dir, cfg)
+    attempt(check_loggers, cfg)
+    attempt(check_ray, cfg)
     attempt(check_local_resources, cfg)
     attempt(check_model_dirs, cfg)
     inputs = None
@@ -463,6 +560,7 @@ def preflight(cfg: Config, *, load_data: bool = True) -> Inputs | None:
             inputs, _ = attempt(load_datasets, cfg, tokenizer, task)
             if inputs is not None:
                 inputs.reward_functions = functions or {}
+                attempt(check_reward_functions, cfg, inputs.reward_functions, inputs.train_dataset)
                 attempt(check_batch_fits, cfg, inputs.train_dataset,
                         "data.task_args" if cfg.data.task is not None else "data.train_files")
     if problems:
@@ -475,4 +573,4 @@ def preflight(cfg: Config, *, load_data: bool = True) -> Inputs | None:
 __all__ = ["preflight", "PreflightError", "Inputs", "check_sequence_length", "check_task_args",
            "resolve_reward_functions", "check_output_dir", "check_local_resources", "check_model_dirs",
            "load_tokenizer", "load_datasets", "tokenizer_source", "uses_validation", "check_seeds",
-           "check_recompute_layers", "check_batch_fits"]
+           "check_recompute_layers", "check_batch_fits", "check_ray", "check_loggers", "check_reward_functions"]

@@ -26,6 +26,8 @@ from typing import Any, Mapping, Sequence
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
+#: The package each backend imports when it starts (backends not listed need none).
+BACKEND_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 METRICS_FILE = "metrics.jsonl"
 #: Sample generations (:meth:`Tracking.log_generations`), one JSON object per sample.
 GENERATIONS_FILE = "generations.jsonl"

@@ -44,10 +44,9 @@ TRANSPORT_TIMEOUT_S = 1800.0
 def _open_store(host: str, port: int, *, is_master: bool):
     from datetime import timedelta
 
-    import torch.distributed as dist
+    from megaflow.single_controller.store import open_tcp_store
 
-    return dist.TCPStore(host, port, None, is_master, timedelta(seconds=TRANSPORT_TIMEOUT_S),
-                         wait_for_workers=False)
+    return open_tcp_store(host, port, None, is_master=is_master, timeout=timedelta(seconds=TRANSPORT_TIMEOUT_S))
 
 
 class RolloutWorker(Worker):
