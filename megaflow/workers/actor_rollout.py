@@ -111,7 +111,8 @@ class ActorRolloutWorker(ActorWorker):
             model_path=model_dir, tp_size=cfg.rollout.tp, tp_group_ranks=self.layout.gen_tp_groups,
             dtype=cfg.model.dtype, load_format="dummy", max_model_len=max_seq_len(cfg),
             kv_cache_bytes=None if cfg.resources.use_gpu else cpu_kv_cache_bytes(cfg),
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.trainer.seed)
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.trainer.seed,
+            logprobs_mode=f"{cfg.rollout.logprobs_mode}_logprobs")
         # Each call's meta_info overrides the sampling parameters; n stays 1 (the controller
         # repeats every prompt rollout.n times).
         sampling = SamplingConfig(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,

@@ -74,3 +74,37 @@ def test_the_engine_is_built_from_the_config_sections(monkeypatch, tmp_path):
     assert (sampling.eos_token_ids, sampling.pad_token_id, sampling.n) == ((), 3, 1)
     with open(tmp_path / "config.json") as f:
         assert json.load(f)["hidden_size"] == spec.config.model.hf_config["hidden_size"]
+
+
+@pytest.mark.parametrize("mode", ["processed", "raw"])
+def test_logprobs_mode_reaches_the_engine_and_the_trainers_log_probs(monkeypatch, tmp_path, mode):
+    """``rollout.logprobs_mode``: the engine's vLLM logprobs_mode, and whether the actor's and the
+    reference's log-probs (old, current, reference) are taken under the rollout's top-p/top-k."""
+    from types import SimpleNamespace
+
+    import megaflow.rollout.vllm_rollout as vllm_rollout
+    from megaflow.workers.actor_rollout import ActorRolloutWorker
+    from megaflow.workers.megatron_workers import MegatronWorker
+    from role_testlib import role_spec
+
+    built = {}
+    monkeypatch.setattr(vllm_rollout, "VLLMRollout", lambda engine, sampling: built.update(engine=engine))
+    monkeypatch.setattr("tempfile.mkdtemp", lambda prefix: str(tmp_path))
+    spec = role_spec("actor", [f"rollout.logprobs_mode={mode}", "rollout.top_p=0.6", "rollout.top_k=20"])
+    fake = SimpleNamespace(config=spec.config, rank=0, layout=SimpleNamespace(gen_tp_groups=[[0]]),
+                           eos_token_ids=(), pad_token_id=3)
+    fake._engine_model_dir = lambda hf: ActorRolloutWorker._engine_model_dir(fake, hf)
+    ActorRolloutWorker._build_engine(fake, spec.hf_config())
+    assert built["engine"].logprobs_mode == f"{mode}_logprobs"
+    sampling = MegatronWorker._sampling(fake, SimpleNamespace(meta_info={}))
+    truncation = (0.6, 20) if mode == "processed" else (1.0, -1)
+    assert sampling == {"temperature": 1.0, "top_p": truncation[0], "top_k": truncation[1]}
+    # a call's meta_info overrides the config, as for the temperature
+    sampling = MegatronWorker._sampling(fake, SimpleNamespace(meta_info={"temperature": 0.5, "top_p": 0.9}))
+    assert sampling["temperature"] == 0.5 and sampling["top_p"] == (0.9 if mode == "processed" else 1.0)
+
+
+def test_raw_logprobs_mode_needs_temperature_1():
+    with pytest.raises(ConfigError) as err:
+        load_run("tiny_arith_grpo", ["rollout.logprobs_mode=raw", "rollout.temperature=0.7"])
+    assert err.value.key == "rollout.logprobs_mode" and "rollout.temperature = 1" in str(err.value)
