@@ -138,3 +138,21 @@ def test_tp2_equals_tp1(top_p, top_k):
         torch.testing.assert_close(torch.cat([two[0][i], two[1][i]], dim=-1), one[i], atol=1e-5, rtol=0)
     assert one[3].any() and not one[3][:, :250].all(dim=-1).any()  # some removed, never all
     assert (one[0] == OUTSIDE_SUPPORT_LOG_PROB).any() or top_k < 0  # random labels fall outside
+
+
+def test_chunked_projection_truncates_the_same_way():
+    from megaflow.megatron.logprobs import chunked_vocab_parallel_log_probs
+
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(3, 7, 16, generator=g).requires_grad_()
+    weight = torch.randn(48, 16, generator=g)
+    labels = (hidden.detach() @ weight.t())[..., :40].argmax(-1)
+    kw = dict(tp_group=None, vocab_size=40, temperature=0.8, top_p=0.6, top_k=20, with_entropy=True)
+    whole_lp, whole_h = vocab_parallel_log_probs(hidden @ weight.t(), labels, **kw)
+    (whole_lp + whole_h).sum().backward()
+    whole_grad, hidden.grad = hidden.grad.clone(), None
+    lp, h = chunked_vocab_parallel_log_probs(hidden, weight, labels, chunk_tokens=4, **kw)
+    (lp + h).sum().backward()
+    torch.testing.assert_close(lp, whole_lp, atol=1e-6, rtol=0)
+    torch.testing.assert_close(h, whole_h, atol=1e-6, rtol=0)
+    torch.testing.assert_close(hidden.grad, whole_grad, atol=1e-5, rtol=0)
