@@ -36,6 +36,8 @@ ROLES = ("actor", "ref", "critic", "reward_model")
 #: Advantage estimators that compare the samples of one prompt (need rollout.n >= 2).
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
 
+#: rollout.logprobs_mode: the distribution of every log-prob under top-k/top-p (RolloutConfig).
+LogprobsMode = Literal["processed", "raw"]
 AdvEstimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
                        "remax"]
 KLEstimator = Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"]
@@ -581,9 +583,19 @@ class RolloutConfig(Section):
     temperature: float = 1.0
     """Sampling temperature (log-probs are computed at the same temperature)."""
     top_p: float = 1.0
-    """Nucleus sampling mass."""
+    """Nucleus sampling mass in (0, 1]; 1 disables. With logprobs_mode=processed the trainer's
+    log-probs (old, current, reference) and entropy are taken under the same nucleus."""
     top_k: int = -1
-    """Top-k sampling; -1 disables."""
+    """Top-k sampling; -1 disables. With logprobs_mode=processed the trainer's log-probs and
+    entropy are taken under the same top-k (applied before top-p, as vLLM does)."""
+    logprobs_mode: LogprobsMode = "processed"
+    """Which distribution every log-prob is when top_p < 1 or top_k > 0. ``processed``: the
+    engine's rollout_log_probs and the trainer's old, current and reference log-probs (and
+    the entropy) are all of softmax(logits / temperature) renormalised over the tokens
+    top-k/top-p keep (the distribution sampled from; a token outside the trainer's kept set
+    gets -87.34, log of float32's smallest normal). ``raw``: all of them are over the whole
+    vocabulary (the engine reports vLLM's raw log-probs, taken before the temperature, so
+    raw needs temperature 1). Identical when top_p = 1 and top_k = -1."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may reserve (its weights + KV cache) during generation."""
     sleep_level: int | None = None
@@ -627,6 +639,9 @@ class RolloutConfig(Section):
                        "weight_sync_bucket_mb")
         check(0.0 < self.top_p <= 1.0, "top_p", f"must lie in (0, 1], got {self.top_p}")
         check(self.top_k == -1 or self.top_k > 0, "top_k", f"must be -1 (disabled) or > 0, got {self.top_k}")
+        check(self.logprobs_mode != "raw" or self.temperature == 1.0, "logprobs_mode",
+              "'raw' needs {0} = 1 (vLLM's raw log-probs are taken before the temperature), "
+              f"got {{0}} = {self.temperature}", "temperature")
         check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
               f"must lie in (0, 1], got {self.gpu_memory_utilization}")
         check(self.sleep_level in (None, 1, 2), "sleep_level",

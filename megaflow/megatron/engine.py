@@ -15,7 +15,7 @@ exactly the gradient of the mini-batch loss, independent of the split.
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -177,9 +177,10 @@ class MegatronEngine:
         output = model(ids, positions, cpu_compat.attention_mask_argument(ids.shape[1], self.device))
         return output, partial(head, mb)
 
-    def _head_outputs(self, mb: LeftAlignedBatch, output: torch.Tensor, temperature: float,
+    def _head_outputs(self, mb: LeftAlignedBatch, output: torch.Tensor, sampling: Mapping[str, Any],
                       with_entropy: bool) -> dict[str, torch.Tensor]:
-        """Model output on aligned positions -> per-response-token tensors ``[mb, R]``."""
+        """Model output on aligned positions -> per-response-token tensors ``[mb, R]``
+        (``sampling``: ``temperature``, ``top_p``, ``top_k`` of the actor's log-probs)."""
         index = mb.response_index.to(self.device)
         valid = mb.response_valid.to(self.device)
         if self.head == "value":  # value of the state before response token t: head(h_{t-1})
@@ -190,8 +191,7 @@ class MegatronEngine:
         at_response = output.gather(1, index.unsqueeze(-1).expand(-1, -1, output.shape[-1]))
         labels = mb.input_ids.to(self.device).gather(1, (index + 1).clamp_max(mb.seq_len - 1))
         labels = torch.where(valid, labels, torch.zeros_like(labels))
-        common = dict(tp_group=self.info.tp_group, vocab_size=self.vocab_size, temperature=temperature,
-                      with_entropy=with_entropy)
+        common = dict(tp_group=self.info.tp_group, vocab_size=self.vocab_size, with_entropy=with_entropy, **sampling)
         if self.logits_chunk_tokens is None:  # the model returned logits
             log_probs, entropy = vocab_parallel_log_probs(at_response, labels, **common)
         else:  # the model returned hidden states: project and normalise chunk by chunk
@@ -247,8 +247,8 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
-    def forward(self, batch: Mapping[str, torch.Tensor], *, temperature: float = 1.0,
-                with_entropy: bool = False, micro_batch_size: Optional[int] = None
+    def forward(self, batch: Mapping[str, torch.Tensor], *, temperature: float = 1.0, top_p: float = 1.0,
+                top_k: int = -1, with_entropy: bool = False, micro_batch_size: Optional[int] = None
                 ) -> Optional[dict[str, torch.Tensor]]:
         """Forward-only per-response-token outputs, in micro-batches.
 
@@ -257,6 +257,9 @@ class MegatronEngine:
                 ``attention_mask``, ``responses`` ``[batch, ...]`` (+ ``position_ids``).
             temperature: the rollout's sampling temperature (log-probs of
                 ``softmax(logits / temperature)``); actor only.
+            top_p, top_k: the rollout's nucleus mass (1 = off) and top-k (``<= 0`` = off):
+                log-probs and entropy of the truncated, renormalised distribution
+                (:func:`~megaflow.megatron.logprobs.truncation_mask`); actor only.
             with_entropy: also return ``entropy``; actor only.
             micro_batch_size: rows per micro-batch; None: the role's forward micro-batch size,
                 or its token budget with ``use_dynamic_bsz``.
@@ -278,7 +281,7 @@ class MegatronEngine:
         aligned = self.left_align(batch)
         budget = None if micro_batch_size else self.sizes.forward_max_tokens
         chunks, order = self._micro_batches(aligned, mbs, budget)
-        head = partial(self._forward_head, temperature, with_entropy)
+        head = partial(self._forward_head, dict(temperature=temperature, top_p=top_p, top_k=top_k), with_entropy)
         self.model.eval()
         store = self._run(chunks, True, head, aligned.seq_len, mbs)
         if not self.info.is_last_pp_stage:
@@ -291,8 +294,8 @@ class MegatronEngine:
             outputs = restored
         return {k: v[: aligned.num_rows].cpu() for k, v in outputs.items()}
 
-    def _forward_head(self, temperature, with_entropy, mb, output):
-        outputs = self._head_outputs(mb, output, temperature, with_entropy)
+    def _forward_head(self, sampling, with_entropy, mb, output):
+        outputs = self._head_outputs(mb, output, sampling, with_entropy)
         return torch.zeros((), device=self.device), outputs
 
     # ------------------------------------------------------------------ training
@@ -312,8 +315,8 @@ class MegatronEngine:
         return GlobalDenominators(num_tokens=int(counts[0]), num_seqs=int(counts[1]))
 
     def train_step(self, batch: Mapping[str, torch.Tensor] | LeftAlignedBatch, loss_fn: LossFn, *,
-                   temperature: float = 1.0, with_entropy: bool = False,
-                   micro_batch_size: Optional[int] = None) -> dict[str, float]:
+                   temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+                   with_entropy: bool = False, micro_batch_size: Optional[int] = None) -> dict[str, float]:
         """One optimizer step on this rank's part of a mini-batch (gradient accumulation).
 
         Args:
@@ -324,7 +327,7 @@ class MegatronEngine:
             loss_fn: :data:`LossFn`; returns this micro-batch's share of the mini-batch loss
                 (global denominators) and additive metric shares (summed over micro-batches
                 and DP ranks to give the mini-batch value).
-            temperature, with_entropy: as in :meth:`forward` (actor).
+            temperature, top_p, top_k, with_entropy: as in :meth:`forward` (actor).
             micro_batch_size: rows per micro-batch; None: the role's update micro-batch size,
                 or its token budget with ``use_dynamic_bsz``.
 
@@ -345,7 +348,8 @@ class MegatronEngine:
         budget = None if micro_batch_size else self.sizes.update_max_tokens
         chunks, _ = self._micro_batches(aligned, mbs, budget)
         scale = len(chunks) * self.info.dp_size
-        head = partial(self._loss_head, loss_fn, denominators, scale, temperature, with_entropy)
+        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+        head = partial(self._loss_head, loss_fn, denominators, scale, sampling, with_entropy)
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -357,8 +361,8 @@ class MegatronEngine:
                        lr=self.lr, update_successful=float(bool(update_successful)))
         return metrics
 
-    def _loss_head(self, loss_fn, denominators, scale, temperature, with_entropy, mb, output):
-        outputs = self._head_outputs(mb, output, temperature, with_entropy)
+    def _loss_head(self, loss_fn, denominators, scale, sampling, with_entropy, mb, output):
+        outputs = self._head_outputs(mb, output, sampling, with_entropy)
         fields = {k: v.to(self.device, non_blocking=True) for k, v in mb.fields.items()}
         loss, metrics = loss_fn(outputs, fields, denominators)
         shares = {k: torch.as_tensor(v, dtype=torch.float64).detach().reshape(())

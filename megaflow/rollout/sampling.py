@@ -64,7 +64,10 @@ class SamplingConfig:
         do_sample: ``False`` selects greedy decoding whatever the temperature.
         temperature: softmax temperature (``0`` = greedy).
         top_p: nucleus mass in ``(0, 1]``; ``1`` disables it.
-        top_k: keep the ``top_k`` most likely tokens; ``-1`` (or ``0``) disables it.
+        top_k: keep the ``top_k`` most likely tokens; ``-1`` (or ``0``) disables it. Both
+            with vLLM's semantics (temperature, then top-k, then top-p on the survivors;
+            :func:`megaflow.megatron.logprobs.truncation_mask`, which the trainer applies
+            to its own logits for processed log-probs).
         response_length: maximum number of new tokens; the output's response dimension.
         eos_token_ids: token ids that end a response; may be empty (run to the length limit).
         pad_token_id: id used to right-pad responses (may equal an EOS id).

@@ -29,11 +29,12 @@ vLLM's own (dtype default, KV-cache sizing, sleep mode), chosen from vLLM's
   draws from torch's (the CPU sampler), which would perturb the trainer's RNG stream.
 * log-probs: ``logprobs_mode="processed_logprobs"`` by default: the log-probability of each
   sampled token under the distribution it was sampled from, i.e. after temperature and
-  top-k/top-p (masked tokens removed, the rest renormalised). With top-k and top-p off
-  this is exactly ``log_softmax(logits / temperature)``, the trainer's recomputation
-  (:mod:`megaflow.megatron.logprobs`); with top-k/top-p on, it differs from the trainer's value by the
-  log of the kept probability mass. Greedy rows use temperature 1 (``log_softmax(logits)``).
-  ``"raw_logprobs"`` gives ``log_softmax(logits)`` whatever the temperature.
+  top-k/top-p (masked tokens removed, the rest renormalised). The trainer recomputes the
+  same quantity: :mod:`megaflow.megatron.logprobs` applies vLLM's top-k/top-p mask to its
+  logits (``rollout.logprobs_mode=processed``). Greedy rows use temperature 1
+  (``log_softmax(logits)``). ``"raw_logprobs"`` (``rollout.logprobs_mode=raw``) gives
+  ``log_softmax(logits)`` over the whole vocabulary whatever the temperature and truncation
+  (so the run config requires temperature 1 with it); the trainer then does not truncate.
 * weights: the weight sync streams this rank's already-sharded vLLM tensors in buckets
   (:meth:`VLLMRollout.begin_weight_update`, :meth:`~VLLMRollout.load_weight_bucket`,
   :meth:`~VLLMRollout.finish_weight_update`; :mod:`megaflow.rollout.vllm_weights`);

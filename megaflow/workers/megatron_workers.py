@@ -16,7 +16,7 @@ Outputs (``[B, R]``, DataProto field names of :mod:`megaflow.protocol`):
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -126,8 +126,14 @@ class MegatronWorker(Worker):
         finally:
             self._after_phase()
 
-    def _temperature(self, data: DataProto) -> float:
-        return float(data.meta_info.get("temperature", self.config.rollout.temperature))
+    def _sampling(self, data: DataProto) -> dict[str, Any]:
+        """``temperature``, ``top_p``, ``top_k`` of the actor's log-probs: the rollout's (``meta_info``
+        overrides the config); truncation only with ``rollout.logprobs_mode="processed"``."""
+        r, meta = self.config.rollout, data.meta_info
+        processed = r.logprobs_mode == "processed"
+        return {"temperature": float(meta.get("temperature", r.temperature)),
+                "top_p": float(meta.get("top_p", r.top_p)) if processed else 1.0,
+                "top_k": int(meta.get("top_k", r.top_k)) if processed else -1}
 
     def _update(self, data: DataProto, loss_fn, **kwargs) -> dict[str, float]:
         """PPO epochs x mini-batches over this rank's rows; one optimizer step each.
@@ -210,7 +216,7 @@ class ActorWorker(MegatronWorker):
     @register(nd_compute("actor"))
     def compute_log_prob(self, data: DataProto) -> Optional[DataProto]:
         """``old_log_probs`` and ``entropys`` ``[B, R]`` at the rollout temperature."""
-        out = self._forward(data, temperature=self._temperature(data), with_entropy=True)
+        out = self._forward(data, **self._sampling(data), with_entropy=True)
         if out is None:
             return None
         return DataProto.from_dict({"old_log_probs": out["log_probs"], "entropys": out["entropy"]})
@@ -221,7 +227,7 @@ class ActorWorker(MegatronWorker):
         ``response_mask`` (+ ``ref_log_probs`` with ``use_kl_loss``; no ``old_log_probs`` with
         ``actor.on_policy_old_log_probs``, see :func:`megaflow.workers.losses.actor_loss_fn`)."""
         loss_fn = losses.actor_loss_fn(self.config)
-        return self._update(data, loss_fn, temperature=self._temperature(data),
+        return self._update(data, loss_fn, **self._sampling(data),
                             with_entropy=losses.needs_entropy(self.config))
 
 
@@ -233,7 +239,7 @@ class RefWorker(MegatronWorker):
     @register(nd_compute("ref"))
     def compute_ref_log_prob(self, data: DataProto) -> Optional[DataProto]:
         """``ref_log_probs`` ``[B, R]`` at the rollout temperature."""
-        out = self._forward(data, temperature=self._temperature(data))
+        out = self._forward(data, **self._sampling(data))
         return None if out is None else DataProto.from_dict({"ref_log_probs": out["log_probs"]})
 
 

@@ -54,7 +54,7 @@ def build_engine(cfg: Config, hf_config: Any, *, rank: int, tp_group_ranks: list
     """The vLLM engine shard of one rank, with dummy weights.
 
     Reads ``rollout`` (``tp`` = t_g, ``response_length``, ``gpu_memory_utilization``,
-    ``sleep_level``, ``enforce_eager``, the
+    ``sleep_level``, ``enforce_eager``, ``logprobs_mode``, the
     sampling defaults, the CPU KV cache keys), ``data.max_prompt_length``, ``model.dtype``,
     ``resources.use_gpu`` and ``trainer.seed``. Each call's ``meta_info`` overrides the
     sampling parameters; ``n`` stays 1 (the controller repeats every prompt ``rollout.n`` times).
@@ -74,7 +74,8 @@ def build_engine(cfg: Config, hf_config: Any, *, rank: int, tp_group_ranks: list
         dtype=cfg.model.dtype, load_format="dummy", max_model_len=max_seq_len(cfg),
         kv_cache_bytes=None if cfg.resources.use_gpu else cpu_kv_cache_bytes(cfg),
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.trainer.seed,
-        sleep_level=rollout_sleep_level(cfg), enforce_eager=cfg.rollout.enforce_eager)
+        sleep_level=rollout_sleep_level(cfg), enforce_eager=cfg.rollout.enforce_eager,
+        logprobs_mode=f"{cfg.rollout.logprobs_mode}_logprobs")
     sampling = SamplingConfig(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                               top_k=cfg.rollout.top_k, response_length=cfg.rollout.response_length,
                               eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)

@@ -59,6 +59,7 @@ WORKER_KNOBS = "tests/megatron/test_worker_knobs.py::"
 SCALE = "tests/megatron/test_scale_knobs.py::"
 MAIN_ERR = "tests/trainer/test_main_errors.py::"
 ARS = "tests/workers/test_actor_rollout_settings.py::test_the_engine_is_built_from_the_config_sections"
+TRUNC = "tests/rollout/test_vllm_truncated_log_probs.py::"
 
 
 #: Overrides that enable a role on the tiny recipe (so that its layout is checked).
@@ -329,8 +330,13 @@ KEYS: dict[str, Consumed | Refused] = {
     "resources.placement.reward_model": consumed(KE + "test_ref_and_reward_model_placement_choose_their_pool"),
     "ray.resource_wait_timeout_s": consumed(KE + "test_the_cluster_wait_is_bounded_by_ray_resource_wait_timeout_s"),
     "rollout.temperature": consumed(ARS, "tests/rollout/test_vllm_rollout.py::test_sampled_log_probs_are_log_softmax_of_logits_over_temperature"),
-    "rollout.top_p": consumed(ARS),
-    "rollout.top_k": consumed(ARS, "tests/rollout/test_vllm_rollout.py::test_top_k_log_probs_are_of_the_truncated_distribution"),
+    "rollout.top_p": consumed(ARS, TRUNC + "test_processed_log_probs_equal_the_truncated_recomputation"),
+    "rollout.top_k": consumed(ARS, "tests/rollout/test_vllm_rollout.py::test_top_k_log_probs_are_of_the_truncated_distribution",
+                              TRUNC + "test_processed_log_probs_equal_the_truncated_recomputation"),
+    "rollout.logprobs_mode": consumed(
+        "tests/workers/test_actor_rollout_settings.py::test_logprobs_mode_reaches_the_engine_and_the_trainers_log_probs",
+        TRUNC + "test_raw_log_probs_are_over_the_whole_vocabulary",
+        TRUNC + "test_processed_log_probs_equal_the_truncated_recomputation"),
     "rollout.gpu_memory_utilization": consumed(ARS),
     "rollout.sleep_level": consumed(
         "tests/workers/test_actor_rollout_settings.py::test_sleep_level_and_enforce_eager_reach_the_engine",

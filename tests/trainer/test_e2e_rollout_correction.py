@@ -117,3 +117,19 @@ def test_policy_loss_learns_on_the_tiny_recipe(ray_session, tmp_path, loss):
                                    *POLICY_LOSS_OVERRIDES[loss]])
     assert all("actor/pg_loss" in r for r in rows)
     _learns(rows)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_truncated_sampling_old_log_probs_equal_the_rollouts(ray_session, tmp_path):
+    """top_p=0.6, top_k=20 with rollout.logprobs_mode=processed: the actor's old log-probs (and
+    the reference's, same weights at step 1) are of the truncated distribution vLLM sampled from,
+    so the mismatch is fp32 noise (it was 0.46 nats on average before the trainer truncated) and
+    the first update starts at ratio 1."""
+    rows = _train(tmp_path, "truncated", [
+        "rollout.top_p=0.6", "rollout.top_k=20", "rollout.temperature=0.9", "rollout.logprobs_mode=processed",
+        "ref.enabled=true", "ref.tp=2", "algorithm.use_kl_loss=true", "algorithm.rollout_correction.max_mismatch=1e-3"])
+    for row in rows:
+        assert row["rollout_corr/mismatch_max"] < 1e-5 and row["training/rollout_probs_diff_max"] < 1e-5
+    assert abs(rows[0]["actor/approx_kl"]) < 1e-8
+    assert abs(rows[0]["actor/kl_loss"]) < 1e-6  # reference = actor at step 1, both truncated alike

@@ -141,3 +141,29 @@ def test_the_actor_re_syncs_an_engine_that_discarded_its_weights(monkeypatch):
     engine.weights_valid = False  # sleep_level=2 after the last generation
     ActorRolloutWorker._sync_rollout_weights(fake, 1 << 20)
     assert sent.sent == [([["bucket"]], 4)] and fake._synced_version == 4
+
+
+@pytest.mark.parametrize("mode", ["processed", "raw"])
+def test_logprobs_mode_reaches_the_engine_and_the_trainers_log_probs(monkeypatch, tmp_path, mode):
+    """``rollout.logprobs_mode``: the engine's vLLM logprobs_mode, and whether the actor's and the
+    reference's log-probs (old, current, reference) are taken under the rollout's top-p/top-k."""
+    from types import SimpleNamespace
+
+    from megaflow.workers.megatron_workers import MegatronWorker
+
+    spec, engine, _ = _built_engine(monkeypatch, tmp_path, [f"rollout.logprobs_mode={mode}", "rollout.top_p=0.6",
+                                                            "rollout.top_k=20"])
+    assert engine.logprobs_mode == f"{mode}_logprobs"
+    fake = SimpleNamespace(config=spec.config)
+    sampling = MegatronWorker._sampling(fake, SimpleNamespace(meta_info={}))
+    truncation = (0.6, 20) if mode == "processed" else (1.0, -1)
+    assert sampling == {"temperature": 1.0, "top_p": truncation[0], "top_k": truncation[1]}
+    # a call's meta_info overrides the config, as for the temperature
+    sampling = MegatronWorker._sampling(fake, SimpleNamespace(meta_info={"temperature": 0.5, "top_p": 0.9}))
+    assert sampling["temperature"] == 0.5 and sampling["top_p"] == (0.9 if mode == "processed" else 1.0)
+
+
+def test_raw_logprobs_mode_needs_temperature_1():
+    with pytest.raises(ConfigError) as err:
+        load_run("tiny_arith_grpo", ["rollout.logprobs_mode=raw", "rollout.temperature=0.7"])
+    assert err.value.key == "rollout.logprobs_mode" and "rollout.temperature = 1" in str(err.value)
