@@ -1,0 +1,26 @@
+"""Agentic, multi-turn rollouts: tools, environments, tool-call parsing and the sandbox.
+
+Public interface: :class:`Tool` (name, JSON schema, ``call(args) -> text``),
+:class:`Environment` (``reset(row)``, ``step(calls)``), :func:`register_tool`,
+:func:`register_environment`, :func:`parse_tool_calls`; built-in tools ``calculator`` and
+``python`` (sandboxed), built-in environment ``tool_agent``.
+"""
+from megaflow.agent.calculator import Calculator
+from megaflow.agent.environment import (
+    EnvReset, EnvStep, Environment, ToolEnvironment, check_rows, row_messages, row_tools,
+)
+from megaflow.agent.parser import MalformedCall, parse_tool_calls
+from megaflow.agent.registry import (
+    known_environments, known_tools, make_environment, make_tool, register_environment, register_tool,
+    unregister_environment, unregister_tool,
+)
+from megaflow.agent.sandbox import PythonInterpreter, SandboxLimits, SandboxResult, run_python
+from megaflow.agent.tool import Observation, Tool, ToolCall, ToolError, check_schema, run_tool_call
+
+__all__ = [
+    "Calculator", "EnvReset", "EnvStep", "Environment", "MalformedCall", "Observation", "PythonInterpreter",
+    "SandboxLimits", "SandboxResult", "Tool", "ToolCall", "ToolEnvironment", "ToolError", "check_rows",
+    "check_schema", "known_environments", "known_tools", "make_environment", "make_tool", "parse_tool_calls",
+    "register_environment", "register_tool", "row_messages", "row_tools", "run_python", "run_tool_call",
+    "unregister_environment", "unregister_tool",
+]
