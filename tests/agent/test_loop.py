@@ -13,6 +13,8 @@ from megaflow.agent import (
 from megaflow.agent.batch import assemble_agent_batch
 from megaflow.agent.loop import AgentLimits, AgentLoop
 from megaflow.agent.template import ChatRenderer
+from megaflow.protocol import DataProto
+from megaflow.trainer.stages import check_rollout_batch
 
 CALL_TURN = ids("<tool_call>", CALL, "</tool_call>", "<|im_end|>")
 ANSWER_TURN = ids("answer", "3", "<|im_end|>")
@@ -188,3 +190,4 @@ def test_batch_rows_masks_and_counts():
     assert counts["agent_turns"].tolist() == [2, 1] and counts["agent_tool_calls"].tolist() == [1, 0]
     assert counts["agent_observation_tokens"].tolist() == [6, 0]
     assert counts["agent_stop_reason"].tolist() == ["answer", "answer"]
+    check_rollout_batch(DataProto.from_dict(tensors))  # the trainer's batch check accepts the holes

@@ -88,10 +88,37 @@ def _check_rows(batch: DataProto, hf) -> None:
             assert response[4:10] == OBS_3
 
 
-def test_multi_turn_log_probs_equal_transformers(model, tmp_path):
+def _trainer_log_probs(rank, world_size, model_dir, tensors):
+    """The trainer's recomputation: megaflow's MegatronEngine (t = 1) on the rollout rows."""
+    from transformers import AutoConfig
+
+    from megaflow.megatron import model as M
+    from megaflow.megatron import parallel
+    from megaflow.megatron.engine import MegatronEngine
+    from megaflow.models.weights import load_hf_weights
+    from role_testlib import role_spec, seq_len_overrides
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    info = parallel.initialize_parallel(tp=1, pp=1, seed=1)
+    gpt = M.build_gpt_model(cfg)
+    load_hf_weights(gpt, model_dir, cfg, info)
+    spec = role_spec("ref", ["resources.procs_per_node=1", "actor.tp=1", *seq_len_overrides(64, RESPONSE_LEN)],
+                     hf_config=cfg)
+    engine = MegatronEngine(gpt, info, spec, vocab_size=cfg.vocab_size)
+    return engine.forward(tensors, temperature=1.0)["log_probs"]
+
+
+def test_multi_turn_log_probs_equal_transformers_and_the_trainer(model, tmp_path):
     path, hf = model
     (res,) = run_distributed(_rollout, 1, path, str(tmp_path / "calls"), timeout_s=600)
-    _check_rows(res["batch"], hf)
+    batch = res["batch"]
+    _check_rows(batch, hf)
+    tensors = {k: batch.batch[k] for k in ("input_ids", "attention_mask", "position_ids", "responses",
+                                           "response_mask")}
+    (trainer,) = run_distributed(_trainer_log_probs, 1, path, tensors, timeout_s=600)
+    mask = batch.batch["response_mask"].bool()
+    assert mask.sum() > 0 and (~mask & batch.batch["attention_mask"][:, -RESPONSE_LEN:].bool()).sum() > 0
+    torch.testing.assert_close(trainer[mask], batch.batch["rollout_log_probs"][mask], atol=1e-5, rtol=0)
 
 
 def test_tp2_ranks_agree_and_tools_run_on_rank0_only(model, tmp_path):
