@@ -10,12 +10,13 @@ it calls ``generate_sequences``; rank 0 of the replica runs the tools.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from megaflow.agent.batch import assemble_agent_batch
 from megaflow.agent.loop import AgentLimits, AgentLoop, Broadcast, TurnRequest, _no_broadcast
+from megaflow.agent.metrics import render_trajectory, trajectory_metrics
 from megaflow.agent.template import ChatRenderer
 from megaflow.protocol import DataProto
 from megaflow.rollout.sampling import SamplingConfig, request_seeds
@@ -77,7 +78,9 @@ def generate_agent_sequences(rollout: Any, prompts: DataProto, renderer: ChatRen
 
     Returns:
         ``len(prompts) * n`` rows, the ``n`` trajectories of a prompt adjacent, with the
-        prompts' other per-row fields repeated.
+        prompts' other per-row fields repeated, the per-row counts and ``agent_text`` (the
+        readable conversation, :func:`~megaflow.agent.metrics.render_trajectory`);
+        ``meta_info["agent_metrics"]`` holds :func:`~megaflow.agent.metrics.trajectory_metrics`.
     """
     sampling = (sampling or rollout.sampling).override(prompts.meta_info)
     rows = [row for row in batch_rows(prompts) for _ in range(sampling.n)]
@@ -97,4 +100,6 @@ def generate_agent_sequences(rollout: Any, prompts: DataProto, renderer: ChatRen
                                            pad_token_id=sampling.pad_token_id)
     index = np.arange(len(prompts)).repeat(sampling.n)
     non_tensors = {k: v[index] for k, v in prompts.non_tensor_batch.items()}
-    return DataProto.from_dict(tensors, {**non_tensors, **counts}, dict(prompts.meta_info))
+    counts["agent_text"] = np.array([render_trajectory(t) for t in trajectories], dtype=object)
+    meta_info = {**prompts.meta_info, "agent_metrics": trajectory_metrics(trajectories)}
+    return DataProto.from_dict(tensors, {**non_tensors, **counts}, meta_info)

@@ -69,10 +69,14 @@ def model(tmp_path_factory):
 def _check_rows(batch: DataProto, hf) -> None:
     b, nt = batch.batch, batch.non_tensor_batch
     assert len(batch) == NUM_PROMPTS * N
-    turns = nt["agent_turns"]
+    turns = nt["agent_turns"].astype(np.int64)  # DataProto keeps non-tensor columns as object arrays
     assert (turns >= 2).sum() >= 3 and (turns == 1).sum() >= 1  # multi-turn and single-turn rows
     assert nt["agent_template_ok"].all()
     assert nt["agent_tool_errors"].sum() >= 1  # the bigram writes malformed calls too
+    metrics = batch.meta_info["agent_metrics"]
+    assert metrics["agent/turns/mean"] == pytest.approx(turns.mean()) and metrics["agent/template_mismatch"] == 0
+    assert metrics["agent/tool_calls/mean"] == pytest.approx(nt["agent_tool_calls"].astype(np.int64).mean())
+    assert all(text.startswith("[user]\nwhat is 1+2 ?") for text in nt["agent_text"])
     for i in range(len(batch)):
         prompt_len = int(b["attention_mask"][i, :b["prompts"].shape[1]].sum())
         length = int(b["attention_mask"][i].sum()) - prompt_len
