@@ -33,6 +33,10 @@ from megaflow.agent.template import ChatRenderer
 STOP_REASONS = ("answer", "max_turns", "length", "tool_time", "env_done")
 
 
+class AgentLoopError(RuntimeError):
+    """The tool rank of a replica failed; raised on every rank of the replica."""
+
+
 @dataclass(frozen=True)
 class AgentLimits:
     """Per-trajectory limits: assistant turns, response tokens over all turns, tool wall-clock seconds."""
@@ -155,18 +159,41 @@ class AgentLoop:
         self.max_tool_threads = max_tool_threads
 
     def run(self, rows: Sequence[Mapping[str, Any]], seeds: Sequence[int]) -> list[Trajectory]:
-        """Roll out one trajectory per row (``seeds[i]`` seeds row ``i``'s turns); same result on every rank."""
-        run = _ToolRankRun(self, rows, seeds) if self.is_tool_rank else None
-        requests = self.broadcast(run.start() if run else None)
+        """Roll out one trajectory per row (``seeds[i]`` seeds row ``i``'s turns); same result on every rank.
+
+        Raises:
+            AgentLoopError: on every rank of the replica, when the tool rank failed (a row
+                its environment refuses, a chat template error); the other ranks would
+                otherwise wait for its broadcast until the collective timeout.
+        """
+        run: _ToolRankRun | None = None
+
+        def begin() -> list[TurnRequest]:
+            nonlocal run
+            run = _ToolRankRun(self, rows, seeds)
+            return run.start()
+
+        requests = self._shared(begin if self.is_tool_rank else None)
         active = self._add(requests)
         while True:
             finished = self.engine.step() if active else []
             active -= len(finished)
-            update = self.broadcast(run.advance(finished, engine_idle=active == 0) if run else None)
+            update = self._shared((lambda: run.advance(finished, engine_idle=active == 0)) if run else None)
             active += self._add(update["requests"])
             if update["done"]:
                 break
-        return self.broadcast(run.finish() if run else None)
+        return self._shared(run.finish if run else None)
+
+    def _shared(self, produce: Callable[[], Any] | None) -> Any:
+        """``produce()`` on the tool rank, broadcast to the replica; a failure is raised on every rank."""
+        try:
+            payload = ("ok", produce()) if produce is not None else None
+        except Exception as e:  # sent to the other ranks, then raised here too
+            payload = ("error", f"{type(e).__name__}: {e}")
+        status, value = self.broadcast(payload)
+        if status == "error":
+            raise AgentLoopError(f"agent loop failed on the replica's tool rank: {value}")
+        return value
 
     def _add(self, requests: list[TurnRequest]) -> int:
         for request in requests:
@@ -269,5 +296,5 @@ class _ToolRankRun:
         return TurnRequest(index, ids, budget, request_seeds(self.seeds[index], 1, stream=t.num_turns)[0])
 
 
-__all__ = ["AgentLimits", "AgentLoop", "STOP_REASONS", "ToolCallRecord", "Trajectory", "TurnEngine", "TurnRequest",
+__all__ = ["AgentLimits", "AgentLoop", "AgentLoopError", "STOP_REASONS", "ToolCallRecord", "Trajectory", "TurnEngine", "TurnRequest",
            "tp_broadcaster"]

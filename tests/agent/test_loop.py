@@ -11,7 +11,7 @@ from megaflow.agent import (
     EnvStep, Observation, ToolEnvironment, register_environment, unregister_environment,
 )
 from megaflow.agent.batch import assemble_agent_batch
-from megaflow.agent.loop import AgentLimits, AgentLoop
+from megaflow.agent.loop import AgentLimits, AgentLoop, AgentLoopError
 from megaflow.agent.template import ChatRenderer
 from megaflow.protocol import DataProto
 from megaflow.trainer.stages import check_rollout_batch
@@ -171,6 +171,32 @@ def test_tp_ranks_get_the_same_requests_and_trajectories():
     follower.join(timeout=60)
     assert engines[1].requests == engines[0].requests and len(engines[0].requests) == 6
     assert [t.response_ids for t in results[1]] == [t.response_ids for t in results[0]]
+
+
+def test_a_tool_rank_failure_is_raised_on_every_rank():
+    to_rank1 = queue.Queue()
+
+    def send(obj):
+        to_rank1.put(obj)
+        return obj
+
+    rank0, _ = _loop(ScriptedEngine([[ANSWER_TURN]]), broadcast=send)
+    rank1 = AgentLoop(ScriptedEngine([[ANSWER_TURN]]), None, None, AgentLimits(), eos_token_ids=[IM_END],
+                      max_model_len=256, is_tool_rank=False, broadcast=lambda obj: to_rank1.get(timeout=60))
+    errors = {}
+
+    def follow():
+        try:
+            rank1.run([None], seeds=[0])
+        except AgentLoopError as e:
+            errors[1] = str(e)
+
+    follower = threading.Thread(target=follow)
+    follower.start()
+    with pytest.raises(AgentLoopError, match="unknown tool 'search'"):
+        rank0.run([_row("search")], seeds=[1])
+    follower.join(timeout=60)
+    assert "unknown tool 'search'" in errors[1]
 
 
 def test_batch_rows_masks_and_counts():
