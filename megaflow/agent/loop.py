@@ -113,6 +113,9 @@ class TurnEngine(Protocol):
     def step(self) -> list[tuple[str, list[int], list[float]]]:
         """One engine step; ``(key, sampled ids, their log-probs)`` of each turn that finished."""
 
+    def abort_all(self) -> None:
+        """Drop every unfinished request (after a failed run)."""
+
 
 Broadcast = Callable[[Any], Any]
 
@@ -173,16 +176,21 @@ class AgentLoop:
             run = _ToolRankRun(self, rows, seeds)
             return run.start()
 
-        requests = self._shared(begin if self.is_tool_rank else None)
-        active = self._add(requests)
-        while True:
-            finished = self.engine.step() if active else []
-            active -= len(finished)
-            update = self._shared((lambda: run.advance(finished, engine_idle=active == 0)) if run else None)
-            active += self._add(update["requests"])
-            if update["done"]:
-                break
-        return self._shared(run.finish if run else None)
+        try:
+            active = self._add(self._shared(begin if self.is_tool_rank else None))
+            while True:
+                finished = self.engine.step() if active else []
+                active -= len(finished)
+                update = self._shared((lambda: run.advance(finished, engine_idle=active == 0)) if run else None)
+                active += self._add(update["requests"])
+                if update["done"]:
+                    break
+            return self._shared(run.finish if run else None)
+        except AgentLoopError:
+            self.engine.abort_all()  # the next run starts from an empty engine
+            if run is not None:
+                run.pool.shutdown(wait=False, cancel_futures=True)
+            raise
 
     def _shared(self, produce: Callable[[], Any] | None) -> Any:
         """``produce()`` on the tool rank, broadcast to the replica; a failure is raised on every rank."""

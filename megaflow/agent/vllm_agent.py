@@ -29,11 +29,18 @@ class VLLMTurnEngine:
         self.rollout = rollout
         self.sampling = dataclasses.replace(sampling, n=1)
         self.engine = rollout._llm.llm_engine
+        self._unfinished: set[str] = set()
 
     def add(self, key: str, request: TurnRequest) -> None:
         turn = dataclasses.replace(self.sampling, response_length=request.max_tokens, seed=request.seed)
         prompts, params = self.rollout._requests([request.prompt_ids], turn)
         self.engine.add_request(key, prompts[0], params[0])
+        self._unfinished.add(key)
+
+    def abort_all(self) -> None:
+        if self._unfinished:
+            self.engine.abort_request(sorted(self._unfinished))
+            self._unfinished.clear()
 
     def step(self) -> list[tuple[str, list[int], list[float]]]:
         from megaflow.rollout.vllm_rollout import _sampled_log_probs
@@ -41,6 +48,7 @@ class VLLMTurnEngine:
         finished = []
         for output in self.engine.step():
             if output.finished:
+                self._unfinished.discard(output.request_id)
                 completion = output.outputs[0]
                 finished.append((output.request_id, list(completion.token_ids), _sampled_log_probs(completion)))
         return finished

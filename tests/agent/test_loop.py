@@ -38,6 +38,9 @@ class ScriptedEngine:
         self.requests.append(request)
         self.running[key] = [self.delay, sampled, [-(k + 1) / 10 for k in range(len(sampled))], request.index, turn]
 
+    def abort_all(self):
+        self.running.clear()
+
     def step(self):
         done = []
         for key, state in list(self.running.items()):
@@ -197,6 +200,21 @@ def test_a_tool_rank_failure_is_raised_on_every_rank():
         rank0.run([_row("search")], seeds=[1])
     follower.join(timeout=60)
     assert "unknown tool 'search'" in errors[1]
+    to_rank1.queue.clear()
+    engine = ScriptedEngine([[CALL_TURN, ANSWER_TURN], [ANSWER_TURN]])
+    add = engine.add
+
+    def add_slow_second(key, request):  # trajectory 1 is still decoding when trajectory 0's tool answers
+        add(key, request)
+        if request.index == 1:
+            engine.running[key][0] = 10 ** 9
+
+    engine.add = add_slow_second
+    broken, _ = _loop(engine)
+    broken.renderer.observation_ids = lambda observations: 1 / 0  # fails once a tool answered
+    with pytest.raises(AgentLoopError, match="ZeroDivisionError"):
+        broken.run([_row("calculator")] * 2, seeds=[1, 2])
+    assert engine.running == {}  # the engine holds no request of the failed run
 
 
 def test_batch_rows_masks_and_counts():
