@@ -1,0 +1,63 @@
+"""Metrics and readable samples of a batch of multi-turn trajectories.
+
+:func:`trajectory_metrics` gives, under ``agent/``: turns per trajectory (mean, max), tool calls
+per trajectory, calls and errors per tool (``agent/tool_calls/<tool>``,
+``agent/tool_errors/<tool>``; a malformed call counts under ``malformed``) and per error kind
+(``agent/tool_error_kind/<kind>``), tool latency (mean, max seconds per call), the share of
+observation tokens among response tokens, the share of trajectories cut by a limit
+(``truncated_share``: stop reasons ``length``, ``max_turns``, ``tool_time``), the share of each
+stop reason, and the number of trajectories whose ids differ from the chat template's
+rendering (``template_mismatch``, see :mod:`megaflow.agent.template`).
+
+:func:`render_trajectory` writes one trajectory as text with every message marked by its role
+(``[tool calculator]`` for observations) for a person to read.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Sequence
+
+from megaflow.agent.loop import STOP_REASONS, Trajectory
+
+TRUNCATIONS = ("length", "max_turns", "tool_time")
+
+
+def trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """The ``agent/*`` metrics of a batch (module docstring); empty for no trajectories."""
+    if not trajectories:
+        return {}
+    count = len(trajectories)
+    calls = [c for t in trajectories for c in t.calls]
+    response_tokens = sum(len(t.response_ids) for t in trajectories)
+    stops = Counter(t.stop_reason for t in trajectories)
+    metrics = {
+        "agent/turns/mean": sum(t.num_turns for t in trajectories) / count,
+        "agent/turns/max": float(max(t.num_turns for t in trajectories)),
+        "agent/tool_calls/mean": len(calls) / count,
+        "agent/tool_latency_s/mean": sum(c.seconds for c in calls) / len(calls) if calls else 0.0,
+        "agent/tool_latency_s/max": max((c.seconds for c in calls), default=0.0),
+        "agent/observation_token_share": (sum(t.num_observation_tokens for t in trajectories) / response_tokens
+                                          if response_tokens else 0.0),
+        "agent/truncated_share": sum(stops[r] for r in TRUNCATIONS) / count,
+        "agent/template_mismatch": float(sum(not t.template_ok for t in trajectories)),
+    }
+    metrics.update({f"agent/stop/{reason}": stops[reason] / count for reason in STOP_REASONS})
+    for tool, n in Counter(c.tool or "malformed" for c in calls).items():
+        metrics[f"agent/tool_calls/{tool}"] = float(n)
+    for tool, n in Counter(c.tool or "malformed" for c in calls if c.error is not None).items():
+        metrics[f"agent/tool_errors/{tool}"] = float(n)
+    for kind, n in Counter(c.error for c in calls if c.error is not None).items():
+        metrics[f"agent/tool_error_kind/{kind}"] = float(n)
+    return metrics
+
+
+def render_trajectory(trajectory: Trajectory) -> str:
+    """The conversation as text: ``[role]`` or ``[tool NAME]`` before each message, then the stop reason."""
+    parts = []
+    for message in trajectory.messages:
+        role = message["role"]
+        label = f"tool {message.get('name') or '?'}" if role == "tool" else role
+        parts.append(f"[{label}]\n{message['content']}")
+    parts.append(f"[end: {trajectory.stop_reason}; {trajectory.num_turns} turns, {trajectory.num_tool_calls} tool "
+                 f"calls, {trajectory.num_tool_errors} errors]")
+    return "\n".join(parts)
