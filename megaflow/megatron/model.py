@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from megaflow.megatron import parallel
+from megaflow.megatron import moe, parallel
 from megaflow.topology.model_spec import SUPPORTED_MODEL_TYPES, ModelSpec, model_spec, padded_vocab_size
 
 #: Model heads: the LM head (actor, reference), the critic's value head, the reward model's head.
@@ -63,7 +63,8 @@ def transformer_config_from_hf(hf_config: Any, *, dtype: torch.dtype = torch.flo
     """Map a Llama/Qwen2-family HF config to a megatron-core ``TransformerConfig``.
 
     GQA (``num_query_groups``), SwiGLU (``gated_linear_unit`` + SiLU, no linear biases),
-    RMSNorm with ``rms_norm_eps``, QKV bias for Qwen2, ``head_dim`` as ``kv_channels``.
+    RMSNorm with ``rms_norm_eps``, QKV bias for Qwen2, q/k RMSNorm (``qk_layernorm``) for
+    Qwen3, ``head_dim`` as ``kv_channels``.
     RoPE base/scaling and tied embeddings are GPTModel arguments (see
     :func:`build_gpt_model`). Fusions are off, and on CPU ``use_cpu_initialization=True``.
 
@@ -89,7 +90,7 @@ def transformer_config_from_hf(hf_config: Any, *, dtype: torch.dtype = torch.flo
         num_query_groups=arch.num_key_value_heads, kv_channels=arch.head_dim,
         normalization="RMSNorm", layernorm_epsilon=arch.norm_eps,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        add_qkv_bias=arch.qkv_bias, attention_dropout=arch.attention_dropout,
+        add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm, attention_dropout=arch.attention_dropout,
         hidden_dropout=0.0, init_method_std=arch.initializer_range,
         params_dtype=dtype, pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
@@ -98,8 +99,11 @@ def transformer_config_from_hf(hf_config: Any, *, dtype: torch.dtype = torch.flo
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False,
     )
+    kwargs.update(moe.moe_transformer_config_fields(arch))  # issue 34: Qwen3-MoE (empty when dense)
     kwargs.update(overrides)
     check_tp_divides_heads(arch, kwargs.get("tensor_model_parallel_size", 1))
+    moe.check_moe_supported(arch, tp=kwargs.get("tensor_model_parallel_size", 1), on_cpu=on_cpu,
+                            grouped_gemm=kwargs.get("moe_grouped_gemm", False))
     pp = kwargs.get("pipeline_model_parallel_size", 1)
     vpp = kwargs.get("virtual_pipeline_model_parallel_size") or 1
     uneven = kwargs.get("num_layers_in_first_pipeline_stage") or kwargs.get(
@@ -179,14 +183,16 @@ def build_gpt_model(hf_config: Any, *, head: str = "lm", dtype: torch.dtype = to
     arch = model_spec(hf_config)
     config = transformer_config_from_hf(
         hf_config, dtype=dtype, tensor_model_parallel_size=info.tp_size,
-        pipeline_model_parallel_size=info.pp_size, **config_overrides)
+        pipeline_model_parallel_size=info.pp_size, expert_model_parallel_size=info.ep_size,
+        **config_overrides)
     use_te = _use_transformer_engine()
     if config.sequence_parallel and not use_te:
         raise ValueError("sequence_parallel needs Transformer Engine's layer spec (CUDA + transformer_engine): "
                          "megatron-core's local spec builds its norms with WrappedTorchNorm, which refuses "
                          "sequence parallelism")
-    spec = (get_gpt_layer_with_transformer_engine_spec() if use_te
-            else get_gpt_layer_local_spec(normalization="RMSNorm"))
+    mlp = moe.moe_layer_spec_kwargs(arch)  # issue 34: experts (empty when dense)
+    spec = (get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm, **mlp) if use_te
+            else get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm, **mlp))
     tie = arch.tie_word_embeddings and head == "lm"
     model = GPTModel(
         config=config, transformer_layer_spec=spec,
