@@ -46,33 +46,26 @@ def check_moe_supported(arch: ModelSpec, *, tp: int, on_cpu: bool, grouped_gemm:
                          "(and expert parallelism) on CPU")
 
 
-def moe_transformer_config_fields(arch: ModelSpec, *, aux_loss_coeff: float = 0.0,
-                                  z_loss_coeff: float = 0.0) -> dict[str, Any]:
+def moe_transformer_config_fields(arch: ModelSpec) -> dict[str, Any]:
     """``TransformerConfig`` fields of the MoE layers (empty for a dense model).
 
     Args:
         arch: a Qwen3-MoE spec.
-        aux_loss_coeff: load-balancing loss coefficient (megatron-core ``aux_loss``:
-            ``E / (k T^2) * sum_e f_e P_e`` scaled by the coefficient, Switch Transformer
-            eq. 4 as normalised in megatron-core ``switch_load_balancing_loss_func``); 0: off.
-        z_loss_coeff: router z-loss coefficient (ST-MoE eq. 5: mean over tokens of
-            ``logsumexp(logits)^2``); 0: off.
 
     Returns:
         Keyword arguments for ``TransformerConfig``: expert count and width, top-k, the
         softmax router (see the module docstring for the ``pre_softmax`` choice), fp32
-        routing, the all-gather token dispatcher, no grouped GEMM, no fusions.
+        routing, the all-gather token dispatcher, no grouped GEMM, no fusions, and no
+        auxiliary load-balancing or z-loss (``moe_router_load_balancing_type="none"``: the
+        model's forward is the HF model's; the auxiliary losses are not knobs yet).
     """
     if not arch.is_moe:
         return {}
-    if aux_loss_coeff < 0 or z_loss_coeff < 0:
-        raise ValueError(f"MoE loss coefficients must be >= 0, got aux {aux_loss_coeff}, z {z_loss_coeff}")
     return dict(
         num_moe_experts=arch.num_experts, moe_router_topk=arch.moe_topk,
         moe_ffn_hidden_size=arch.moe_ffn_hidden_size, moe_router_score_function="softmax",
         moe_router_pre_softmax=not arch.moe_norm_topk_prob, moe_router_dtype="fp32",
-        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
-        moe_aux_loss_coeff=aux_loss_coeff, moe_z_loss_coeff=z_loss_coeff or None,
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None,
         moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
         moe_permute_fusion=False, moe_router_fusion=False,
     )

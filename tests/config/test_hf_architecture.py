@@ -194,12 +194,31 @@ def test_qwen3_with_o_proj_bias_is_refused_naming_attention_bias():
     assert err.value.key == "hf_config.attention_bias"
 
 
+MOE_HF = {"model_type": "qwen3_moe", **SMALL, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4,
+          "num_experts_per_tok": 2, "moe_intermediate_size": 32, "architectures": ["Qwen3MoeForCausalLM"]}
+
+
 def test_a_run_with_a_mixture_of_experts_model_is_refused_at_load_naming_the_model(tiny):
     # megaflow builds and converts Qwen3-MoE (tests/models/test_qwen3_moe_parity.py), but the
     # workers do not train it yet: refused before any process starts, naming the model's config.
-    cfg = {"model_type": "qwen3_moe", **SMALL, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4,
-           "num_experts_per_tok": 2, "moe_intermediate_size": 32, "architectures": ["Qwen3MoeForCausalLM"]}
-    assert model_spec(cfg).num_experts == 4
+    assert model_spec(MOE_HF).num_experts == 4
     with pytest.raises(ConfigError) as err:
-        run_from_dict(tiny(model={"hf_config": cfg}))
+        run_from_dict(tiny(model={"hf_config": MOE_HF}, actor={"ep": 2}))
     assert err.value.key == "model.hf_config" and "mixture-of-experts" in str(err.value)
+
+
+@pytest.mark.parametrize("ep, procs, message", [
+    (3, 6, "ep=3 must divide the model's 4 experts"),
+    (4, 2, "ep=4 must divide dp*cp = 2*1"),
+])
+def test_expert_parallel_size_is_checked_against_experts_and_world(tiny, ep, procs, message):
+    with pytest.raises(ConfigError) as err:
+        run_from_dict(tiny(model={"hf_config": MOE_HF}, actor={"ep": ep},
+                           resources={"use_gpu": False, "procs_per_node": procs}))
+    assert err.value.key == "actor.ep" and message in str(err.value)
+
+
+def test_expert_parallel_with_a_dense_model_is_refused_naming_the_key(tiny):
+    with pytest.raises(ConfigError) as err:
+        run_from_dict(tiny(actor={"ep": 2}))
+    assert err.value.key == "actor.ep" and "needs a mixture-of-experts model" in str(err.value)
