@@ -3,7 +3,8 @@
 Per layout: HF -> megaflow load, full-vocabulary logits vs ``transformers`` (fp32, 1e-5),
 megaflow -> HF export bit-exact (router, every expert, q/k norms). EP=1 runs in one
 process; EP=2 (experts split over two gloo ranks) and PP=2 in a 2-rank world (slow).
-Both router normalisations are covered (``norm_topk_prob`` true / false: megatron-core's
+A distributed checkpoint saved at EP=2 loads at EP=1 and at PP=2 (megatron-core reshards the
+experts) with the same logits. Both router normalisations are covered (``norm_topk_prob`` true / false: megatron-core's
 ``moe_router_pre_softmax`` false / true).
 """
 from __future__ import annotations
@@ -115,3 +116,42 @@ def test_tp2_and_grouped_gemm_with_experts_are_refused_on_cpu():
         transformer_config_from_hf(cfg, tensor_model_parallel_size=2)
     with pytest.raises(ValueError, match="moe_grouped_gemm needs CUDA"):
         transformer_config_from_hf(cfg, moe_grouped_gemm=True)
+
+
+def _save_at_ep2_load_elsewhere(rank, world_size, hf_dir, input_ids, ckpt_dir):
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    from megaflow.megatron.model import build_gpt_model
+    from megaflow.megatron.parallel import destroy_parallel, initialize_parallel
+    from megaflow.models.checkpoint import load_checkpoint, save_checkpoint
+    from megaflow.models.weights import load_hf_weights
+
+    config = AutoConfig.from_pretrained(hf_dir)
+    info = initialize_parallel(tp=1, pp=1, ep=2)
+    model = build_gpt_model(config)
+    load_hf_weights(model, hf_dir, config, info)
+    save_checkpoint(model, ckpt_dir, config, info)
+    destroy_parallel()
+    dist.barrier()
+    logits = {}
+    for ep, pp in ((1, 1), (1, 2)):  # experts resharded by megatron-core's dist checkpointing
+        info = initialize_parallel(tp=1, pp=pp, ep=ep)
+        fresh = build_gpt_model(config)  # a random model, then the EP=2 checkpoint
+        load_checkpoint(fresh, ckpt_dir)
+        logits[(ep, pp)] = megatron_logits(fresh, input_ids, info, VOCAB)
+        destroy_parallel()
+    return logits
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_at_ep2_loads_at_ep1_and_pp2(tmp_path):
+    model = tiny_moe_model(norm_topk_prob=True)
+    model.save_pretrained(tmp_path / "hf")
+    input_ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(7))
+    reference = hf_logits(model, input_ids)
+    per_rank = run_distributed(_save_at_ep2_load_elsewhere, 2, str(tmp_path / "hf"), input_ids,
+                               str(tmp_path / "ckpt"), timeout_s=600)
+    for layout in ((1, 1), (1, 2)):
+        logits = [r[layout] for r in per_rank if r[layout] is not None]
+        assert logits and all((x - reference).abs().max().item() < 1e-5 for x in logits), layout
