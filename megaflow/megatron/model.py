@@ -16,6 +16,10 @@ Parameter names of the built model (PP stage-local layer numbers, 0-based):
 * ``...self_attention.linear_proj.weight``, ``...mlp.linear_fc1.weight`` (gate then up
   per TP shard), ``...mlp.linear_fc2.weight``, ``...pre_mlp_layernorm.weight`` (local spec)
   or ``...mlp.linear_fc1.layer_norm_weight`` (TE spec);
+* mixture of experts (Qwen3-MoE, :mod:`megaflow.megatron.moe`): ``...mlp.router.weight``
+  ``[experts, hidden]`` and ``...mlp.experts.local_experts.{j}.linear_fc{1,2}.weight`` for
+  this EP rank's experts ``j`` (global ``ep_rank * experts / ep + j``) instead of the dense MLP;
+  ``...self_attention.{q,k}_layernorm.weight`` ``[head_dim]`` for Qwen3 (q/k norms);
 * ``decoder.final_layernorm.weight`` (last stage);
 * LM head (``head="lm"``): ``output_layer.weight`` ``[padded_vocab / tp, hidden]`` (last stage; absent when
   embeddings are tied and pp == 1, and a synchronised copy of the embedding when tied
@@ -78,7 +82,8 @@ def transformer_config_from_hf(hf_config: Any, *, dtype: torch.dtype = torch.flo
         ValueError: unsupported config features
             (:class:`~megaflow.topology.model_spec.UnsupportedModelError`, see
             :func:`~megaflow.topology.model_spec.model_spec`), tp not dividing heads/KV
-            heads, or num_layers not divisible by pp.
+            heads, num_layers not divisible by pp, or experts with tp > 1 or grouped GEMM on
+            CPU (:func:`megaflow.megatron.moe.check_moe_supported`).
     """
     from megatron.core.transformer import TransformerConfig
 

@@ -1,7 +1,9 @@
 """The one declarative table between Hugging Face and megatron-core GPTModel parameters.
 
 Supported families: Llama (Llama 2/3, SmolLM2: ``LlamaForCausalLM``), Qwen2/Qwen2.5
-(``Qwen2ForCausalLM``) and Qwen3 dense (``Qwen3ForCausalLM``, q/k norms), plus their ``*ForSequenceClassification`` variants for critic and
+(``Qwen2ForCausalLM``), Qwen3 dense (``Qwen3ForCausalLM``, q/k norms) and Qwen3-MoE
+(``Qwen3MoeForCausalLM``: router ``mlp.gate`` and per-expert ``mlp.experts.{e}.*`` tensors,
+the checkpoints' on-disk layout), plus their ``*ForSequenceClassification`` variants for critic and
 reward models (``score.weight`` <-> megaflow's scalar ``output_layer``). Each row of :data:`PARAM_MAPPINGS` names the megatron-core
 parameter (with its aliases: the local layer spec keeps separate norms, the Transformer
 Engine spec fuses them into ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``),

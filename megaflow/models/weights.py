@@ -4,7 +4,9 @@ Works on the model chunks of one rank as built by
 :func:`megaflow.megatron.model.build_gpt_model` (local or Transformer Engine layer spec,
 any TP/PP, uneven pipeline stages, a list of virtual-pipeline chunks). Pipeline-local
 layer numbers are mapped to global ones through each layer's ``layer_number`` (Megatron's
-1-based global index), so no layer offset arithmetic is repeated here.
+1-based global index), so no layer offset arithmetic is repeated here. Mixture-of-experts
+models: each expert-parallel rank loads its own experts (:func:`global_expert`), and the
+export gathers every expert through EP rank 0 of the writer's expert group.
 """
 from __future__ import annotations
 
@@ -324,5 +326,5 @@ def gather_hf_state_dict(model_chunks: Any, hf_config: Any, parallel_info: Any,
 
 
 __all__ = ["load_hf_weights", "iter_hf_tensors", "gather_hf_state_dict", "is_export_writer",
-           "model_spec_for", "shard_layout", "unwrap_model_chunks", "plan_export",
+           "model_spec_for", "shard_layout", "unwrap_model_chunks", "plan_export", "global_expert",
            "ExportPlan"]

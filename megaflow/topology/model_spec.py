@@ -340,11 +340,13 @@ def model_spec(hf_config: Any, source: str = "hf_config") -> ModelSpec:
     Raises:
         UnsupportedModelError: (a :class:`ConfigError`) an architecture megaflow does not
             build: unknown ``model_type`` or ``architectures``, ``num_labels`` != 1 for a
-            score head, mixture-of-experts fields, sliding-window or non-full attention
+            score head, mixture-of-experts fields in a dense family's config, Qwen3-MoE with
+            dense layers (``decoder_sparse_step`` != 1, ``mlp_only_layers``), sliding-window or non-full attention
             layers, an activation other than SiLU, o_proj/MLP biases, quantization, partial
             rotary embeddings, RoPE scaling other than linear / megatron-core's llama3.
         ConfigError: a non-positive or non-integer size, ``hidden_size`` not divisible by
-            the heads without ``head_dim``, heads not a multiple of the KV heads.
+            the heads without ``head_dim``, heads not a multiple of the KV heads,
+            ``num_experts_per_tok`` above the expert count.
         TypeError: ``hf_config`` is neither a mapping nor a ``PretrainedConfig``.
     """
     cfg = _as_mapping(hf_config)
