@@ -406,6 +406,11 @@ class ParallelConfig(Section):
     """Pipeline-parallel size; must divide the number of layers (times ``vpp``)."""
     cp: int = 1
     """Context-parallel size (sequence split across ranks); only 1 is supported so far."""
+    ep: int = 1
+    """Expert-parallel size (megatron-core ``expert_model_parallel_size``): a mixture-of-experts
+    model's experts split over ``ep`` ranks carved out of the role's ``dp * cp`` ranks (the
+    expert-data-parallel size is then ``dp * cp / ep``). Must divide the experts and ``dp * cp``;
+    refused for dense models (``topology/validate.py``)."""
     vpp: int | None = None
     """Virtual pipeline stages per rank (interleaved 1F1B); only None (off) is supported so far."""
     sequence_parallel: bool = False
@@ -413,7 +418,7 @@ class ParallelConfig(Section):
     where megatron-core's local layer spec cannot run it; no effect at tp == 1)."""
 
     def validate(self) -> None:
-        check_positive(self, "tp", "pp", "cp", "vpp")
+        check_positive(self, "tp", "pp", "cp", "ep", "vpp")
         check(self.vpp is None or self.pp >= 2, "vpp", f"needs {{0}} >= 2, got pp={self.pp}", "pp")
         # Refused here, before any process starts: the engine has no context-parallel
         # attention and no interleaved pipeline schedule yet.

@@ -39,11 +39,16 @@ The accommodations, all minimal and none a copy of Megatron code:
    there is no CUDA generator: those two functions are replaced by ones that return an
    empty state and ignore it. The CPU generator's state, which is what draws on CPU
    (accommodation 4), is still saved and restored by the same Megatron code.
-6. **The default causal mask** (``megatron.core.transformer.utils.get_default_causal_mask``,
+6. **Transformer Engine names a Megatron module uses unguarded** (``_TE_ONLY_NAMES``):
+   ``moe_utils`` imports ``te_general_gemm`` inside ``try`` (absent without TE) but
+   ``RouterGatingLinearFunction`` tests ``te_general_gemm is not None``, a ``NameError``
+   when TE is missing (every CPU machine). The name is bound to ``None``, Megatron's own
+   "no TE" value, so the router takes its ``torch.mm`` path.
+7. **The default causal mask** (``megatron.core.transformer.utils.get_default_causal_mask``,
    built on ``"cuda"``) is not patched: on CPU megaflow passes an explicit ``[1, 1, s, s]``
    mask (:func:`attention_mask_argument`); on CUDA none, and the attention backend applies
    its causal mask type.
-7. **TransformerConfig fields** (:func:`transformer_config_accommodations`):
+8. **TransformerConfig fields** (:func:`transformer_config_accommodations`):
    ``use_cpu_initialization=True`` and every fusion off (their kernels are CUDA code);
    :mod:`megaflow.megatron.model` applies them over its GPU defaults (fusions on).
 
@@ -97,6 +102,11 @@ _DEVICE_MODULES: dict[str, str] = {
     "megatron.core.utils":
         "GlobalMemoryBuffer.get_tensor (DotProductAttention.forward's score buffer) "
         "allocates on torch.cuda.current_device()",
+    "megatron.core.transformer.moe.router":
+        "Router.gating moves the router weight to torch.cuda.current_device() on every forward; "
+        "TopKRouter.__init__ allocates expert-bias / global-aux-loss buffers there",
+    "megatron.core.transformer.moe.moe_utils":
+        "track_moe_metrics allocates the layer-wise aux-loss tracker with device='cuda'",
     "megatron.core.tensor_parallel.mappings":
         "_gather_along_last_dim / _gather_along_first_dim / _reduce_scatter_along_first_dim "
         "allocate outputs on torch.cuda.current_device()",
@@ -128,6 +138,13 @@ _CPU_RNG_STATE_FUNCTIONS: tuple[tuple[str, str, str], ...] = (
      "CheckpointFunction.forward / _fork_rng save the CUDA RNG state (recomputation)"),
     ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state",
      "CheckpointFunction.backward restores it before recomputing the forward"),
+)
+
+
+# (module, name, why): Transformer Engine symbols bound to None when TE did not import.
+_TE_ONLY_NAMES: tuple[tuple[str, str, str], ...] = (
+    ("megatron.core.transformer.moe.moe_utils", "te_general_gemm",
+     "RouterGatingLinearFunction.forward/backward test 'te_general_gemm is not None' (the MoE router)"),
 )
 
 
@@ -287,6 +304,10 @@ def apply_cpu_accommodations() -> bool:
             _patch_type_name_function(module_name, path, _with_tensor_cuda_identity)
         for module_name, name, _why in _CPU_RNG_STATE_FUNCTIONS:
             setattr(importlib.import_module(module_name), name, _no_cuda_rng_state)
+        for module_name, name, _why in _TE_ONLY_NAMES:
+            module = importlib.import_module(module_name)
+            if not hasattr(module, name):
+                setattr(module, name, None)
         _applied = True
     return True
 

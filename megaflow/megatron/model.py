@@ -16,6 +16,10 @@ Parameter names of the built model (PP stage-local layer numbers, 0-based):
 * ``...self_attention.linear_proj.weight``, ``...mlp.linear_fc1.weight`` (gate then up
   per TP shard), ``...mlp.linear_fc2.weight``, ``...pre_mlp_layernorm.weight`` (local spec)
   or ``...mlp.linear_fc1.layer_norm_weight`` (TE spec);
+* mixture of experts (Qwen3-MoE, :mod:`megaflow.megatron.moe`): ``...mlp.router.weight``
+  ``[experts, hidden]`` and ``...mlp.experts.local_experts.{j}.linear_fc{1,2}.weight`` for
+  this EP rank's experts ``j`` (global ``ep_rank * experts / ep + j``) instead of the dense MLP;
+  ``...self_attention.{q,k}_layernorm.weight`` ``[head_dim]`` for Qwen3 (q/k norms);
 * ``decoder.final_layernorm.weight`` (last stage);
 * LM head (``head="lm"``): ``output_layer.weight`` ``[padded_vocab / tp, hidden]`` (last stage; absent when
   embeddings are tied and pp == 1, and a synchronised copy of the embedding when tied
@@ -32,7 +36,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from megaflow.megatron import cpu_compat, parallel
+from megaflow.megatron import cpu_compat, moe, parallel
 from megaflow.topology.model_spec import SUPPORTED_MODEL_TYPES, ModelSpec, model_spec, padded_vocab_size
 from megaflow.topology.transformer_engine import transformer_engine_usable
 
@@ -76,7 +80,8 @@ def transformer_config_from_hf(hf_config: Any, *, dtype: torch.dtype = torch.flo
     """Map a Llama/Qwen2-family HF config to a megatron-core ``TransformerConfig``.
 
     GQA (``num_query_groups``), SwiGLU (``gated_linear_unit`` + SiLU, no linear biases),
-    RMSNorm with ``rms_norm_eps``, QKV bias for Qwen2, ``head_dim`` as ``kv_channels``.
+    RMSNorm with ``rms_norm_eps``, QKV bias for Qwen2, q/k RMSNorm (``qk_layernorm``) for
+    Qwen3, ``head_dim`` as ``kv_channels``.
     RoPE base/scaling and tied embeddings are GPTModel arguments (see
     :func:`build_gpt_model`). Fusions are on where their kernels exist (:func:`gpu_fusions`;
     TE as :func:`~megaflow.topology.transformer_engine.transformer_engine_usable` decides);
@@ -93,7 +98,8 @@ def transformer_config_from_hf(hf_config: Any, *, dtype: torch.dtype = torch.flo
         ValueError: unsupported config features
             (:class:`~megaflow.topology.model_spec.UnsupportedModelError`, see
             :func:`~megaflow.topology.model_spec.model_spec`), tp not dividing heads/KV
-            heads, or num_layers not divisible by pp.
+            heads, num_layers not divisible by pp, or experts with tp > 1 or grouped GEMM on
+            CPU (:func:`megaflow.megatron.moe.check_moe_supported`).
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -104,7 +110,7 @@ def transformer_config_from_hf(hf_config: Any, *, dtype: torch.dtype = torch.flo
         num_query_groups=arch.num_key_value_heads, kv_channels=arch.head_dim,
         normalization="RMSNorm", layernorm_epsilon=arch.norm_eps,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        add_qkv_bias=arch.qkv_bias, attention_dropout=arch.attention_dropout,
+        add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm, attention_dropout=arch.attention_dropout,
         hidden_dropout=0.0, init_method_std=arch.initializer_range,
         params_dtype=dtype, pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
@@ -112,9 +118,13 @@ def transformer_config_from_hf(hf_config: Any, *, dtype: torch.dtype = torch.flo
         persist_layer_norm=False,  # apex's LayerNorm kernel; the models use RMSNorm
         **gpu_fusions(transformer_engine_usable()),
     )
+    kwargs.update(moe.moe_transformer_config_fields(arch))  # issue 34: Qwen3-MoE (empty when dense)
     kwargs.update(cpu_compat.transformer_config_accommodations())
     kwargs.update(overrides)
     check_tp_divides_heads(arch, kwargs.get("tensor_model_parallel_size", 1))
+    moe.check_moe_supported(arch, tp=kwargs.get("tensor_model_parallel_size", 1),
+                            on_cpu=cpu_compat.cpu_accommodations_needed(),
+                            grouped_gemm=kwargs.get("moe_grouped_gemm", False))
     pp = kwargs.get("pipeline_model_parallel_size", 1)
     vpp = kwargs.get("virtual_pipeline_model_parallel_size") or 1
     uneven = kwargs.get("num_layers_in_first_pipeline_stage") or kwargs.get(
@@ -195,14 +205,16 @@ def build_gpt_model(hf_config: Any, *, head: str = "lm", dtype: torch.dtype = to
     arch = model_spec(hf_config)
     config = transformer_config_from_hf(
         hf_config, dtype=dtype, tensor_model_parallel_size=info.tp_size,
-        pipeline_model_parallel_size=info.pp_size, **config_overrides)
+        pipeline_model_parallel_size=info.pp_size, expert_model_parallel_size=info.ep_size,
+        **config_overrides)
     use_te = transformer_engine_usable()
     if config.sequence_parallel and not use_te:
         raise ValueError("sequence_parallel needs Transformer Engine's layer spec (CUDA + transformer_engine): "
                          "megatron-core's local spec builds its norms with WrappedTorchNorm, which refuses "
                          "sequence parallelism")
-    spec = (get_gpt_layer_with_transformer_engine_spec() if use_te
-            else get_gpt_layer_local_spec(normalization="RMSNorm"))
+    mlp = moe.moe_layer_spec_kwargs(arch)  # issue 34: experts (empty when dense)
+    spec = (get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm, **mlp) if use_te
+            else get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm, **mlp))
     tie = arch.tie_word_embeddings and head == "lm"
     model = GPTModel(
         config=config, transformer_layer_spec=spec,

@@ -50,6 +50,13 @@ class ParallelInfo:
     cp_group: ProcessGroup = dataclasses.field(repr=False, compare=False)
     model_parallel_group: ProcessGroup = dataclasses.field(repr=False, compare=False)
     pp_ranks: tuple[int, ...] = ()  # global ranks of this rank's PP group, stage order
+    # Expert parallelism (issue 34): experts split over ep ranks, which are DP ranks of the
+    # dense part; ``expert_dp_*`` is the DP group of the expert parameters (dp*cp*tp / (ep*etp)).
+    ep_rank: int = 0
+    ep_size: int = 1
+    expert_dp_rank: int = 0
+    ep_group: Optional[ProcessGroup] = dataclasses.field(default=None, repr=False, compare=False)
+    expert_dp_group: Optional[ProcessGroup] = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def is_first_pp_stage(self) -> bool:
@@ -125,11 +132,15 @@ def _current_info() -> ParallelInfo:
         cp_group=ps.get_context_parallel_group(),
         model_parallel_group=ps.get_model_parallel_group(),
         pp_ranks=tuple(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())),
+        ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
+        expert_dp_rank=ps.get_expert_data_parallel_rank(),
+        ep_group=ps.get_expert_model_parallel_group(),
+        expert_dp_group=ps.get_expert_data_parallel_group(),
     )
 
 
 def initialize_parallel(tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] = None,
-                        *, dp: Optional[int] = None, seed: int = 1234,
+                        *, dp: Optional[int] = None, ep: int = 1, seed: int = 1234,
                         timeout_minutes: int = 30) -> ParallelInfo:
     """Initialise Megatron's model-parallel state on the existing default process group.
 
@@ -145,6 +156,8 @@ def initialize_parallel(tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int
         cp: context parallel size (validated and initialised; the engine supports cp=1).
         vpp: virtual pipeline stages per rank (None for no interleaving).
         dp: expected data parallel size; when given, ``tp*pp*cp*dp`` must equal the world.
+        ep: expert parallel size (mixture-of-experts models): must divide ``dp*cp``
+            (megatron-core carves the expert groups out of the data-parallel ranks).
         seed: base seed for Megatron's RNG streams.
         timeout_minutes: collective timeout for the groups Megatron creates.
 
@@ -163,13 +176,15 @@ def initialize_parallel(tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int
                            "torch.distributed.init_process_group first")
     world = dist.get_world_size()
     dp_size = validate_parallel_sizes(world, tp, pp, cp, vpp, dp)
+    if not isinstance(ep, int) or ep < 1 or (dp_size * cp) % ep:
+        raise ValueError(f"ep={ep!r} must be an integer >= 1 dividing dp*cp = {dp_size}*{cp}")
     if ps.model_parallel_is_initialized():
         info = _current_info()
-        wanted = (tp, pp, cp, dp_size, vpp if vpp and vpp > 1 else None)
-        have = (info.tp_size, info.pp_size, info.cp_size, info.dp_size, info.vpp_size)
+        wanted = (tp, pp, cp, dp_size, vpp if vpp and vpp > 1 else None, ep)
+        have = (info.tp_size, info.pp_size, info.cp_size, info.dp_size, info.vpp_size, info.ep_size)
         if wanted != have:
             raise RuntimeError(
-                f"Megatron parallel state is already initialised as (tp, pp, cp, dp, vpp)="
+                f"Megatron parallel state is already initialised as (tp, pp, cp, dp, vpp, ep)="
                 f"{have}; requested {wanted}. Call destroy_parallel() first.")
         return info
     cpu_compat.apply_cpu_accommodations()
@@ -177,7 +192,8 @@ def initialize_parallel(tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
-        context_parallel_size=cp, distributed_timeout_minutes=timeout_minutes)
+        context_parallel_size=cp, expert_model_parallel_size=ep,
+        distributed_timeout_minutes=timeout_minutes)
     cpu_compat.model_parallel_manual_seed(seed)
     return _current_info()
 

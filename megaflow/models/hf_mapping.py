@@ -1,7 +1,9 @@
 """The one declarative table between Hugging Face and megatron-core GPTModel parameters.
 
-Supported families: Llama (Llama 2/3, SmolLM2: ``LlamaForCausalLM``) and Qwen2/Qwen2.5
-(``Qwen2ForCausalLM``), plus their ``*ForSequenceClassification`` variants for critic and
+Supported families: Llama (Llama 2/3, SmolLM2: ``LlamaForCausalLM``), Qwen2/Qwen2.5
+(``Qwen2ForCausalLM``), Qwen3 dense (``Qwen3ForCausalLM``, q/k norms) and Qwen3-MoE
+(``Qwen3MoeForCausalLM``: router ``mlp.gate`` and per-expert ``mlp.experts.{e}.*`` tensors,
+the checkpoints' on-disk layout), plus their ``*ForSequenceClassification`` variants for critic and
 reward models (``score.weight`` <-> megaflow's scalar ``output_layer``). Each row of :data:`PARAM_MAPPINGS` names the megatron-core
 parameter (with its aliases: the local layer spec keeps separate norms, the Transformer
 Engine spec fuses them into ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``),
@@ -43,9 +45,13 @@ class ParamMapping:
         transform: ``"copy"``, ``"qkv"`` (fuse per KV group), ``"gate_up"`` (SwiGLU fc1) or
             ``"vocab"`` (pad rows to the padded vocabulary).
         tp_dim: partition dim of the HF tensors and the Megatron shard; None = replicated.
-        stage: ``"layer"`` (names contain ``{layer}``), ``"first"`` (lives on the first
+        stage: ``"layer"`` (names contain ``{layer}``), ``"expert"`` (names contain
+            ``{layer}`` and ``{expert}``: one row per expert, local index on the Megatron
+            side, global on the HF side), ``"first"`` (lives on the first
             pipeline stage: embedding) or ``"last"`` (final norm, output layer).
-        requires: the row exists only for models with QKV bias (``"qkv_bias"``), with an
+        requires: the row exists only for models with QKV bias (``"qkv_bias"``), with q/k
+            norms (``"qk_norm"``), with a dense MLP (``"dense_mlp"``), with experts
+            (``"moe"``), with an
             LM head (``"lm_head"``) or with a scalar value/reward head (``"score"``).
         tied_hf: when embeddings are tied, the HF name read instead of ``hf`` (and on
             export the row is skipped: the tied HF model has no such tensor).
@@ -61,11 +67,17 @@ class ParamMapping:
 
     @property
     def per_layer(self) -> bool:
-        return self.stage == "layer"
+        return self.stage in ("layer", "expert")
+
+    @property
+    def per_expert(self) -> bool:
+        return self.stage == "expert"
 
 
 _L = "decoder.layers.{layer}."
 _H = "model.layers.{layer}."
+_E = _L + "mlp.experts.local_experts.{expert}."
+_HE = _H + "mlp.experts.{expert}."
 PARAM_MAPPINGS: tuple[ParamMapping, ...] = (
     ParamMapping(("embedding.word_embeddings.weight",), (EMBED,), "vocab", 0, stage="first"),
     ParamMapping((_L + "input_layernorm.weight", _L + "self_attention.linear_qkv.layer_norm_weight"),
@@ -75,13 +87,24 @@ PARAM_MAPPINGS: tuple[ParamMapping, ...] = (
     ParamMapping((_L + "self_attention.linear_qkv.bias",),
                  tuple(_H + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv", 0,
                  requires="qkv_bias"),
+    # Qwen3: RMSNorm over head_dim on each query / key head, replicated across TP.
+    ParamMapping((_L + "self_attention.q_layernorm.weight",), (_H + "self_attn.q_norm.weight",), requires="qk_norm"),
+    ParamMapping((_L + "self_attention.k_layernorm.weight",), (_H + "self_attn.k_norm.weight",), requires="qk_norm"),
     ParamMapping((_L + "self_attention.linear_proj.weight",), (_H + "self_attn.o_proj.weight",),
                  "copy", 1),
     ParamMapping((_L + "pre_mlp_layernorm.weight", _L + "mlp.linear_fc1.layer_norm_weight"),
                  (_H + "post_attention_layernorm.weight",)),
     ParamMapping((_L + "mlp.linear_fc1.weight",),
-                 (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), "gate_up", 0),
-    ParamMapping((_L + "mlp.linear_fc2.weight",), (_H + "mlp.down_proj.weight",), "copy", 1),
+                 (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), "gate_up", 0, requires="dense_mlp"),
+    ParamMapping((_L + "mlp.linear_fc2.weight",), (_H + "mlp.down_proj.weight",), "copy", 1,
+                 requires="dense_mlp"),
+    # Mixture of experts (Qwen3-MoE): the router, replicated on every rank, and each expert's
+    # SwiGLU MLP (megatron-core SequentialMLP; the expert's rank holds it whole at TP=1).
+    ParamMapping((_L + "mlp.router.weight",), (_H + "mlp.gate.weight",), requires="moe"),
+    ParamMapping((_E + "linear_fc1.weight",), (_HE + "gate_proj.weight", _HE + "up_proj.weight"), "gate_up", 0,
+                 stage="expert", requires="moe"),
+    ParamMapping((_E + "linear_fc2.weight",), (_HE + "down_proj.weight",), "copy", 1, stage="expert",
+                 requires="moe"),
     ParamMapping(("decoder.final_layernorm.weight",), ("model.norm.weight",), stage="last"),
     ParamMapping(("output_layer.weight",), (LM_HEAD,), "vocab", 0, stage="last",
                  requires="lm_head", tied_hf=EMBED),
@@ -91,7 +114,10 @@ PARAM_MAPPINGS: tuple[ParamMapping, ...] = (
 
 
 def _compile(template: str) -> re.Pattern:
-    return re.compile(re.escape(template).replace(re.escape("{layer}"), r"(\d+)") + "$")
+    pattern = re.escape(template)
+    for field in ("layer", "expert"):
+        pattern = pattern.replace(re.escape("{" + field + "}"), r"(\d+)")
+    return re.compile(pattern + "$")
 
 
 _MEGATRON_PATTERNS = [(_compile(name), row) for row in PARAM_MAPPINGS for name in row.megatron]
@@ -115,16 +141,34 @@ def find_mapping(megatron_name: str, spec: ModelSpec) -> tuple[ParamMapping, int
 
 
 def is_active(row: ParamMapping, spec: ModelSpec) -> bool:
-    """Whether the row exists for this model (QKV bias only for Qwen2; one head kind)."""
+    """Whether the row exists for this model (QKV bias only for Qwen2, q/k norms only for
+    Qwen3; one head kind)."""
     if row.requires == "qkv_bias":
         return spec.qkv_bias
+    if row.requires == "qk_norm":
+        return spec.qk_norm
+    if row.requires in ("moe", "dense_mlp"):
+        return spec.is_moe == (row.requires == "moe")
     return row.requires is None or row.requires == spec.head
 
 
-def hf_names(row: ParamMapping, spec: ModelSpec, layer: int | None = None) -> tuple[str, ...]:
-    """HF names read for ``row`` at global ``layer`` (tied output layer -> embedding)."""
+def local_expert(megatron_name: str, row: ParamMapping) -> int | None:
+    """The local expert index in a Megatron name of an expert row (None for other rows)."""
+    if not row.per_expert:
+        return None
+    for name in row.megatron:
+        match = _compile(name).match(megatron_name)
+        if match:
+            return int(match.group(2))
+    raise KeyError(f"{megatron_name!r} is not a name of row {row.megatron[0]!r}")
+
+
+def hf_names(row: ParamMapping, spec: ModelSpec, layer: int | None = None,
+             expert: int | None = None) -> tuple[str, ...]:
+    """HF names read for ``row`` at global ``layer`` (and global ``expert`` for expert rows;
+    tied output layer -> embedding)."""
     names = (row.tied_hf,) if row.tied_hf and spec.tie_word_embeddings else row.hf
-    return tuple(n.format(layer=layer) for n in names)
+    return tuple(n.format(layer=layer, expert=expert) for n in names)
 
 
 def exported_rows(spec: ModelSpec) -> list[ParamMapping]:
@@ -135,22 +179,29 @@ def exported_rows(spec: ModelSpec) -> list[ParamMapping]:
 
 def hf_order(spec: ModelSpec) -> list[tuple[ParamMapping, int | None]]:
     """The exported ``(row, global layer)`` units in HF's order: embedding, layers, norm,
-    head."""
+    head. Expert rows appear once per layer (:func:`hf_units` expands them per expert)."""
     rows = exported_rows(spec)
     return ([(r, None) for r in rows if r.stage == "first"]
-            + [(r, i) for i in range(spec.num_layers) for r in rows if r.stage == "layer"]
+            + [(r, i) for i in range(spec.num_layers) for r in rows if r.per_layer]
             + [(r, None) for r in rows if r.stage == "last"])
+
+
+def hf_units(spec: ModelSpec) -> list[tuple[ParamMapping, int | None, int | None]]:
+    """:func:`hf_order` with expert rows expanded: ``(row, global layer, global expert)``,
+    expert None for non-expert rows."""
+    return [(row, layer, expert) for row, layer in hf_order(spec)
+            for expert in (range(spec.num_experts) if row.per_expert else (None,))]
 
 
 def expected_hf_keys(spec: ModelSpec) -> list[str]:
     """Every HF tensor name of the model, in HF's order."""
-    return [name for row, layer in hf_order(spec) for name in hf_names(row, spec, layer)]
+    return [name for row, layer, expert in hf_units(spec) for name in hf_names(row, spec, layer, expert)]
 
 
 def hf_shape(name: str, spec: ModelSpec) -> tuple[int, ...]:
     """The expected shape of HF tensor ``name`` (used to validate checkpoints exactly)."""
     h, d = spec.hidden_size, spec.head_dim
-    leaf = re.sub(r"^model\.layers\.\d+\.", "", name)
+    leaf = re.sub(r"^model\.layers\.\d+\.", "", re.sub(r"\.experts\.\d+\.", ".experts.", name))
     shapes = {
         EMBED: (spec.vocab_size, h), LM_HEAD: (spec.vocab_size, h), SCORE: (1, h),
         "model.norm.weight": (h,),
@@ -162,9 +213,14 @@ def hf_shape(name: str, spec: ModelSpec) -> tuple[int, ...]:
         "self_attn.k_proj.bias": (spec.num_key_value_heads * d,),
         "self_attn.v_proj.bias": (spec.num_key_value_heads * d,),
         "self_attn.o_proj.weight": (h, spec.num_attention_heads * d),
+        "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
         "mlp.gate_proj.weight": (spec.ffn_hidden_size, h),
         "mlp.up_proj.weight": (spec.ffn_hidden_size, h),
         "mlp.down_proj.weight": (h, spec.ffn_hidden_size),
+        "mlp.gate.weight": (spec.num_experts, h),
+        "mlp.experts.gate_proj.weight": (spec.moe_ffn_hidden_size, h),
+        "mlp.experts.up_proj.weight": (spec.moe_ffn_hidden_size, h),
+        "mlp.experts.down_proj.weight": (h, spec.moe_ffn_hidden_size),
     }
     if leaf not in shapes:
         raise KeyError(f"unknown HF tensor name {name!r}")
@@ -245,5 +301,5 @@ def megatron_shards_to_hf(row: ParamMapping, shards: Sequence[torch.Tensor], spe
 __all__ = [
     "SUPPORTED_ARCHITECTURES", "EMBED", "LM_HEAD", "SCORE", "UnsupportedModelError", "ModelSpec",
     "ParamMapping", "PARAM_MAPPINGS", "ShardLayout", "find_mapping", "is_active", "hf_names", "exported_rows",
-    "hf_order", "expected_hf_keys", "hf_shape", "hf_to_megatron_shard", "megatron_shards_to_hf",
+    "hf_order", "hf_units", "local_expert", "expected_hf_keys", "hf_shape", "hf_to_megatron_shard", "megatron_shards_to_hf",
 ]

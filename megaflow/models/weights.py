@@ -4,7 +4,9 @@ Works on the model chunks of one rank as built by
 :func:`megaflow.megatron.model.build_gpt_model` (local or Transformer Engine layer spec,
 any TP/PP, uneven pipeline stages, a list of virtual-pipeline chunks). Pipeline-local
 layer numbers are mapped to global ones through each layer's ``layer_number`` (Megatron's
-1-based global index), so no layer offset arithmetic is repeated here.
+1-based global index), so no layer offset arithmetic is repeated here. Mixture-of-experts
+models: each expert-parallel rank loads its own experts (:func:`global_expert`), and the
+export gathers every expert through EP rank 0 of the writer's expert group.
 """
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ import torch.distributed as dist
 
 from megaflow.models.hf_io import CheckpointError, HFWeights
 from megaflow.models.hf_mapping import (SCORE, ModelSpec, ParamMapping, ShardLayout,
-                                        find_mapping, hf_names, hf_order, hf_shape,
-                                        hf_to_megatron_shard, megatron_shards_to_hf)
+                                        find_mapping, hf_names, hf_shape, hf_to_megatron_shard,
+                                        hf_units, local_expert, megatron_shards_to_hf)
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,18 @@ def shard_layout(chunk: torch.nn.Module, spec: ModelSpec, tp_size: int, tp_rank:
                          f"checkpoint's num_key_value_heads={spec.num_kv_heads}")
     return ShardLayout(tp_size=tp_size, tp_rank=tp_rank, padded_vocab_size=chunk.vocab_size,
                        kv_replication=num_query_groups // spec.num_kv_heads)
+
+
+def _ep(parallel_info: Any) -> tuple[int, int]:
+    """``(ep_rank, ep_size)`` of a ParallelInfo (1 when it predates expert parallelism)."""
+    return getattr(parallel_info, "ep_rank", 0), getattr(parallel_info, "ep_size", 1)
+
+
+def global_expert(local: int, spec: ModelSpec, parallel_info: Any) -> int:
+    """Global index of local expert ``local``: megatron-core gives EP rank r the contiguous
+    experts ``[r * E / ep, (r + 1) * E / ep)`` (``MoELayer.local_expert_indices``)."""
+    ep_rank, ep_size = _ep(parallel_info)
+    return ep_rank * (spec.num_experts // ep_size) + local
 
 
 def _named_params(chunk: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -115,7 +129,9 @@ def load_hf_weights(model_chunks: Any, hf_source: str | os.PathLike | Mapping[st
         except KeyError as err:
             raise CheckpointError(str(err)) from None
         layer = None if local is None else _global_layers(chunk)[local]
-        sources = hf_names(row, spec, layer)
+        expert = local_expert(name, row)
+        expert = None if expert is None else global_expert(expert, spec, parallel_info)
+        sources = hf_names(row, spec, layer, expert)
         bar.update(1)
         if sources == (SCORE,) and SCORE not in weights:
             log.info("%s: the checkpoint has no %s; the scalar head keeps its initialisation",
@@ -159,7 +175,8 @@ def plan_export(model_chunks: Any, hf_config: Any, parallel_info: Any) -> Export
     mine = (sorted({g for chunk in chunks for g in _global_layers(chunk)}),
             any(_has_scalar_head(c, spec) for c in chunks))
     per_stage: list[Any] = [mine]
-    if info.pp_size > 1 and info.dp_rank == 0 and info.cp_rank == 0:
+    writer_group = info.dp_rank == 0 or getattr(info, "expert_dp_rank", 0) == 0  # + its EP group
+    if info.pp_size > 1 and writer_group and info.cp_rank == 0:
         per_stage = [None] * info.pp_size
         dist.all_gather_object(per_stage, mine, group=info.pp_group)
     owners = {g: pp for pp, (layers, _) in enumerate(per_stage) for g in layers}
@@ -173,14 +190,16 @@ def plan_export(model_chunks: Any, hf_config: Any, parallel_info: Any) -> Export
 
 
 def _owner(row: ParamMapping, layer: int | None, owners: dict[int, int], pp_size: int) -> int:
-    if row.stage == "layer":
+    """The pipeline stage holding ``row`` at global ``layer``."""
+    if row.per_layer:
         return owners[layer]
     return 0 if row.stage == "first" else pp_size - 1
 
 
 def _local_param(chunks: Sequence[torch.nn.Module], row: ParamMapping,
-                 layer: int | None) -> torch.Tensor:
-    """This stage's parameter for ``row`` at global ``layer`` (any layer-spec alias)."""
+                 layer: int | None, expert: int | None = None) -> torch.Tensor:
+    """This stage's parameter for ``row`` at global ``layer`` (any layer-spec alias), and
+    for expert rows local ``expert``."""
     for chunk in chunks:
         params = dict(_named_params(chunk))
         names = list(row.megatron)
@@ -188,7 +207,7 @@ def _local_param(chunks: Sequence[torch.nn.Module], row: ParamMapping,
             local_layers = _global_layers(chunk)
             if layer not in local_layers:
                 continue
-            names = [n.format(layer=local_layers.index(layer)) for n in names]
+            names = [n.format(layer=local_layers.index(layer), expert=expert) for n in names]
         for name in names:
             if name in params:
                 return params[name].detach()
@@ -222,36 +241,45 @@ def iter_hf_tensors(model_chunks: Any, hf_config: Any, parallel_info: Any, *,
     info = parallel_info
     plan = plan or plan_export(chunks, hf_config, info)
     spec, active = plan.spec, info.dp_rank == 0 and info.cp_rank == 0
+    # Expert rows: the EP group of the writer (expert-DP rank 0) takes part as well.
+    active_experts = getattr(info, "expert_dp_rank", 0) == 0
     model_param = next(p for c in chunks for _, p in _named_params(c))
     kv_replication = shard_layout(chunks[0], spec, info.tp_size, 0).kv_replication
-    for row, layer in hf_order(spec):
-        names = hf_names(row, spec, layer)
+    for row, layer, expert in hf_units(spec):
+        names = hf_names(row, spec, layer, expert)
         tensors: list[torch.Tensor | None] = [None] * len(names)
-        if active:
+        if active_experts if row.per_expert else active:
             owner = _owner(row, layer, plan.layer_owner, info.pp_size)
             tensors = _gather_row(chunks, row, layer, owner, spec, info, kv_replication,
-                                  model_param) or tensors
+                                  model_param, expert) or tensors
         for name, tensor in zip(names, tensors):
             yield name, None if tensor is None else tensor.to(dtype or model_param.dtype)
 
 
 def _gather_row(chunks, row: ParamMapping, layer: int | None, owner: int, spec: ModelSpec,
-                info: Any, kv_replication: int, like: torch.Tensor) -> list[torch.Tensor] | None:
-    """Full HF tensors of one row on the writer; None on every other rank."""
+                info: Any, kv_replication: int, like: torch.Tensor,
+                expert: int | None = None) -> list[torch.Tensor] | None:
+    """Full HF tensors of one row (global ``expert`` for expert rows) on the writer; None
+    on every other rank."""
     full = None
-    if info.pp_rank == owner:
-        local = _local_param(chunks, row, layer).contiguous()
+    ep_rank, ep_size = _ep(info)
+    per_rank = spec.num_experts // ep_size if row.per_expert else 0
+    holder = expert // per_rank if row.per_expert else 0  # the EP rank holding the expert
+    if info.pp_rank == owner and ep_rank == holder:
+        local = _local_param(chunks, row, layer, None if expert is None else expert % per_rank).contiguous()
         shards = [local]
         if row.tp_dim is not None and info.tp_size > 1:
             shards = [torch.empty_like(local) for _ in range(info.tp_size)]
             dist.all_gather(shards, local, group=info.tp_group)
         if info.tp_rank == 0:
             full = megatron_shards_to_hf(row, shards, spec, kv_replication)
-    if info.tp_rank != 0 or (info.pp_rank != 0 and info.pp_rank != owner):
+    names = hf_names(row, spec, layer, expert)
+    if row.per_expert and holder != 0 and info.tp_rank == 0 and info.pp_rank == owner:
+        full = _expert_to_ep_rank0(full, names, spec, info, holder, like)
+    if info.tp_rank != 0 or ep_rank != 0 or (info.pp_rank != 0 and info.pp_rank != owner):
         return None
     if owner == 0:
         return full
-    names = hf_names(row, spec, layer)
     if info.pp_rank == owner:
         for tensor in full:
             dist.send(tensor.contiguous(), dst=info.pp_ranks[0])
@@ -259,6 +287,23 @@ def _gather_row(chunks, row: ParamMapping, layer: int | None, owner: int, spec: 
     received = [torch.empty(hf_shape(n, spec), dtype=like.dtype, device=like.device) for n in names]
     for buf in received:
         dist.recv(buf, src=info.pp_ranks[owner])
+    return received
+
+
+def _expert_to_ep_rank0(full: list[torch.Tensor] | None, names: Sequence[str], spec: ModelSpec, info: Any,
+                        holder: int, like: torch.Tensor) -> list[torch.Tensor] | None:
+    """Send an expert's full HF tensors from EP rank ``holder`` to EP rank 0 of the same
+    stage and TP rank 0; returns them on EP rank 0, None elsewhere."""
+    ranks = dist.get_process_group_ranks(info.ep_group)
+    if info.ep_rank == holder:
+        for tensor in full:
+            dist.send(tensor.contiguous(), dst=ranks[0])
+        return None
+    if info.ep_rank != 0:
+        return None
+    received = [torch.empty(hf_shape(n, spec), dtype=like.dtype, device=like.device) for n in names]
+    for buf in received:
+        dist.recv(buf, src=ranks[holder])
     return received
 
 
@@ -281,5 +326,5 @@ def gather_hf_state_dict(model_chunks: Any, hf_config: Any, parallel_info: Any,
 
 
 __all__ = ["load_hf_weights", "iter_hf_tensors", "gather_hf_state_dict", "is_export_writer",
-           "model_spec_for", "shard_layout", "unwrap_model_chunks", "plan_export",
+           "model_spec_for", "shard_layout", "unwrap_model_chunks", "plan_export", "global_expert",
            "ExportPlan"]

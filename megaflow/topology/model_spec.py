@@ -19,20 +19,29 @@ from typing import Any, Mapping
 
 from megaflow.config.typed import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 #: HF architecture -> (model_type, head): ``lm_head`` for causal LMs, ``score`` for
 #: sequence-classification models (critic / reward model: megaflow's scalar head).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", "lm_head"), "Qwen2ForCausalLM": ("qwen2", "lm_head"),
     "LlamaForSequenceClassification": ("llama", "score"),
     "Qwen2ForSequenceClassification": ("qwen2", "score"),
+    "Qwen3ForCausalLM": ("qwen3", "lm_head"), "Qwen3ForSequenceClassification": ("qwen3", "score"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "lm_head"),
 }
+#: Families with an RMSNorm over ``head_dim`` on every query and key head before RoPE
+#: (HF ``q_norm`` / ``k_norm``; megatron-core's ``qk_layernorm``).
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+#: Families whose every layer's MLP is a mixture of experts (top-k softmax router, SwiGLU
+#: experts, no shared experts): Qwen3-MoE.
+MOE_MODEL_TYPES = ("qwen3_moe",)
 #: Architecture fields that must agree between an inline hf_config and path/config.json.
 ARCH_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                "intermediate_size", "vocab_size", "tie_word_embeddings")
 #: Values ``transformers`` fills in for fields a config.json omits (the keyword defaults of
-#: ``LlamaConfig`` / ``Qwen2Config`` in transformers 5; the tests compare them with those
-#: classes). ``None`` for ``num_key_value_heads``: the number of attention heads.
+#: ``LlamaConfig`` / ``Qwen2Config`` / ``Qwen3Config`` in transformers 5; the tests compare
+#: them with those classes). ``None`` for ``num_key_value_heads``: the number of attention
+#: heads; ``head_dim`` absent: ``hidden_size / num_attention_heads``.
 HF_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
     "llama": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
               "num_attention_heads": 32, "num_key_value_heads": None, "max_position_embeddings": 2048,
@@ -40,8 +49,17 @@ HF_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
     "qwen2": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
               "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32768,
               "rms_norm_eps": 1e-6, "initializer_range": 0.02, "attention_dropout": 0.0, "rope_theta": 10000.0},
+    "qwen3": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768,
+              "rms_norm_eps": 1e-6, "initializer_range": 0.02, "attention_dropout": 0.0, "rope_theta": 10000.0},
+    "qwen3_moe": {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24,
+                  "num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 32768,
+                  "rms_norm_eps": 1e-6, "initializer_range": 0.02, "attention_dropout": 0.0, "rope_theta": 10000.0,
+                  "num_local_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                  "norm_topk_prob": False},
 }
-#: Mixture-of-experts fields of the HF families megaflow does not build.
+#: Mixture-of-experts fields: refused on the dense families (an MoE config under a dense
+#: ``model_type`` is not a model megaflow knows how to build).
 MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 #: megatron-core's ``RotaryEmbedding._apply_scaling`` hard-codes these llama3 RoPE parameters.
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -54,17 +72,26 @@ class UnsupportedModelError(ConfigError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A Llama/Qwen2-family decoder as megaflow builds it, read from an HF config.
+    """A Llama/Qwen2/Qwen3-family decoder as megaflow builds it, read from an HF config.
 
     Sizes use HF's names where HF has one (``num_attention_heads``, ``num_key_value_heads``,
     ``head_dim``, ``vocab_size`` unpadded); ``ffn_hidden_size`` is HF ``intermediate_size``
     and ``num_layers`` HF ``num_hidden_layers`` (megatron-core's names). ``qkv_bias``: biases
     on q/k/v (Qwen2), never on o_proj or the MLP. RoPE: base ``rope_theta``; llama3 scaling
     factor (megatron ``rope_scaling_factor``) or linear interpolation factor (megatron
-    ``seq_len_interpolation_factor``), None when unscaled. ``head`` is ``"lm_head"`` (causal
+    ``seq_len_interpolation_factor``), None when unscaled. ``qk_norm``: an RMSNorm over
+    ``head_dim`` on each query and key head before RoPE (Qwen3). ``head`` is ``"lm_head"`` (causal
     LM; absent from the checkpoint when ``tie_word_embeddings``) or ``"score"`` (a
     ``[num_labels=1, hidden]`` value/reward head, never tied). ``source`` is the dotted
     config key the facts came from (for error messages).
+
+    Mixture of experts (Qwen3-MoE; ``num_experts == 0`` for dense models): every layer's MLP
+    is ``num_experts`` SwiGLU experts of width ``moe_ffn_hidden_size`` (HF
+    ``moe_intermediate_size``) and a bias-free linear router ``[num_experts, hidden]``
+    choosing ``moe_topk`` (HF ``num_experts_per_tok``) experts per token from a softmax over
+    all experts; ``moe_norm_topk_prob`` (HF ``norm_topk_prob``) renormalises the chosen
+    probabilities to sum to 1. ``ffn_hidden_size`` is then HF ``intermediate_size``, which
+    such a model does not use.
     """
 
     model_type: str
@@ -86,6 +113,16 @@ class ModelSpec:
     initializer_range: float
     head: str = "lm_head"
     source: str = "hf_config"
+    qk_norm: bool = False
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_norm_topk_prob: bool = False
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the MLPs are mixtures of experts."""
+        return self.num_experts > 0
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, source: str = "hf_config") -> ModelSpec:
@@ -236,12 +273,17 @@ def _head(cfg: Mapping[str, Any], source: str) -> str:
 def _refuse_unbuildable(cfg: Mapping[str, Any], model_type: str, source: str) -> None:
     """Raise :class:`UnsupportedModelError` for a field whose value megaflow's GPTModel
     (SwiGLU, RMSNorm, full causal attention, q/k/v bias only) cannot reproduce."""
-    for name in MOE_FIELDS:
-        if cfg.get(name):
-            raise _unsupported(source, name, f"{cfg[name]!r}: mixture-of-experts models are not supported")
+    if model_type in MOE_MODEL_TYPES:
+        _refuse_unbuildable_moe(cfg, source)
+    else:
+        for name in MOE_FIELDS:
+            if cfg.get(name):
+                raise _unsupported(source, name, f"{cfg[name]!r}: mixture-of-experts fields in a dense "
+                                                 f"{model_type!r} config are not supported (MoE families: "
+                                                 f"{', '.join(MOE_MODEL_TYPES)})")
     if cfg.get("use_sliding_window"):
         raise _unsupported(source, "use_sliding_window", "true: sliding-window attention is not supported")
-    if model_type != "qwen2" and cfg.get("sliding_window") is not None:  # Qwen2 ignores it unless use_sliding_window
+    if model_type == "llama" and cfg.get("sliding_window") is not None:  # Qwen ignores it unless use_sliding_window
         raise _unsupported(source, "sliding_window", f"{cfg['sliding_window']!r}: sliding-window attention "
                                                      "is not supported")
     layer_types = cfg.get("layer_types")
@@ -249,14 +291,43 @@ def _refuse_unbuildable(cfg: Mapping[str, Any], model_type: str, source: str) ->
         raise _unsupported(source, "layer_types", f"{list(layer_types)!r}: only full_attention layers are supported")
     if cfg.get("hidden_act", "silu") != "silu":
         raise _unsupported(source, "hidden_act", f"{cfg['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
-    if model_type == "llama":  # Qwen2 has fixed biases: q/k/v on, o_proj and MLP off
-        if cfg.get("attention_bias"):
-            raise _unsupported(source, "attention_bias", "true (bias on q/k/v and o_proj) is not supported; "
-                                                         "megaflow builds q/k/v biases only (Qwen2)")
-        if cfg.get("mlp_bias"):
-            raise _unsupported(source, "mlp_bias", "true is not supported (the MLP has no biases)")
+    # Qwen2 has fixed biases: q/k/v on, o_proj and MLP off
+    if model_type != "qwen2" and cfg.get("attention_bias"):
+        raise _unsupported(source, "attention_bias", "true (bias on q/k/v and o_proj) is not supported; "
+                                                     "megaflow builds q/k/v biases only (Qwen2)")
+    if model_type == "llama" and cfg.get("mlp_bias"):
+        raise _unsupported(source, "mlp_bias", "true is not supported (the MLP has no biases)")
     if cfg.get("quantization_config"):
         raise _unsupported(source, "quantization_config", "quantized checkpoints are not supported")
+
+
+def _refuse_unbuildable_moe(cfg: Mapping[str, Any], source: str) -> None:
+    """Qwen3-MoE fields megaflow's MoE layers (every layer sparse, no shared experts) cannot
+    reproduce: dense layers in between (``decoder_sparse_step`` != 1, ``mlp_only_layers``)."""
+    if cfg.get("decoder_sparse_step", 1) != 1:
+        raise _unsupported(source, "decoder_sparse_step", f"{cfg['decoder_sparse_step']!r}: only 1 (every layer "
+                                                          "a mixture of experts) is supported")
+    if cfg.get("mlp_only_layers"):
+        raise _unsupported(source, "mlp_only_layers", f"{list(cfg['mlp_only_layers'])!r}: dense layers in a "
+                                                      "mixture-of-experts model are not supported")
+
+
+def _moe_fields(cfg: Mapping[str, Any], model_type: str, source: str) -> dict[str, Any]:
+    """The :class:`ModelSpec` MoE fields of a Qwen3-MoE config (empty for dense families)."""
+    if model_type not in MOE_MODEL_TYPES:
+        return {}
+    defaults = HF_DEFAULTS[model_type]
+
+    def size(name: str) -> int:
+        return _int_field(cfg[name] if name in cfg else defaults[name], name, source)
+
+    # transformers 5 writes num_local_experts (Qwen3MoeConfig.attribute_map); 4.x num_experts
+    experts_key = "num_local_experts" if "num_local_experts" in cfg or "num_experts" not in cfg else "num_experts"
+    experts, topk = size(experts_key), size("num_experts_per_tok")
+    if topk > experts:
+        raise _field_error(source, "num_experts_per_tok", f"{topk} exceeds {experts_key}={experts}")
+    return {"num_experts": experts, "moe_topk": topk, "moe_ffn_hidden_size": size("moe_intermediate_size"),
+            "moe_norm_topk_prob": bool(cfg.get("norm_topk_prob", defaults["norm_topk_prob"]))}
 
 
 def _rope(cfg: Mapping[str, Any], default_theta: float, source: str) -> tuple[float, float | None, float | None]:
@@ -289,14 +360,14 @@ def _rope(cfg: Mapping[str, Any], default_theta: float, source: str) -> tuple[fl
 
 
 def model_spec(hf_config: Any, source: str = "hf_config") -> ModelSpec:
-    """Validate a Llama/Qwen2 HF config and read it into a :class:`ModelSpec`.
+    """Validate a Llama/Qwen2/Qwen3 HF config and read it into a :class:`ModelSpec`.
 
     The one architecture reader of megaflow (planner, model builder, weight mapping).
     Fields the config omits take ``transformers``' defaults for its ``model_type``
     (:data:`HF_DEFAULTS`); ``num_key_value_heads`` null means one KV head per attention
     head; ``head_dim`` defaults to ``hidden_size / num_attention_heads`` (``LlamaConfig``,
-    ``Qwen2Attention``). Llama has q/k/v biases only with ``attention_bias`` (refused),
-    Qwen2 always.
+    ``Qwen2Attention``; Qwen3's default is 128). Llama and Qwen3 have q/k/v biases only with
+    ``attention_bias`` (refused), Qwen2 always; Qwen3 has q/k norms.
 
     Args:
         hf_config: the dict of a ``config.json`` or a ``transformers.PretrainedConfig``.
@@ -306,11 +377,13 @@ def model_spec(hf_config: Any, source: str = "hf_config") -> ModelSpec:
     Raises:
         UnsupportedModelError: (a :class:`ConfigError`) an architecture megaflow does not
             build: unknown ``model_type`` or ``architectures``, ``num_labels`` != 1 for a
-            score head, mixture-of-experts fields, sliding-window or non-full attention
+            score head, mixture-of-experts fields in a dense family's config, Qwen3-MoE with
+            dense layers (``decoder_sparse_step`` != 1, ``mlp_only_layers``), sliding-window or non-full attention
             layers, an activation other than SiLU, o_proj/MLP biases, quantization, partial
             rotary embeddings, RoPE scaling other than linear / megatron-core's llama3.
         ConfigError: a non-positive or non-integer size, ``hidden_size`` not divisible by
-            the heads without ``head_dim``, heads not a multiple of the KV heads.
+            the heads without ``head_dim``, heads not a multiple of the KV heads,
+            ``num_experts_per_tok`` above the expert count.
         TypeError: ``hf_config`` is neither a mapping nor a ``PretrainedConfig``.
     """
     cfg = _as_mapping(hf_config)
@@ -331,10 +404,10 @@ def model_spec(hf_config: Any, source: str = "hf_config") -> ModelSpec:
     if heads % kv_heads:
         raise _field_error(source, "num_attention_heads",
                            f"{heads} is not a multiple of num_key_value_heads={kv_heads}")
-    if cfg.get("head_dim") is None and hidden % heads:
+    if cfg.get("head_dim") is None and "head_dim" not in defaults and hidden % heads:
         raise _field_error(source, "hidden_size", f"{hidden} is not divisible by num_attention_heads={heads} "
                                                   "(set head_dim explicitly)")
-    head_dim = _int_field(cfg.get("head_dim") or hidden // heads, "head_dim", source)
+    head_dim = _int_field(cfg.get("head_dim") or defaults.get("head_dim") or hidden // heads, "head_dim", source)
     theta, llama3_factor, linear_factor = _rope(cfg, defaults["rope_theta"], source)
 
     def number(name: str) -> float:
@@ -355,6 +428,7 @@ def model_spec(hf_config: Any, source: str = "hf_config") -> ModelSpec:
         rope_scaling_factor=llama3_factor, rope_interpolation_factor=linear_factor,
         max_position_embeddings=size("max_position_embeddings"), attention_dropout=number("attention_dropout"),
         initializer_range=number("initializer_range"), head=head, source=source,
+        qk_norm=model_type in QK_NORM_MODEL_TYPES, **_moe_fields(cfg, model_type, source),
     )
 
 
@@ -373,34 +447,39 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
 
 @dataclass(frozen=True)
 class LayerParameters:
-    """Parameters of one transformer layer, split by how TP shards them.
+    """Parameters of one transformer layer, split by how the model-parallel ranks hold them.
 
-    ``sharded`` is divided by the TP size (QKV/O/MLP weights, the q/k/v biases);
-    ``replicated`` is held whole on every TP rank (the two norms).
+    ``sharded`` is divided by the TP size (QKV/O/dense-MLP weights, the q/k/v biases);
+    ``replicated`` is held whole on every TP rank (the two norms, the q/k norms, an MoE
+    router); ``experts`` (mixture of experts) is divided by the EP size, and within an
+    expert by the expert-TP size, megatron-core's default for which is the TP size.
     """
 
     sharded: int
     replicated: int
+    experts: int = 0
 
     @property
     def total(self) -> int:
-        return self.sharded + self.replicated
+        return self.sharded + self.replicated + self.experts
 
 
 def layer_parameters(spec: ModelSpec) -> LayerParameters:
     """Parameters of one decoder layer.
 
     Attention: ``h*(a + 2*g)*d`` for Q, K, V and ``a*d*h`` for O (``a`` heads, ``g`` KV
-    heads, ``d`` head_dim), q/k/v biases ``(a + 2*g)*d`` (Qwen2); SwiGLU MLP
-    ``3*h*f``; two RMSNorm weights ``2*h`` (no o_proj or MLP biases: :func:`model_spec`
-    refuses them).
+    heads, ``d`` head_dim), q/k/v biases ``(a + 2*g)*d`` (Qwen2); SwiGLU MLP ``3*h*f``, or
+    for a mixture of ``E`` experts of width ``f_e`` the experts ``E*3*h*f_e`` and the
+    router ``E*h``; two RMSNorm weights ``2*h``, and ``2*d`` for the q/k norms (Qwen3) (no
+    o_proj or MLP biases: :func:`model_spec` refuses them).
     """
     h, d, f = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size
     qkv_out = (spec.num_attention_heads + 2 * spec.num_key_value_heads) * d
-    sharded = h * qkv_out + spec.num_attention_heads * d * h + 3 * h * f
+    sharded = h * qkv_out + spec.num_attention_heads * d * h + (0 if spec.is_moe else 3 * h * f)
     sharded += qkv_out if spec.qkv_bias else 0
-    replicated = 2 * h
-    return LayerParameters(sharded=sharded, replicated=replicated)
+    replicated = 2 * h + (2 * d if spec.qk_norm else 0) + spec.num_experts * h
+    experts = spec.num_experts * 3 * h * spec.moe_ffn_hidden_size
+    return LayerParameters(sharded=sharded, replicated=replicated, experts=experts)
 
 
 def count_parameters(spec: ModelSpec, head: str = "lm") -> int:
@@ -419,8 +498,8 @@ def count_parameters(spec: ModelSpec, head: str = "lm") -> int:
     return embedding + spec.num_layers * layer_parameters(spec).total + spec.hidden_size + out
 
 
-def stage_parameters(spec: ModelSpec, tp: int, pp: int, head: str = "lm") -> tuple[int, ...]:
-    """Parameters held by one rank of each pipeline stage at ``tp`` x ``pp``.
+def stage_parameters(spec: ModelSpec, tp: int, pp: int, head: str = "lm", ep: int = 1) -> tuple[int, ...]:
+    """Parameters held by one rank of each pipeline stage at ``tp`` x ``pp`` (x ``ep``).
 
     Megatron's layout: stage 0 holds the (TP-sharded, padded) embedding, the last stage
     the final norm and the output layer; with tied embeddings and ``pp > 1`` the last
@@ -431,7 +510,10 @@ def stage_parameters(spec: ModelSpec, tp: int, pp: int, head: str = "lm") -> tup
     """
     vocab = padded_vocab_size(spec.vocab_size, tp)
     layer = layer_parameters(spec)
-    per_layer = -(-layer.sharded // tp) + layer.replicated
+    if ep < 1 or (spec.is_moe and spec.num_experts % ep) or (not spec.is_moe and ep != 1):
+        raise ValueError(f"ep={ep} must divide num_experts={spec.num_experts}" if spec.is_moe
+                         else f"ep={ep}: expert parallelism needs a mixture-of-experts model")
+    per_layer = -(-layer.sharded // tp) + layer.replicated + layer.experts // ep // tp
     layers_per_stage = spec.num_layers // pp
     embedding = vocab * spec.hidden_size // tp
     if head == "lm":

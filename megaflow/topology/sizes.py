@@ -54,7 +54,8 @@ def role_model_spec(cfg: Config, role: str) -> ModelSpec:
 
 @dataclass(frozen=True)
 class RoleParallel:
-    """One role's Megatron mesh on its pool: ``world_size == tp * cp * dp * pp``."""
+    """One role's Megatron mesh on its pool: ``world_size == tp * cp * dp * pp``; ``ep`` expert
+    ranks are carved out of ``dp * cp`` (mixture-of-experts models)."""
 
     role: str
     pool: str
@@ -64,6 +65,7 @@ class RoleParallel:
     cp: int
     dp: int
     vpp: int | None
+    ep: int = 1
 
 
 def uses_distributed_optimizer(cfg: Config, role: str) -> bool:
@@ -91,7 +93,7 @@ def role_parallel(cfg: Config, role: str) -> RoleParallel:
           f"{section.tp}*{section.pp}*{section.cp} = {model_ranks}; world size must be tp*pp*cp*dp exactly",
           f"resources.pools.{pool}")
     return RoleParallel(role=role, pool=pool, world_size=world, tp=section.tp, pp=section.pp,
-                        cp=section.cp, dp=world // model_ranks, vpp=section.vpp)
+                        cp=section.cp, dp=world // model_ranks, vpp=section.vpp, ep=section.ep)
 
 
 @dataclass(frozen=True)

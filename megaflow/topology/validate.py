@@ -98,14 +98,39 @@ def _check_model_parallel(spec: ModelSpec, role: str, par: RoleParallel) -> None
           + f" must divide the model's num_hidden_layers={spec.num_layers} ({{0}})", f"{src}")
 
 
+def _check_expert_parallel(spec: ModelSpec, role: str, par: RoleParallel) -> None:
+    """``<role>.ep`` against the model and the mesh: expert parallelism needs experts, and
+    ``ep`` must divide the expert count and ``dp * cp`` (megatron-core builds the EP groups out
+    of the data-parallel ranks, ``initialize_model_parallel``)."""
+    if par.ep == 1:
+        return
+    check(spec.is_moe, f"{role}.ep", f"ep={par.ep}: expert parallelism needs a mixture-of-experts model, and "
+                                     f"{{0}} is a dense {spec.model_type!r} model; use ep=1", spec.source)
+    check(spec.num_experts % par.ep == 0, f"{role}.ep",
+          f"ep={par.ep} must divide the model's {spec.num_experts} experts ({{0}})", spec.source)
+    check((par.dp * par.cp) % par.ep == 0, f"{role}.ep",
+          f"ep={par.ep} must divide dp*cp = {par.dp}*{par.cp} of {role}'s pool {par.pool!r} "
+          f"({par.world_size} ranks / tp*pp = {par.tp}*{par.pp}): expert ranks are data-parallel ranks")
+
+
+def _check_moe_runnable(spec: ModelSpec) -> None:
+    """Mixture-of-experts models (issue 34) are built, loaded and exported by megaflow's model
+    code, but a run does not train them yet: no expert-parallel knob, no expert weight sync
+    to the rollout engine. Refused at load, naming the model's config."""
+    check(not spec.is_moe, spec.source,
+          f"a mixture-of-experts model ({spec.model_type}, {spec.num_experts} experts) is not trainable in a run yet "
+          "(megaflow.models converts it and megaflow.megatron builds it, but expert parallelism and the rollout's "
+          "expert weight sync are not wired into the workers); use a dense model")
+
+
 def _check_colocated_meshes(cfg: Config) -> None:
     """Roles on one pool share one process per rank, hence Megatron's one (process-global)
-    parallel state: their tp, pp, cp and vpp must be equal."""
+    parallel state: their tp, pp, cp, ep and vpp must be equal."""
     first: dict[str, str] = {}
     for role in enabled_roles(cfg):
         pool = getattr(cfg.resources.placement, role)
         other = first.setdefault(pool, role)
-        for name in ("tp", "pp", "cp", "vpp"):
+        for name in ("tp", "pp", "cp", "ep", "vpp"):
             mine, theirs = getattr(getattr(cfg, role), name), getattr(getattr(cfg, other), name)
             check(mine == theirs, f"{role}.{name}",
                   f"{name}={mine} differs from {{0}}={theirs}; roles colocated on pool {pool!r} share one "
@@ -119,7 +144,8 @@ def validate_config(cfg: Config) -> None:
     The pools fit on the cluster's nodes; inputs set (model, tokenizer, training data); algorithm vs enabled roles; every
     enabled role placed on a known pool; for every enabled role: world size = tp*pp*cp*dp on its pool, tp dividing the heads, KV heads
     and FFN size, pp (x vpp) dividing the layers; the rollout's t_g | t and p_g | p (hence
-    t_g dividing the heads too); roles colocated on one pool with equal tp/pp/cp/vpp;
+    t_g dividing the heads too); ep > 1 only for a mixture-of-experts model, dividing its experts and
+    dp*cp; no mixture-of-experts model in a run yet; roles colocated on one pool with equal tp/pp/cp/vpp;
     batch sizes divisible by mini-batches, DP and micro-batches.
 
     Raises:
@@ -130,6 +156,8 @@ def validate_config(cfg: Config) -> None:
     _check_roles(cfg)
     _check_placement(cfg)
     for role in enabled_roles(cfg):
+        _check_expert_parallel(role_model_spec(cfg, role), role, role_parallel(cfg, role))
+        _check_moe_runnable(role_model_spec(cfg, role))
         _check_model_parallel(role_model_spec(cfg, role), role, role_parallel(cfg, role))
         check(cfg.resources.use_gpu or not getattr(cfg, role).sequence_parallel, f"{role}.sequence_parallel",
               "not available on CPU (megatron-core's local layer spec refuses it); set it false or {0}=true",

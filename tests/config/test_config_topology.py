@@ -198,8 +198,8 @@ def test_model_path_config_json_is_read_and_cross_checked(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("field, value, fragment", [
-    ("model_type", "gpt2", "'gpt2' is not supported (supported: llama, qwen2)"),
-    ("num_local_experts", 8, "mixture-of-experts models are not supported"),
+    ("model_type", "gpt2", "'gpt2' is not supported (supported: llama, qwen2, qwen3, qwen3_moe)"),
+    ("num_local_experts", 8, "mixture-of-experts fields in a dense 'llama' config are not supported"),
     ("num_attention_heads", 0, "must be a positive int, got 0"),
     ("hidden_size", 66, "66 is not divisible by num_attention_heads=4 (set head_dim explicitly)"),
 ])

@@ -34,6 +34,10 @@ CONFIGS = {
                           "architectures": ["Qwen2ForCausalLM"]},
     "qwen2-bias-tied": {"model_type": "qwen2", **SMALL, "num_key_value_heads": 1, "tie_word_embeddings": True},
     "qwen2-kv-default": {"model_type": "qwen2", **dict(SMALL, num_attention_heads=32), "rope_theta": 1e6},
+    "qwen3-qknorm-untied": {"model_type": "qwen3", **SMALL, "num_key_value_heads": 2, "head_dim": 32,
+                            "architectures": ["Qwen3ForCausalLM"]},
+    "qwen3-head_dim-default": {"model_type": "qwen3", **SMALL, "num_key_value_heads": 2,
+                               "tie_word_embeddings": True},  # head_dim 128 != hidden / heads
     "smollm2": _recipe_hf_config("smollm2_gsm8k_grpo"),
 }
 
@@ -76,6 +80,7 @@ def test_planner_builder_and_mapping_agree_with_transformers(name, tiny):
     assert (builder.num_attention_heads, builder.num_query_groups, builder.kv_channels) == (
         ref.num_attention_heads, ref.num_key_value_heads, ref_head_dim)
     assert builder.add_qkv_bias == ("model.layers.0.self_attn.q_proj.bias" in ref_shapes)
+    assert builder.qk_layernorm == planner.qk_norm == ("model.layers.0.self_attn.q_norm.weight" in ref_shapes)
     assert builder.layernorm_epsilon == ref.rms_norm_eps
     # the mapping's tensor names and shapes, and the planner's parameter count, against the model
     assert sorted(expected_hf_keys(mapping)) == sorted(ref_shapes)
@@ -84,9 +89,9 @@ def test_planner_builder_and_mapping_agree_with_transformers(name, tiny):
 
 
 def test_defaults_table_equals_transformers_config_classes():
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    for model_type, cls in (("llama", LlamaConfig), ("qwen2", Qwen2Config)):
+    for model_type, cls in (("llama", LlamaConfig), ("qwen2", Qwen2Config), ("qwen3", Qwen3Config)):
         ref = cls()
         for field, value in HF_DEFAULTS[model_type].items():
             if field == "rope_theta":
@@ -178,3 +183,42 @@ def test_rope_parameters_map_to_megatron_arguments(params, expected):
             cfg[style] = params
         spec = model_spec(cfg)
         assert (spec.rope_theta, spec.rope_scaling_factor, spec.rope_interpolation_factor) == expected
+
+
+def test_qwen3_with_o_proj_bias_is_refused_naming_attention_bias():
+    # Qwen3's attention_bias puts a bias on q/k/v and o_proj: megatron-core builds q/k/v only.
+    cfg = {"model_type": "qwen3", **SMALL, "num_key_value_heads": 2, "head_dim": 16}
+    assert model_spec(cfg).qk_norm and not model_spec(cfg).qkv_bias
+    with pytest.raises(UnsupportedModelError) as err:
+        model_spec(dict(cfg, attention_bias=True))
+    assert err.value.key == "hf_config.attention_bias"
+
+
+MOE_HF = {"model_type": "qwen3_moe", **SMALL, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4,
+          "num_experts_per_tok": 2, "moe_intermediate_size": 32, "architectures": ["Qwen3MoeForCausalLM"]}
+
+
+def test_a_run_with_a_mixture_of_experts_model_is_refused_at_load_naming_the_model(tiny):
+    # megaflow builds and converts Qwen3-MoE (tests/models/test_qwen3_moe_parity.py), but the
+    # workers do not train it yet: refused before any process starts, naming the model's config.
+    assert model_spec(MOE_HF).num_experts == 4
+    with pytest.raises(ConfigError) as err:
+        run_from_dict(tiny(model={"hf_config": MOE_HF}, actor={"ep": 2}))
+    assert err.value.key == "model.hf_config" and "mixture-of-experts" in str(err.value)
+
+
+@pytest.mark.parametrize("ep, procs, message", [
+    (3, 6, "ep=3 must divide the model's 4 experts"),
+    (4, 2, "ep=4 must divide dp*cp = 2*1"),
+])
+def test_expert_parallel_size_is_checked_against_experts_and_world(tiny, ep, procs, message):
+    with pytest.raises(ConfigError) as err:
+        run_from_dict(tiny(model={"hf_config": MOE_HF}, actor={"ep": ep},
+                           resources={"use_gpu": False, "procs_per_node": procs}))
+    assert err.value.key == "actor.ep" and message in str(err.value)
+
+
+def test_expert_parallel_with_a_dense_model_is_refused_naming_the_key(tiny):
+    with pytest.raises(ConfigError) as err:
+        run_from_dict(tiny(actor={"ep": 2}))
+    assert err.value.key == "actor.ep" and "needs a mixture-of-experts model" in str(err.value)

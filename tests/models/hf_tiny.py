@@ -1,4 +1,4 @@
-"""Tiny random Llama / Qwen2 checkpoints built in-process from transformers configs.
+"""Tiny random Llama / Qwen2 / Qwen3 checkpoints built in-process from transformers configs.
 
 Every parameter (norms and biases included) is perturbed with a seeded generator, so a
 mapping that swaps, drops or mis-orders any tensor changes the logits.
@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from moe_testlib import perturb_
+
 VOCAB = 300  # not a multiple of 128: padded to 384 at TP=1, 512 at TP=2
 VARIANTS = {
     # name: (model_type, num_attention_heads, num_key_value_heads, tie_word_embeddings)
@@ -18,22 +20,25 @@ VARIANTS = {
     "qwen2_bias_tied": ("qwen2", 4, 2, True),
     "qwen2_bias_untied": ("qwen2", 4, 4, False),
     "llama_mqa": ("llama", 4, 1, False),  # TP=2 > 1 KV head: KV replication
+    "qwen3_qknorm_tied": ("qwen3", 4, 2, True),  # q/k norms
 }
+CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def tiny_config(variant: str, num_layers: int = 4):
     """A transformers config for ``variant`` (hidden 64, head_dim 16, ffn 96)."""
-    from transformers import LlamaConfig, Qwen2Config
+    import transformers
 
     model_type, heads, kv_heads, tie = VARIANTS[variant]
-    cls = LlamaConfig if model_type == "llama" else Qwen2Config
-    config = cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+    cls = getattr(transformers, CONFIG_CLASSES[model_type])
+    config = cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, head_dim=16,
                  num_hidden_layers=num_layers, num_attention_heads=heads,
                  num_key_value_heads=kv_heads, max_position_embeddings=64, rms_norm_eps=1e-6,
                  tie_word_embeddings=tie, rope_parameters={"rope_type": "default",
                                                            "rope_theta": 10000.0},
                  bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    config.architectures = ["LlamaForCausalLM" if model_type == "llama" else "Qwen2ForCausalLM"]
+    config.architectures = [ARCHITECTURES[model_type]]
     return config
 
 
@@ -43,11 +48,7 @@ def tiny_model(variant: str, seed: int = 0, num_layers: int = 4):
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(variant, num_layers), dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
-    return model.eval()
+    return perturb_(model, seed + 1).eval()
 
 
 def save_tiny_tokenizer(directory: Path) -> None:
