@@ -63,7 +63,7 @@ TRAIN_FLAGS := $(if $(filter 1 true yes on,$(DRY_RUN_WORD)),--dry-run,)
 # silently ignored), a word make cannot hand on intact (a newline, or the control characters
 # above), and a goal that is not a target here (`make train trainer.total_steps` would train
 # first and fail on the unknown goal afterwards).
-GOALS := help install test test-fast train slurm bench clean $(STAMP)
+GOALS := help install lint test test-fast train slurm bench clean $(STAMP)
 BAD_GOALS := $(filter-out $(GOALS),$(MAKECMDGOALS))
 ifneq ($(BAD_GOALS),)
 $(error unknown goal '$(firstword $(BAD_GOALS))': make train takes key.sub=value overrides (e.g. trainer.total_steps=3); goals: $(filter-out $(STAMP),$(GOALS)))
@@ -80,10 +80,12 @@ RUN_PY := $(call quote,$(value VENV)/bin/python)
 RECIPE_ARG := $(call quote,$(value RECIPE))
 SLURM_ARG_WORDS := $(foreach w,$(value SLURM_ARGS),$(call quote,$(w)))
 
-.PHONY: help install test test-fast train slurm bench clean
+.PHONY: help install lint test test-fast train slurm bench clean
 help:
 	@echo "make train [RECIPE=name] [key.sub=value ...] [DRY_RUN=1]   run RL post-training"
-	@echo "make test                                                  run the test suite"
+	@echo "make test                                                  lint, then run the test suite"
+	@echo "make test-fast                                             the suite without the slow multi-process tests"
+	@echo "make lint                                                  ruff (lint, import order) and mypy over megaflow/ and tools/"
 	@echo "make slurm RECIPE=name SLURM_ARGS='--partition p ...'      write (and with --submit, submit) a Ray-on-Slurm job"
 	@echo "make install                                               build the environment in $(VENV)"
 
@@ -109,7 +111,12 @@ endif
 	$(PY) -c "import torch, megatron.core, ray, tensordict, vllm, megaflow; print('megaflow environment ok: torch', torch.__version__)"
 	touch $(STAMP)
 
-test: install
+# Settings in pyproject.toml. Both must report zero findings.
+lint: install
+	$(PY) -m ruff check megaflow tools
+	$(PY) -m mypy
+
+test: install lint
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 test-fast: install

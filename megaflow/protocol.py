@@ -45,8 +45,9 @@ carry no weight in any loss; :meth:`DataProto.unpad` removes them again.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -134,7 +135,7 @@ class DataProto:
     @classmethod
     def from_dict(cls, tensors: dict[str, torch.Tensor] | None = None,
                   non_tensors: dict[str, Any] | None = None,
-                  meta_info: dict[str, Any] | None = None) -> "DataProto":
+                  meta_info: dict[str, Any] | None = None) -> DataProto:
         """Build from a dict of ``[B, ...]`` tensors and a dict of per-row sequences.
 
         Raises:
@@ -177,7 +178,7 @@ class DataProto:
     def __contains__(self, key: str) -> bool:
         return key in self.keys()
 
-    def __getitem__(self, idx: Index) -> "DataProto":
+    def __getitem__(self, idx: Index) -> DataProto:
         """Rows by int (one-row DataProto), slice, index tensor/array/list or boolean mask."""
         if isinstance(idx, str):
             raise TypeError(f"DataProto rows are indexed by position; use dp.batch[{idx!r}] "
@@ -214,7 +215,7 @@ class DataProto:
             raise KeyError(f"unknown {kind} field(s) {missing}; available: {sorted(available)}")
 
     def select(self, batch_keys: Sequence[str] | None = None, non_tensor_keys: Sequence[str] | None = None,
-               meta_info_keys: Sequence[str] | None = None, deepcopy: bool = False) -> "DataProto":
+               meta_info_keys: Sequence[str] | None = None, deepcopy: bool = False) -> DataProto:
         """A DataProto with only the named fields (None keeps all of that part).
 
         Raises:
@@ -238,7 +239,7 @@ class DataProto:
         return copy.deepcopy(out) if deepcopy else out
 
     def pop(self, batch_keys: Sequence[str] = (), non_tensor_keys: Sequence[str] = (),
-            meta_info_keys: Sequence[str] = ()) -> "DataProto":
+            meta_info_keys: Sequence[str] = ()) -> DataProto:
         """Remove the named fields from this DataProto and return them as a new one."""
         out = self.select(list(batch_keys), list(non_tensor_keys), list(meta_info_keys))
         if batch_keys:
@@ -250,7 +251,7 @@ class DataProto:
         return out
 
     # ------------------------------------------------------------------ combination
-    def union(self, other: "DataProto") -> "DataProto":
+    def union(self, other: DataProto) -> DataProto:
         """Merge ``other``'s fields into a new DataProto.
 
         A field present on both sides must hold equal values.
@@ -288,7 +289,7 @@ class DataProto:
             meta[k] = v
         return DataProto(batch, nt, meta)
 
-    def chunk(self, chunks: int) -> list["DataProto"]:
+    def chunk(self, chunks: int) -> list[DataProto]:
         """Split into ``chunks`` equal parts in row order.
 
         Raises:
@@ -303,14 +304,14 @@ class DataProto:
         size = n // chunks
         return [self[i * size:(i + 1) * size] for i in range(chunks)]
 
-    def split(self, split_size: int) -> list["DataProto"]:
+    def split(self, split_size: int) -> list[DataProto]:
         """Consecutive pieces of ``split_size`` rows (the last may be shorter)."""
         if split_size < 1:
             raise ValueError(f"split_size must be >= 1, got {split_size}")
         return [self[i:i + split_size] for i in range(0, len(self), split_size)]
 
     @staticmethod
-    def concat(data: Sequence["DataProto"]) -> "DataProto":
+    def concat(data: Sequence[DataProto]) -> DataProto:
         """Concatenate rows; all pieces must have the same fields. meta_info of the first wins.
 
         Raises:
@@ -329,7 +330,7 @@ class DataProto:
         nt = {k: np.concatenate([d.non_tensor_batch[k] for d in data]) for k in data[0].non_tensor_batch}
         return DataProto(batch, nt, dict(data[0].meta_info))
 
-    def repeat(self, repeat_times: int, interleave: bool = True) -> "DataProto":
+    def repeat(self, repeat_times: int, interleave: bool = True) -> DataProto:
         """Repeat every row ``repeat_times`` times.
 
         ``interleave=True`` gives ``a a b b``; ``False`` gives ``a b a b``.
@@ -343,7 +344,7 @@ class DataProto:
         return self[index]
 
     # ------------------------------------------------------------------ padding
-    def pad_to_divisor(self, divisor: int) -> tuple["DataProto", int]:
+    def pad_to_divisor(self, divisor: int) -> tuple[DataProto, int]:
         """Append copies of leading rows so that ``len`` divides by ``divisor``.
 
         Padded rows copy real rows cyclically (valid inputs for any forward pass) and have
@@ -367,7 +368,7 @@ class DataProto:
                     extra.batch.set(k, torch.zeros_like(extra.batch.get(k)))
         return DataProto.concat([self, extra]), pad
 
-    def unpad(self, pad_size: int) -> "DataProto":
+    def unpad(self, pad_size: int) -> DataProto:
         """Remove the last ``pad_size`` rows added by :meth:`pad_to_divisor`."""
         if pad_size < 0 or pad_size > len(self):
             raise ValueError(f"pad_size {pad_size} out of range for {len(self)} rows")

@@ -24,8 +24,15 @@ import ray
 import torch
 
 from megaflow.protocol import DataProto
-from megaflow.single_controller import (ClassWithInitArgs, Dispatch, RayWorkerGroup, ResourcePool, Worker, nd_compute,
-                                        register)
+from megaflow.single_controller import (
+    ClassWithInitArgs,
+    Dispatch,
+    RayWorkerGroup,
+    ResourcePool,
+    Worker,
+    nd_compute,
+    register,
+)
 
 TP = 2
 DP = 2

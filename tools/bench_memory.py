@@ -52,11 +52,12 @@ import dataclasses
 import os
 import sys
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_reshard (the tensor-allocation tracker)
 

@@ -52,15 +52,26 @@ from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megaflow.hybrid_engine import (MicroDPResharder, build_reshard_groups,  # noqa: E402
-                                    gather_layout_to_shard, plan_hybrid_layout, reshard_cost)
-from megaflow.hybrid_engine.params import describe_local_params  # noqa: E402
-from megaflow.topology.weight_sync import VLLM_VOCAB_PADDING, weight_sync_peak_bytes  # noqa: E402
-from megaflow.hybrid_engine.rollout_weights import (gather_rows, generation_buckets, iter_vllm_buckets,  # noqa: E402
-                                                     to_vllm_shard, vllm_param_name, vocab_row_transfers)
-from megaflow.hybrid_engine.transport import load_buckets  # noqa: E402
-from megaflow.models.hf_mapping import ModelSpec  # noqa: E402
-from megaflow.utils.launch import run_distributed  # noqa: E402
+from megaflow.hybrid_engine import (
+    MicroDPResharder,
+    build_reshard_groups,
+    gather_layout_to_shard,
+    plan_hybrid_layout,
+    reshard_cost,
+)
+from megaflow.hybrid_engine.params import describe_local_params
+from megaflow.hybrid_engine.rollout_weights import (
+    gather_rows,
+    generation_buckets,
+    iter_vllm_buckets,
+    to_vllm_shard,
+    vllm_param_name,
+    vocab_row_transfers,
+)
+from megaflow.hybrid_engine.transport import load_buckets
+from megaflow.models.hf_mapping import ModelSpec
+from megaflow.topology.weight_sync import VLLM_VOCAB_PADDING, weight_sync_peak_bytes
+from megaflow.utils.launch import run_distributed
 
 TP, PP, DP = 2, 2, 1
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -28,8 +28,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 METRIC = "critic/score/mean"

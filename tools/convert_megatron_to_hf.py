@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megaflow.models.convert import DTYPES, convert_megatron_to_hf  # noqa: E402
-from megaflow.utils.cli import run_tool  # noqa: E402
+from megaflow.models.convert import DTYPES, convert_megatron_to_hf
+from megaflow.utils.cli import run_tool
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,7 +55,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -81,8 +81,8 @@ class PhaseResult:
 
     phase: str
     seconds: float
-    peak_bytes: Optional[float]
-    planned_bytes: Optional[float]
+    peak_bytes: float | None
+    planned_bytes: float | None
     note: str = ""
 
 
@@ -359,7 +359,7 @@ def measure_memory(cuda: bool, batch: int, seq: int) -> dict:
             "dtype": cfg.model.dtype, "batch": batch, "seq": seq, "phases": results}
 
 
-def compare(measured: Optional[float], planned: Optional[float]) -> str:
+def compare(measured: float | None, planned: float | None) -> str:
     """``measured / planned`` as text (``-`` when either is missing or the plan is 0)."""
     if measured is None or not planned:
         return "-"

@@ -16,8 +16,9 @@ import fnmatch
 import math
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from megaflow.utils.tracking import METRICS_FILE, read_metrics_jsonl
 

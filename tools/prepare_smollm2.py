@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megaflow.models.smollm2 import CACHE_ENV, DEFAULT_CACHE_DIR, ensure_smollm2  # noqa: E402
+from megaflow.models.smollm2 import CACHE_ENV, DEFAULT_CACHE_DIR, ensure_smollm2
 
 
 def main(argv: list[str] | None = None) -> int:

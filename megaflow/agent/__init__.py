@@ -10,14 +10,26 @@ in token ids), :func:`megaflow.agent.vllm_agent.generate_agent_sequences` (on a
 """
 from megaflow.agent.calculator import Calculator
 from megaflow.agent.environment import (
-    EnvReset, EnvStep, Environment, ToolEnvironment, check_rows, row_messages, row_tools,
+    Environment,
+    EnvReset,
+    EnvStep,
+    ToolEnvironment,
+    check_rows,
+    row_messages,
+    row_tools,
 )
 from megaflow.agent.loop import AgentLimits, AgentLoop, Trajectory, tp_broadcaster
 from megaflow.agent.metrics import render_trajectory, trajectory_metrics
 from megaflow.agent.parser import MalformedCall, parse_tool_calls
 from megaflow.agent.registry import (
-    known_environments, known_tools, make_environment, make_tool, register_environment, register_tool,
-    unregister_environment, unregister_tool,
+    known_environments,
+    known_tools,
+    make_environment,
+    make_tool,
+    register_environment,
+    register_tool,
+    unregister_environment,
+    unregister_tool,
 )
 from megaflow.agent.sandbox import PythonInterpreter, SandboxLimits, SandboxResult, run_python
 from megaflow.agent.template import ChatRenderer

@@ -16,7 +16,7 @@ and per-row counts in ``non_tensor_batch``: ``agent_turns``, ``agent_tool_calls`
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

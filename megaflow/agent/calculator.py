@@ -13,8 +13,9 @@ from __future__ import annotations
 import ast
 import math
 import operator
+from collections.abc import Callable, Mapping
 from fractions import Fraction
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from megaflow.agent.tool import Tool, ToolError
 

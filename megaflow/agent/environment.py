@@ -14,8 +14,9 @@ a trajectory itself.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from megaflow.agent.parser import MalformedCall
 from megaflow.agent.registry import make_tool, register_environment

@@ -22,10 +22,11 @@ the engine's ``max_model_len``), ``"tool_time"``, ``"env_done"``.
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
-from megaflow.agent.environment import DEFAULT_ENVIRONMENT, EnvStep, Environment
+from megaflow.agent.environment import DEFAULT_ENVIRONMENT, Environment, EnvStep
 from megaflow.agent.parser import parse_tool_calls
 from megaflow.agent.registry import make_environment
 from megaflow.agent.template import ChatRenderer

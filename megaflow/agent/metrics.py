@@ -15,7 +15,7 @@ rendering (``template_mismatch``, see :mod:`megaflow.agent.template`).
 from __future__ import annotations
 
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 from megaflow.agent.loop import STOP_REASONS, Trajectory
 

@@ -15,7 +15,8 @@ A dataset row chooses them in verl's multi-turn layout::
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from megaflow.agent.calculator import Calculator
 from megaflow.agent.sandbox import PythonInterpreter

@@ -18,7 +18,8 @@ on, so log-probs and importance ratios stay right); the failure is counted in th
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 _PROBE = [{"role": "user", "content": "probe-user"}, {"role": "assistant", "content": "probe-assistant"}]
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import jsonschema
 

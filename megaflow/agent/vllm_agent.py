@@ -10,7 +10,8 @@ it calls ``generate_sequences``; rank 0 of the replica runs the tools.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -47,6 +47,7 @@ from megaflow.algorithms.policy_loss_family import (
     kl_cov_policy_loss,
     sapo_policy_loss,
 )
+from megaflow.algorithms.response_mask import compute_response_mask, response_lengths
 from megaflow.algorithms.rollout_correction import (
     IS_LEVELS,
     REJECTION_MODES,
@@ -54,7 +55,6 @@ from megaflow.algorithms.rollout_correction import (
     rejection_mask,
     rollout_correction_metrics,
 )
-from megaflow.algorithms.response_mask import compute_response_mask, response_lengths
 from megaflow.algorithms.value_loss import clipped_value_loss
 
 __all__ = [

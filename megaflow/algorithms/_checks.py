@@ -6,7 +6,7 @@ and shape instead of a broadcasting error deep inside the math.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

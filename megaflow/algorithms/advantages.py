@@ -25,8 +25,9 @@ Conventions shared by all estimators (shapes ``[batch, response_len]``):
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch

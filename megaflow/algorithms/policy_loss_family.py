@@ -14,15 +14,20 @@ arrive removed from ``response_mask``.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from megaflow.algorithms._checks import check_choice, check_same_shape, check_tensor
 from megaflow.algorithms.aggregation import Count, aggregate_loss
 from megaflow.algorithms.masked import masked_mean
-from megaflow.algorithms.policy_loss import (_LOG_RATIO_LIMIT, _zero_masked, cispo_policy_loss, gspo_policy_loss,
-                                             ppo_policy_loss)
+from megaflow.algorithms.policy_loss import (
+    _LOG_RATIO_LIMIT,
+    _zero_masked,
+    cispo_policy_loss,
+    gspo_policy_loss,
+    ppo_policy_loss,
+)
 
 _SEQ_MEAN = "seq-mean-token-mean"
 

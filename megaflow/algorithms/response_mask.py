@@ -8,7 +8,7 @@ real EOS too, or keep padding that happens to equal a normal token.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

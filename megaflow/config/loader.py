@@ -21,8 +21,9 @@ YAML would otherwise keep the second silently.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import yaml
 

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import re
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, Mapping, get_args
+from typing import Any, Literal, get_args
 
 from megaflow.config.typed import NAME_MAX, ConfigError, Section, check, check_positive, split_host_port
 

@@ -8,8 +8,9 @@ left-padded to ``max_prompt_length`` when read. Prompts longer than
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch

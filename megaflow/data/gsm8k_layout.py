@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from megaflow.data.io import DatasetFormatError, write_rows
 from megaflow.data.gsm8k_answer import parse_ground_truth
+from megaflow.data.io import DatasetFormatError, write_rows
 
 GSM8K_DATA_SOURCE = "openai/gsm8k"
 #: The project copy of GSM8K (MIT license, see ``gsm8k/LICENSE``).

@@ -7,7 +7,8 @@ in a fresh process continues with exactly the batch that would have come next.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 

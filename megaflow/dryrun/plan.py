@@ -16,9 +16,20 @@ from dataclasses import dataclass
 
 from megaflow.config.schema import Config
 from megaflow.config.typed import ConfigError
-from megaflow.dryrun.memory import (DTYPE_BYTES, GIB, HostCopies, ParallelShape, RoleMemory, RolloutMemory,
-                                    cpu_kv_cache_bytes, host_copies, pipeline_bubble, role_memory, rollout_memory,
-                                    runtime_headroom_bytes)
+from megaflow.dryrun.memory import (
+    DTYPE_BYTES,
+    GIB,
+    HostCopies,
+    ParallelShape,
+    RoleMemory,
+    RolloutMemory,
+    cpu_kv_cache_bytes,
+    host_copies,
+    pipeline_bubble,
+    role_memory,
+    rollout_memory,
+    runtime_headroom_bytes,
+)
 from megaflow.topology.hybrid_layout import HybridLayout, ReshardCost, reshard_cost
 from megaflow.topology.model_spec import ModelSpec, count_parameters
 from megaflow.topology.placement import MeshGroups, PoolPlacement, generation_layout, megatron_groups, pack_pools
@@ -35,13 +46,13 @@ from megaflow.topology.sizes import (
     num_samples_per_step,
     role_model_spec,
     role_parallel,
+    rollout_sleep_level,
     split_rollout_pool,
     token_budgets,
     train_batch_sizes,
     uses_distributed_optimizer,
 )
 from megaflow.topology.split_layout import TransportPlan, plan_split_transport, split_sync_bytes
-from megaflow.topology.sizes import rollout_sleep_level
 from megaflow.topology.transformer_engine import transformer_engine_usable
 from megaflow.topology.weight_sync import WeightSyncMemory, weight_sync_memory
 

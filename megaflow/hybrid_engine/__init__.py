@@ -6,10 +6,9 @@ train <-> generate transitions with explicit process groups (the slicing rule li
 once: the all-gather's slot layout and :func:`gather_layout_to_shard`);
 ``rollout_weights`` converts the generation shard into vLLM's layout, in buckets.
 """
-from megaflow.topology.hybrid_layout import (HybridLayout, RankPlacement, ReshardCost, plan_hybrid_layout,
-                                           reshard_cost)
-from .reshard import (MicroDPResharder, ReshardGroups, ReshardStats, build_reshard_groups,
-                      gather_layout_to_shard)
+from megaflow.topology.hybrid_layout import HybridLayout, RankPlacement, ReshardCost, plan_hybrid_layout, reshard_cost
+
+from .reshard import MicroDPResharder, ReshardGroups, ReshardStats, build_reshard_groups, gather_layout_to_shard
 
 __all__ = [
     "HybridLayout", "RankPlacement", "ReshardCost", "plan_hybrid_layout", "reshard_cost",

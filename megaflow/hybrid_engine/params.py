@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Optional
 
 import torch
 
@@ -56,7 +55,7 @@ class LocalParam:
     shard_shape: tuple[int, ...]
     full_shape: tuple[int, ...]
     dtype: torch.dtype
-    partition_dim: Optional[int]    # None: replicated across TP
+    partition_dim: int | None    # None: replicated across TP
     stride: int
 
     @property
@@ -78,7 +77,7 @@ def strip_wrapper_prefix(name: str) -> str:
     return name
 
 
-def partition_of(name: str, tensor: torch.Tensor, *, gated_linear_unit: bool) -> tuple[Optional[int], int]:
+def partition_of(name: str, tensor: torch.Tensor, *, gated_linear_unit: bool) -> tuple[int | None, int]:
     """``(partition_dim, stride)`` of a parameter; ``(None, 1)`` when replicated.
 
     Megatron's attributes win when present. Raises ValueError when they contradict the
@@ -86,7 +85,7 @@ def partition_of(name: str, tensor: torch.Tensor, *, gated_linear_unit: bool) ->
     TP-partitioned parameter has no ``partition_dim``.
     """
     name = strip_wrapper_prefix(name)
-    by_name: tuple[Optional[int], int] = (None, 1)
+    by_name: tuple[int | None, int] = (None, 1)
     for pattern, dim, gated in _RULES:
         if pattern.search(name):
             by_name = (dim, 2 if gated and gated_linear_unit else 1)
@@ -106,7 +105,7 @@ def partition_of(name: str, tensor: torch.Tensor, *, gated_linear_unit: bool) ->
     return by_attr
 
 
-def local_layer_index(name: str) -> Optional[int]:
+def local_layer_index(name: str) -> int | None:
     """Local transformer layer index in a stage's parameter name, None outside layers."""
     match = _LAYER.match(strip_wrapper_prefix(name))
     return int(match.group(2)) if match else None

@@ -38,12 +38,13 @@ import contextlib
 import dataclasses
 import math
 import time
-from typing import Callable, Iterator, Mapping, Optional
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
 from megaflow.topology.hybrid_layout import HybridLayout
+
 from .params import LocalParam, count_local_layers, describe_local_params
 
 __all__ = ["ReshardGroups", "build_reshard_groups", "ReshardStats", "MicroDPResharder", "PendingTensor",
@@ -59,12 +60,12 @@ class ReshardGroups:
 
     layout: HybridLayout
     rank: int
-    gather: Optional[dist.ProcessGroup]   # m ranks: all-gather along the partition dim
-    fold: Optional[dist.ProcessGroup]     # k ranks: broadcast of folded pipeline stages
-    gen_tp: Optional[dist.ProcessGroup]   # t_g ranks: the generation TP group
+    gather: dist.ProcessGroup | None   # m ranks: all-gather along the partition dim
+    fold: dist.ProcessGroup | None     # k ranks: broadcast of folded pipeline stages
+    gen_tp: dist.ProcessGroup | None   # t_g ranks: the generation TP group
 
 
-def build_reshard_groups(layout: HybridLayout, *, backend: Optional[str] = None) -> ReshardGroups:
+def build_reshard_groups(layout: HybridLayout, *, backend: str | None = None) -> ReshardGroups:
     """Create the gather, fold and generation-TP groups of ``layout`` (collective).
 
     Every rank of the default process group must call this once, at the same point: every
@@ -81,7 +82,7 @@ def build_reshard_groups(layout: HybridLayout, *, backend: Optional[str] = None)
         raise ValueError(f"world size {dist.get_world_size()} != tp*pp*dp = {layout.tp}*"
                          f"{layout.pp}*{layout.dp} = {layout.world_size}")
     rank = dist.get_rank()
-    mine: dict[str, Optional[dist.ProcessGroup]] = {}
+    mine: dict[str, dist.ProcessGroup | None] = {}
     for kind, groups in (("gather", layout.gather_groups), ("fold", layout.fold_groups),
                          ("gen_tp", layout.gen_tp_groups)):
         mine[kind] = None
@@ -229,9 +230,9 @@ class MicroDPResharder:
         self._stage_params: dict[int, list[LocalParam]] = {
             s: [p for p in params if not (tied_skip and p.name == "output_layer.weight")]
             for s, params in sorted(stage_params.items())}
-        self._entries: Optional[dict[str, _GenEntry]] = None
+        self._entries: dict[str, _GenEntry] | None = None
         self._aliased: list[torch.Tensor] = []
-        self.last_stats: Optional[ReshardStats] = None
+        self.last_stats: ReshardStats | None = None
 
     # -- construction helpers -----------------------------------------------------------
 
@@ -387,7 +388,7 @@ class MicroDPResharder:
 
     # -- the streamed transition (the weight sync's route) -----------------------------
 
-    def stream_generation_tensors(self) -> Iterator[tuple[str, "PendingTensor"]]:
+    def stream_generation_tensors(self) -> Iterator[tuple[str, PendingTensor]]:
         """Yield ``(global megatron name, PendingTensor)`` for the generation shard, nothing
         gathered ahead (collective: see below).
 

@@ -41,7 +41,7 @@ shard + the engine's weights + one bucket + one generation tensor being converte
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Iterator, Mapping, Optional
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -60,7 +60,7 @@ VLLM_PACKED_MODULES: Mapping[str, tuple[str, ...]] = {
 }
 
 
-def vllm_param_name(megatron_name: str, spec: ModelSpec) -> Optional[str]:
+def vllm_param_name(megatron_name: str, spec: ModelSpec) -> str | None:
     """The vLLM parameter that receives a megatron-core generation-shard tensor.
 
     Args:
@@ -92,7 +92,7 @@ def vllm_param_name(megatron_name: str, spec: ModelSpec) -> Optional[str]:
                    f"pack into one parameter (known: {dict(VLLM_PACKED_MODULES)})")
 
 
-def gather_rows(shard: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+def gather_rows(shard: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """All-gather ``shard`` along dim 0 over ``group`` into one new tensor (collective).
 
     Args:
@@ -134,7 +134,7 @@ def vocab_row_transfers(size: int, megatron_rows: int, vllm_rows: int,
 
 
 def exchange_vocab_rows(shard: torch.Tensor, vllm_rows: int, vocab_size: int,
-                        group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+                        group: dist.ProcessGroup | None) -> torch.Tensor:
     """This rank's vLLM vocabulary rows from the Megatron rows of the group (collective).
 
     Args:
@@ -188,7 +188,7 @@ def _vllm_vocab_rows(shard: torch.Tensor, vocab_size: int, rows_per_rank: int, r
 
 def to_vllm_shard(megatron_name: str, tensor: torch.Tensor, spec: ModelSpec, *, gen_tp: int, gen_tp_rank: int,
                   vllm_shapes: Mapping[str, tuple[int, ...]],
-                  exchange_vocab: Callable[[torch.Tensor, int], torch.Tensor]) -> Optional[tuple[str, torch.Tensor]]:
+                  exchange_vocab: Callable[[torch.Tensor, int], torch.Tensor]) -> tuple[str, torch.Tensor] | None:
     """Rename and re-lay out one generation-shard tensor into this rank's vLLM shard.
 
     Args:

@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterable, Iterator, Sequence
 
 import torch
 

@@ -14,8 +14,8 @@ can reach its ports. Tokens are never printed.
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 from pathlib import Path
-from typing import MutableMapping
 
 MODE, TOKEN, TOKEN_PATH = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import socket
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from megaflow.launch.resources import LaunchRequirements, NodeResources, unmet
 

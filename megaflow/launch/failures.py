@@ -22,8 +22,9 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from megaflow.launch.resources import NodeResources
 from megaflow.single_controller.futures import process_gone

@@ -13,8 +13,9 @@ Ray with it.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from megaflow.config import Config
@@ -132,7 +133,7 @@ class NodeResources:
     alive: bool
 
     @classmethod
-    def from_ray(cls, entry: Mapping[str, Any]) -> "NodeResources":
+    def from_ray(cls, entry: Mapping[str, Any]) -> NodeResources:
         """From one element of ``ray.nodes()``."""
         resources = entry.get("Resources") or {}
         return cls(node_id=str(entry.get("NodeID", "")), ip=str(entry.get("NodeManagerAddress", "")),
@@ -145,7 +146,7 @@ class NodeResources:
         return f"{self.ip}{host}: {_offer(self.cpus, self.gpus, sep=', ')}"
 
 
-def launch_requirements(cfg: "Config") -> LaunchRequirements:
+def launch_requirements(cfg: Config) -> LaunchRequirements:
     """The cluster that ``cfg``'s resource pools need.
 
     Only pools that host an enabled role (or the rollout under split placement) count;

@@ -190,14 +190,14 @@ def _overrides(job: SlurmJob) -> list[str]:
     return [f"trainer.output_dir={job.job_dir / 'outputs'}", *user]
 
 
-def load_job_config(job: SlurmJob) -> "Config":
+def load_job_config(job: SlurmJob) -> Config:
     """The recipe with the job's overrides, as the trainer will load it."""
     from megaflow.topology import load_run
 
     return load_run(job.recipe, _overrides(job))
 
 
-def render_sbatch(job: SlurmJob, cfg: "Config | None" = None, template: Path = TEMPLATE) -> str:
+def render_sbatch(job: SlurmJob, cfg: Config | None = None, template: Path = TEMPLATE) -> str:
     """The sbatch script for ``job`` (``cfg`` is loaded from the recipe when None).
 
     Raises:
@@ -219,7 +219,7 @@ def render_sbatch(job: SlurmJob, cfg: "Config | None" = None, template: Path = T
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], text)
 
 
-def write_sbatch(job: SlurmJob, path: Path | None = None, cfg: "Config | None" = None) -> Path:
+def write_sbatch(job: SlurmJob, path: Path | None = None, cfg: Config | None = None) -> Path:
     """Render the script and write it (default ``<job_dir>/megaflow-<recipe>.sbatch``, mode 0750)."""
     text = render_sbatch(job, cfg)
     job.job_dir.mkdir(parents=True, exist_ok=True)

@@ -47,7 +47,7 @@ class Watchdog:
         self._proc = proc
 
     @classmethod
-    def start(cls) -> "Watchdog":
+    def start(cls) -> Watchdog:
         """Start the watchdog of this process."""
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(os.getpid()), tempfile.gettempdir()],
                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

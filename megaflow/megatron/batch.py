@@ -18,7 +18,7 @@ those logits.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import torch
 
@@ -58,13 +58,13 @@ class LeftAlignedBatch:
     def seq_len(self) -> int:
         return self.input_ids.shape[1]
 
-    def rows(self, start: int, stop: int) -> "LeftAlignedBatch":
+    def rows(self, start: int, stop: int) -> LeftAlignedBatch:
         """Rows ``[start, stop)`` (views)."""
         return LeftAlignedBatch(self.input_ids[start:stop], self.lengths[start:stop],
                            self.response_index[start:stop], self.response_valid[start:stop],
                            {k: v[start:stop] for k, v in self.fields.items()}, self.width_multiple)
 
-    def select(self, index: torch.Tensor, width: int) -> "LeftAlignedBatch":
+    def select(self, index: torch.Tensor, width: int) -> LeftAlignedBatch:
         """Rows ``index`` (int64 ``[k]``), cut to the first ``width`` positions.
 
         ``width`` must cover the selected rows' real tokens; response positions past it
@@ -77,14 +77,14 @@ class LeftAlignedBatch:
                            self.response_index[index].clamp_max(width - 1), self.response_valid[index],
                            {k: v[index] for k, v in self.fields.items()}, self.width_multiple)
 
-    def take(self, index: torch.Tensor) -> "LeftAlignedBatch":
+    def take(self, index: torch.Tensor) -> LeftAlignedBatch:
         """Rows ``index`` (int64 ``[k]``) as :func:`left_align_batch` aligns them on their own:
         cut to their longest row rounded up to :attr:`width_multiple` (the same tensors,
         without validating and aligning the rows again)."""
         longest = int(self.lengths[index].max())
         return self.select(index, -(-longest // self.width_multiple) * self.width_multiple)
 
-    def pad_rows(self, multiple: int, zero_keys: tuple[str, ...] = ()) -> tuple["LeftAlignedBatch", int]:
+    def pad_rows(self, multiple: int, zero_keys: tuple[str, ...] = ()) -> tuple[LeftAlignedBatch, int]:
         """Append copies of row 0 until the row count divides ``multiple``.
 
         The copies' ``fields[k]`` for ``k`` in ``zero_keys`` (loss masks) are zeroed so they
@@ -139,7 +139,7 @@ def _check_mask(mask: torch.Tensor, first: torch.Tensor, lengths: torch.Tensor, 
 
 
 def left_align_batch(batch: Mapping[str, torch.Tensor], *, max_seq_len: int,
-               vocab_size: Optional[int] = None, width_multiple: int = 1) -> LeftAlignedBatch:
+               vocab_size: int | None = None, width_multiple: int = 1) -> LeftAlignedBatch:
     """Validate a verl-layout batch (module docstring) and left-align it for Megatron.
 
     Args:

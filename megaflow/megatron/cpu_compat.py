@@ -62,7 +62,8 @@ import importlib
 import inspect
 import threading
 import types
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 

@@ -14,8 +14,9 @@ exactly the gradient of the mini-batch loss, independent of the split.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -115,8 +116,11 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ set-up
     def _setup_training(self) -> None:
-        from megatron.core.distributed import (DistributedDataParallel,
-                                               DistributedDataParallelConfig, finalize_model_grads)
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -147,12 +151,12 @@ class MegatronEngine:
         return getattr(self.model, "module", self.model)
 
     @property
-    def lr(self) -> Optional[float]:
+    def lr(self) -> float | None:
         return None if self.optimizer is None else self.optimizer.param_groups[0]["lr"]
 
     # ------------------------------------------------------------------ micro-batches
-    def _micro_batches(self, aligned: LeftAlignedBatch, micro_batch_size: int, max_tokens: Optional[int] = None
-                       ) -> tuple[list[LeftAlignedBatch], Optional[torch.Tensor]]:
+    def _micro_batches(self, aligned: LeftAlignedBatch, micro_batch_size: int, max_tokens: int | None = None
+                       ) -> tuple[list[LeftAlignedBatch], torch.Tensor | None]:
         """Cut ``aligned`` into micro-batches: ``micro_batch_size`` rows each (the last one
         padded with zero-loss copies), or with ``max_tokens`` groups of rows of at most that
         many padded tokens, each cut to its own width (:func:`token_budget_groups`).
@@ -230,7 +234,7 @@ class MegatronEngine:
         Raises:
             ValueError: this rank's batch is invalid (its error), or another rank's is.
         """
-        error: Optional[ValueError] = None
+        error: ValueError | None = None
         try:
             aligned = left_align_batch(batch, max_seq_len=self.sizes.max_seq_len, vocab_size=self.vocab_size,
                                 width_multiple=self.info.tp_size if self.module.config.sequence_parallel else 1)
@@ -248,8 +252,8 @@ class MegatronEngine:
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
     def forward(self, batch: Mapping[str, torch.Tensor], *, temperature: float = 1.0, top_p: float = 1.0,
-                top_k: int = -1, with_entropy: bool = False, micro_batch_size: Optional[int] = None
-                ) -> Optional[dict[str, torch.Tensor]]:
+                top_k: int = -1, with_entropy: bool = False, micro_batch_size: int | None = None
+                ) -> dict[str, torch.Tensor] | None:
         """Forward-only per-response-token outputs, in micro-batches.
 
         Args:
@@ -316,7 +320,7 @@ class MegatronEngine:
 
     def train_step(self, batch: Mapping[str, torch.Tensor] | LeftAlignedBatch, loss_fn: LossFn, *,
                    temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
-                   with_entropy: bool = False, micro_batch_size: Optional[int] = None) -> dict[str, float]:
+                   with_entropy: bool = False, micro_batch_size: int | None = None) -> dict[str, float]:
         """One optimizer step on this rank's part of a mini-batch (gradient accumulation).
 
         Args:

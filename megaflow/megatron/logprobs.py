@@ -28,13 +28,12 @@ the sampled token).
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 
-def _tp_size_rank(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+def _tp_size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if group is None or not dist.is_initialized():
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
@@ -96,8 +95,8 @@ def _top_p_threshold(z: torch.Tensor, top_p: float, group, tp_size: int) -> torc
 
 @torch.no_grad()
 def truncation_mask(z: torch.Tensor, *, top_p: float = 1.0, top_k: int = -1,
-                    tp_group: Optional[dist.ProcessGroup] = None,
-                    vocab_size: Optional[int] = None) -> torch.Tensor:
+                    tp_group: dist.ProcessGroup | None = None,
+                    vocab_size: int | None = None) -> torch.Tensor:
     """The tokens vLLM's top-k/top-p filter removes, vocabulary-parallel over TP.
 
     Semantics of vLLM 0.32 (``apply_top_k_top_p_pytorch`` and ``apply_top_k_only`` in
@@ -186,10 +185,10 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, *,
-                             tp_group: Optional[dist.ProcessGroup], vocab_size: Optional[int] = None,
+                             tp_group: dist.ProcessGroup | None, vocab_size: int | None = None,
                              temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
                              with_entropy: bool = False
-                             ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``labels`` (and the entropy) under ``softmax(logits / temperature)``,
     truncated to the tokens top-k/top-p keep when either is on (:func:`truncation_mask`).
 
@@ -242,10 +241,10 @@ def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, *,
 
 
 def chunked_vocab_parallel_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                                     chunk_tokens: int, tp_group: Optional[dist.ProcessGroup],
-                                     vocab_size: Optional[int] = None, temperature: float = 1.0,
+                                     chunk_tokens: int, tp_group: dist.ProcessGroup | None,
+                                     vocab_size: int | None = None, temperature: float = 1.0,
                                      top_p: float = 1.0, top_k: int = -1, with_entropy: bool = False
-                                     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`vocab_parallel_log_probs` of ``hidden @ weight.T`` without ever holding the
     logits of more than ``chunk_tokens`` tokens.
 

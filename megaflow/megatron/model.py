@@ -31,7 +31,7 @@ Parameter names of the built model (PP stage-local layer numbers, 0-based):
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -154,8 +154,8 @@ class ScalarHead(torch.nn.Module):
         self.weight.tensor_model_parallel = False
         self.weight.sequence_parallel = False
 
-    def forward(self, hidden_states: torch.Tensor, weight: Optional[torch.Tensor] = None,
-                runtime_gather_output: Optional[bool] = None):
+    def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None,
+                runtime_gather_output: bool | None = None):
         if self.sequence_parallel:  # [s/tp, b, h] -> [s, b, h]: the head sees every position
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
@@ -164,7 +164,7 @@ class ScalarHead(torch.nn.Module):
 
 
 def build_gpt_model(hf_config: Any, *, head: str = "lm", dtype: torch.dtype = torch.float32,
-                    max_sequence_length: Optional[int] = None, head_seed: int = 0,
+                    max_sequence_length: int | None = None, head_seed: int = 0,
                     **config_overrides: Any):
     """Build this rank's TP shard and PP stage of a megatron-core ``GPTModel``.
 
@@ -191,7 +191,9 @@ def build_gpt_model(hf_config: Any, *, head: str = "lm", dtype: torch.dtype = to
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
 
     if head not in HEADS:
         raise ValueError(f"head must be one of {HEADS}, got {head!r}")

@@ -13,7 +13,6 @@ So on 8 ranks with tp=2, pp=2 (dp=2): TP groups {0,1} {2,3} {4,5} {6,7}, DP grou
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -42,7 +41,7 @@ class ParallelInfo:
     dp_size: int
     cp_rank: int
     cp_size: int
-    vpp_size: Optional[int]
+    vpp_size: int | None
     tp_group: ProcessGroup = dataclasses.field(repr=False, compare=False)
     pp_group: ProcessGroup = dataclasses.field(repr=False, compare=False)
     dp_group: ProcessGroup = dataclasses.field(repr=False, compare=False)
@@ -55,8 +54,8 @@ class ParallelInfo:
     ep_rank: int = 0
     ep_size: int = 1
     expert_dp_rank: int = 0
-    ep_group: Optional[ProcessGroup] = dataclasses.field(default=None, repr=False, compare=False)
-    expert_dp_group: Optional[ProcessGroup] = dataclasses.field(default=None, repr=False, compare=False)
+    ep_group: ProcessGroup | None = dataclasses.field(default=None, repr=False, compare=False)
+    expert_dp_group: ProcessGroup | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def is_first_pp_stage(self) -> bool:
@@ -73,7 +72,7 @@ class ParallelInfo:
 
 
 def validate_parallel_sizes(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1,
-                            vpp: Optional[int] = None, dp: Optional[int] = None) -> int:
+                            vpp: int | None = None, dp: int | None = None) -> int:
     """Check a TP x PP x CP (x DP) layout against a world size; return the DP size.
 
     Pure (no process groups), so callers can validate before anything can hang.
@@ -139,8 +138,8 @@ def _current_info() -> ParallelInfo:
     )
 
 
-def initialize_parallel(tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] = None,
-                        *, dp: Optional[int] = None, ep: int = 1, seed: int = 1234,
+def initialize_parallel(tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None,
+                        *, dp: int | None = None, ep: int = 1, seed: int = 1234,
                         timeout_minutes: int = 30) -> ParallelInfo:
     """Initialise Megatron's model-parallel state on the existing default process group.
 

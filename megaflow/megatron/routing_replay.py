@@ -18,7 +18,7 @@ still receives a router gradient.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 

@@ -33,12 +33,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megaflow.utils.atomic_dir import (COMPLETE_MARKER, check_output_dir, commit_directory, seal_directory,
-                                      temporary_sibling)
-from megaflow.utils.integrity import IntegrityError, check_dcp_pickles, read_json, verify_manifest
 from megaflow.models.hf_io import CheckpointError, copy_tokenizer_files
 from megaflow.models.hf_mapping import ModelSpec
 from megaflow.models.weights import unwrap_model_chunks as _chunks
+from megaflow.utils.atomic_dir import (
+    COMPLETE_MARKER,
+    check_output_dir,
+    commit_directory,
+    seal_directory,
+    temporary_sibling,
+)
+from megaflow.utils.integrity import IntegrityError, check_dcp_pickles, read_json, verify_manifest
 
 FORMAT = "megaflow-megatron"
 FORMAT_VERSION = 1

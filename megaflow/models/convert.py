@@ -18,14 +18,19 @@ from typing import Any
 
 import torch
 
-from megaflow.utils.atomic_dir import check_output_dir, commit_directory, temporary_sibling
-from megaflow.models.checkpoint import (FORMAT, HF_SUBDIR, load_checkpoint,
-                                        read_checkpoint_metadata, save_checkpoint,
-                                        verify_checkpoint_files)
+from megaflow.models.checkpoint import (
+    FORMAT,
+    HF_SUBDIR,
+    load_checkpoint,
+    read_checkpoint_metadata,
+    save_checkpoint,
+    verify_checkpoint_files,
+)
 from megaflow.models.export import export_hf_dir
 from megaflow.models.hf_io import CheckpointError, HFWeights
 from megaflow.models.hf_mapping import ModelSpec
 from megaflow.models.weights import load_hf_weights
+from megaflow.utils.atomic_dir import check_output_dir, commit_directory, temporary_sibling
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -15,11 +15,10 @@ from typing import Any
 
 import torch
 
-from megaflow.utils.atomic_dir import check_output_dir, commit_directory, temporary_sibling
 from megaflow.models.hf_io import CheckpointError, HFShardWriter, copy_tokenizer_files
 from megaflow.models.hf_mapping import ModelSpec, expected_hf_keys, hf_shape
-from megaflow.models.weights import (is_export_writer, iter_hf_tensors, plan_export,
-                                     unwrap_model_chunks)
+from megaflow.models.weights import is_export_writer, iter_hf_tensors, plan_export, unwrap_model_chunks
+from megaflow.utils.atomic_dir import check_output_dir, commit_directory, temporary_sibling
 
 _ARCH_PREFIX = {"llama": "Llama", "qwen2": "Qwen2"}
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -212,7 +213,7 @@ class HFShardWriter:
         weight_map = {}
         for (tmp, keys), final in zip(self._written, finals):
             os.replace(self.directory / tmp, self.directory / final)
-            weight_map.update({k: final for k in keys})
+            weight_map.update(dict.fromkeys(keys, final))
         if n > 1:
             index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
             (self.directory / SAFE_INDEX).write_text(json.dumps(index, indent=2))

@@ -22,8 +22,8 @@ the pipeline stage (or virtual chunk) on the Megatron side; callers pass both.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

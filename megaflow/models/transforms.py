@@ -20,7 +20,7 @@ Layouts (``head_dim`` = d, query heads per KV group = ``n_rep = num_heads / num_
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -13,15 +13,26 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megaflow.models.hf_io import CheckpointError, HFWeights
-from megaflow.models.hf_mapping import (SCORE, ModelSpec, ParamMapping, ShardLayout,
-                                        find_mapping, hf_names, hf_shape, hf_to_megatron_shard,
-                                        hf_units, local_expert, megatron_shards_to_hf)
+from megaflow.models.hf_mapping import (
+    SCORE,
+    ModelSpec,
+    ParamMapping,
+    ShardLayout,
+    find_mapping,
+    hf_names,
+    hf_shape,
+    hf_to_megatron_shard,
+    hf_units,
+    local_expert,
+    megatron_shards_to_hf,
+)
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,13 @@
 from megaflow.rewards.format import format_reward, with_format_reward
 from megaflow.rewards.manager import RewardFunctionError, RuleRewardManager, reward_metrics
 from megaflow.rewards.registry import (
-    RewardSpec, RewardTable, compute_score, get_reward_spec, known_data_sources, register_reward, unregister_reward,
+    RewardSpec,
+    RewardTable,
+    compute_score,
+    get_reward_spec,
+    known_data_sources,
+    register_reward,
+    unregister_reward,
 )
 
 __all__ = [

@@ -7,7 +7,8 @@ DeepSeek-R1 style training (DeepSeek-AI 2025, section 2.2.2, "format rewards").
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 #: ``<think>reasoning</think>`` followed by ``<answer>answer</answer>`` and nothing else.
 THINK_ANSWER_PATTERN = r"<think>.*?</think>\s*<answer>.*?</answer>"

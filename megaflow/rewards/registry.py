@@ -23,9 +23,10 @@ and format reward, so two runs in one process do not see each other's scorers.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import megaflow.rewards.arith as arith
 import megaflow.rewards.countdown as countdown
@@ -120,16 +121,16 @@ class RewardTable:
         object.__setattr__(self, "specs", MappingProxyType(dict(self.specs)))
 
     @classmethod
-    def registered(cls) -> "RewardTable":
+    def registered(cls) -> RewardTable:
         """The registry as it is now (built-ins plus :func:`register_reward` additions)."""
         return cls(_REGISTRY)
 
-    def with_functions(self, functions: Mapping[str, ScoreFn], skip_special_tokens: bool = True) -> "RewardTable":
+    def with_functions(self, functions: Mapping[str, ScoreFn], skip_special_tokens: bool = True) -> RewardTable:
         """A table where each ``functions[source]`` scores ``source`` (replacing a built-in)."""
         return RewardTable({**self.specs, **{s: RewardSpec(fn, skip_special_tokens=skip_special_tokens)
                                              for s, fn in functions.items()}})
 
-    def with_format_reward(self, pattern: str, format_weight: float) -> "RewardTable":
+    def with_format_reward(self, pattern: str, format_weight: float) -> RewardTable:
         """A table whose every scorer is wrapped by
         :func:`megaflow.rewards.format.with_format_reward` (``(1 - w) * base + w * format``).
 

@@ -18,7 +18,7 @@ comparing ids with the pad id (pad == eos for many tokenizers).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

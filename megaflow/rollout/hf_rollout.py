@@ -18,7 +18,6 @@ scope, so it is reproducible for a given seed but draws different samples than v
 """
 from __future__ import annotations
 
-
 import torch
 
 from megaflow.algorithms.response_mask import compute_response_mask
@@ -45,7 +44,7 @@ class HFRollout:
 
     @classmethod
     def from_pretrained(cls, model_path: str, *, dtype: torch.dtype = torch.float32,
-                        sampling: SamplingConfig | None = None, seed: int = 0) -> "HFRollout":
+                        sampling: SamplingConfig | None = None, seed: int = 0) -> HFRollout:
         """Load ``AutoModelForCausalLM`` from ``model_path`` in ``dtype``."""
         from transformers import AutoModelForCausalLM
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -110,7 +111,7 @@ class SamplingConfig:
             _as_int("seed", self.seed)
 
     @classmethod
-    def from_pretrained(cls, model_path: str, **overrides: Any) -> "SamplingConfig":
+    def from_pretrained(cls, model_path: str, **overrides: Any) -> SamplingConfig:
         """Defaults with the EOS and pad ids of a Hugging Face model directory.
 
         EOS ids come from ``generation_config.json`` when it names them, else from
@@ -139,7 +140,7 @@ class SamplingConfig:
         """True when decoding is greedy (``do_sample=False`` or ``temperature == 0``)."""
         return (not self.do_sample) or self.temperature == 0.0
 
-    def override(self, meta_info: Mapping[str, Any]) -> "SamplingConfig":
+    def override(self, meta_info: Mapping[str, Any]) -> SamplingConfig:
         """A copy with the recognised ``meta_info`` keys applied (others are ignored).
 
         Raises:

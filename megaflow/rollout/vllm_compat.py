@@ -141,7 +141,7 @@ def moved_internals(*, on_cpu: bool) -> list[str]:
     return moved
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def check_vllm_internals(*, on_cpu: bool) -> None:
     """Raise RuntimeError naming every vLLM name of :data:`INTERNALS` that moved (once per process).
 

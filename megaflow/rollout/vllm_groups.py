@@ -34,7 +34,7 @@ layout per process (vLLM's groups are process-global).
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch.distributed as dist
 

@@ -60,7 +60,8 @@ import contextlib
 import dataclasses
 import os
 import random
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch

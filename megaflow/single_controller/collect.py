@@ -9,8 +9,9 @@ dp rank).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from megaflow.protocol import DataProto
 

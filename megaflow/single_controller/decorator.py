@@ -15,8 +15,9 @@ The rules themselves are plain functions in :mod:`megaflow.single_controller.dis
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar, Union
+from typing import Any, TypeVar, Union
 
 F = TypeVar("F", bound=Callable[..., Any])
 

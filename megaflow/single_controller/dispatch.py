@@ -22,15 +22,16 @@ rank reports its own padding with a :class:`ChunkOutput`.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
-import torch
 import numpy as np
+import torch
 
 from megaflow.protocol import DataProto
-from megaflow.single_controller.decorator import Dispatch, Execute, MethodSpec, NDCompute
 from megaflow.single_controller.collect import ChunkOutput, collect_proto
+from megaflow.single_controller.decorator import Dispatch, Execute, MethodSpec, NDCompute
 from megaflow.single_controller.futures import DataProtoFuture, FutureChunk
 
 
@@ -78,12 +79,12 @@ class MeshInfo:
                              f"once each, got dp ranks {collected} (mapping {list(mapping)}, mask {list(mask)})")
 
     @classmethod
-    def from_dp_infos(cls, mesh: str, infos: Sequence[DPInfo]) -> "MeshInfo":
+    def from_dp_infos(cls, mesh: str, infos: Sequence[DPInfo]) -> MeshInfo:
         """Build from the per-rank :class:`DPInfo` list (index = global rank)."""
         return cls(mesh, tuple(i.dp_rank for i in infos), tuple(i.is_collect for i in infos))
 
     @classmethod
-    def data_parallel(cls, world_size: int) -> "MeshInfo":
+    def data_parallel(cls, world_size: int) -> MeshInfo:
         """The ``DP_COMPUTE_PROTO`` layout: rank ``r`` is dp rank ``r`` and collects."""
         return cls("<data parallel>", tuple(range(world_size)), (True,) * world_size)
 

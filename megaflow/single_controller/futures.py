@@ -26,8 +26,9 @@ of hanging until the collective times out.
 """
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Collection, Sequence
+from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayError
@@ -206,7 +207,7 @@ class GroupFuture:
         return f"GroupFuture({self.method}, ranks={len(self.refs)})"
 
     @staticmethod
-    def get_together(futures: Sequence["GroupFuture"]) -> list[Any]:
+    def get_together(futures: Sequence[GroupFuture]) -> list[Any]:
         """Wait for calls that depend on each other (e.g. the two sides of a collective
         spanning two groups) as one: the first rank to fail, in any of them, raises at once
         instead of leaving the others blocked in the collective.

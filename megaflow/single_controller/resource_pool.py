@@ -12,7 +12,7 @@ the ranks' accelerators. Colocating roles inside *one* process per rank
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group

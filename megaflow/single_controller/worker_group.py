@@ -31,7 +31,8 @@ free port on its node), then all build their role objects with ``MASTER_ADDR``/
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -169,7 +170,7 @@ class RayWorkerGroup:
         self._init_view(_GroupCore(resource_pool, roles, prefix), role)
 
     @classmethod
-    def _view(cls, core: _GroupCore, role: str) -> "RayWorkerGroup":
+    def _view(cls, core: _GroupCore, role: str) -> RayWorkerGroup:
         view = cls.__new__(cls)
         view._init_view(core, role)
         return view
@@ -202,7 +203,7 @@ class RayWorkerGroup:
     def name_prefix(self) -> str:
         return self._core.name_prefix
 
-    def spawn(self, prefix_set: Iterable[str] | None = None) -> dict[str, "RayWorkerGroup"]:
+    def spawn(self, prefix_set: Iterable[str] | None = None) -> dict[str, RayWorkerGroup]:
         """One view per role (all roles by default); views share this group's processes.
 
         Raises:

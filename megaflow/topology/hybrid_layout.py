@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 from fractions import Fraction
-from typing import Optional
 
 __all__ = [
     "RankPlacement",
@@ -134,7 +133,7 @@ def _check_positive(**sizes: int) -> None:
 
 
 def _validate(tp: int, pp: int, dp: int, gen_tp: int, gen_pp: int,
-              num_attention_heads: Optional[int], num_query_groups: Optional[int]) -> None:
+              num_attention_heads: int | None, num_query_groups: int | None) -> None:
     _check_positive(tp=tp, pp=pp, dp=dp, gen_tp=gen_tp, gen_pp=gen_pp)
     if tp % gen_tp:
         raise ValueError(f"generation tp={gen_tp} must divide training tp={tp} (t % t_g == 0)")
@@ -155,8 +154,8 @@ def _validate(tp: int, pp: int, dp: int, gen_tp: int, gen_pp: int,
 
 
 def plan_hybrid_layout(tp: int, pp: int, dp: int, gen_tp: int, gen_pp: int = 1, *,
-                       num_attention_heads: Optional[int] = None,
-                       num_query_groups: Optional[int] = None) -> HybridLayout:
+                       num_attention_heads: int | None = None,
+                       num_query_groups: int | None = None) -> HybridLayout:
     """Plan the generation layout and every rank group of the 3D-HybridEngine.
 
     Args:

@@ -23,9 +23,19 @@ from typing import Any, Generic, TypeVar, Union
 
 from megaflow.config.schema import ROLES, ActorConfig, Config, CriticConfig, RefConfig, RewardModelConfig
 from megaflow.topology.run import run_from_dict
-from megaflow.topology.sizes import (TRAINED_ROLES, MicroBatchSizes, ModelSource, RoleParallel, lr_schedule_steps,
-                                     micro_batch_sizes, model_source, role_hf_config, role_parallel,
-                                     train_batch_sizes, uses_distributed_optimizer)
+from megaflow.topology.sizes import (
+    TRAINED_ROLES,
+    MicroBatchSizes,
+    ModelSource,
+    RoleParallel,
+    lr_schedule_steps,
+    micro_batch_sizes,
+    model_source,
+    role_hf_config,
+    role_parallel,
+    train_batch_sizes,
+    uses_distributed_optimizer,
+)
 
 #: The config section of a Megatron role.
 RoleSection = Union[ActorConfig, RefConfig, CriticConfig, RewardModelConfig]

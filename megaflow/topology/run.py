@@ -7,8 +7,9 @@ reaches a worker has passed every check, and bad input is refused before any pro
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from megaflow.config.loader import config_from_dict, in_recipe, load_config, resolve_recipe
 from megaflow.config.schema import Config

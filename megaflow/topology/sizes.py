@@ -13,9 +13,10 @@ Vocabulary: a *sample* is one (prompt, response) pair; a step has
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from megaflow.config.schema import ROLES, Config
 from megaflow.config.typed import ConfigError, check, thaw

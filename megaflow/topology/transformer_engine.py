@@ -19,7 +19,7 @@ import logging
 logger = logging.getLogger(__name__)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _megatron_te_problem() -> str | None:
     """Why megatron-core would not build its TE layer spec here (None: it would)."""
     if importlib.util.find_spec("transformer_engine") is None:
@@ -57,7 +57,7 @@ def transformer_engine_usable(*, need_cuda: bool = True) -> bool:
     return problem is None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _warn_once(problem: str) -> None:
     logger.warning("Transformer Engine not usable (%s): using megatron-core's local layer spec, unfused attention",
                    problem)

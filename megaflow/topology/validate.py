@@ -15,9 +15,18 @@ from megaflow.config.schema import GROUP_ESTIMATORS, Config
 from megaflow.config.typed import ConfigError, check
 from megaflow.topology.model_spec import ModelSpec
 from megaflow.topology.placement import pack_pools
-from megaflow.topology.sizes import (TOKEN_BUDGET_KEYS, TRAINED_ROLES, RoleParallel, enabled_roles,
-                                     generation_sizes, role_model_spec, role_parallel, split_rollout_pool,
-                                     token_budgets, train_batch_sizes)
+from megaflow.topology.sizes import (
+    TOKEN_BUDGET_KEYS,
+    TRAINED_ROLES,
+    RoleParallel,
+    enabled_roles,
+    generation_sizes,
+    role_model_spec,
+    role_parallel,
+    split_rollout_pool,
+    token_budgets,
+    train_batch_sizes,
+)
 
 
 def _check_pools_fit(cfg: Config) -> None:

@@ -35,8 +35,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megaflow.utils.atomic_dir import (COMPLETE_MARKER, commit_directory, final_name_of, fsync_path,
-                                       remove_temporary_siblings, temporary_sibling)
+from megaflow.utils.atomic_dir import (
+    COMPLETE_MARKER,
+    commit_directory,
+    final_name_of,
+    fsync_path,
+    remove_temporary_siblings,
+    temporary_sibling,
+)
 from megaflow.utils.integrity import IntegrityError, check_dcp_pickles, load_tensors, read_json, verify_manifest
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")

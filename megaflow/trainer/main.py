@@ -21,8 +21,9 @@ import random
 import shutil
 import signal
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -192,15 +193,21 @@ def _stop_local_ray(cfg) -> None:
 def _fit_naming_lost_workers(trainer, groups, total_steps: int) -> dict[str, float]:
     """``trainer.fit`` where a dead worker process or node becomes a
     :class:`~megaflow.launch.failures.WorkerLostError` naming node, role and rank."""
-    from megaflow.launch.failures import (RunInterrupted, Terminated, find_dead_ranks, is_worker_death,
-                                          placements_of, worker_lost_error)
+    from megaflow.launch.failures import (
+        RunInterrupted,
+        Terminated,
+        find_dead_ranks,
+        is_worker_death,
+        placements_of,
+        worker_lost_error,
+    )
 
     try:
         return trainer.fit(total_steps)
     except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (Terminated)
         latest = trainer.checkpoints.latest() if trainer.checkpoints is not None else None
         raise RunInterrupted(trainer.global_step, latest, by_sigterm=isinstance(stop, Terminated)) from None
-    except Exception as err:  # noqa: BLE001 - re-raised unchanged unless a worker died
+    except Exception as err:
         placements = placements_of(groups.named())
         dead = find_dead_ranks(err, placements)  # whoever raised, blame the rank that is actually dead
         if not dead and not is_worker_death(err):
@@ -415,8 +422,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(args: argparse.Namespace, watchdog) -> int:
     from megaflow.config import ConfigError
     from megaflow.dryrun import build_plan, format_plan
-    from megaflow.topology import load_run
     from megaflow.launch.failures import exit_code_of
+    from megaflow.topology import load_run
     from megaflow.trainer.preflight import preflight
 
     try:

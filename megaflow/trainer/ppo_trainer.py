@@ -22,23 +22,31 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from megaflow.protocol import DataProto
 from megaflow.rewards.manager import reward_metrics
-from megaflow.trainer.checkpoint import (TRAINER_STATE_FILE, CheckpointManager, read_trainer_state,
-                                         write_trainer_state)
+from megaflow.trainer.checkpoint import TRAINER_STATE_FILE, CheckpointManager, read_trainer_state, write_trainer_state
 from megaflow.trainer.dynamic_sampling import fill_informative
 from megaflow.trainer.generations import sample_generations
-from megaflow.trainer.stages import (add_advantages, balance_batch, bypass_old_log_probs, check_rollout_batch,
-                                     compute_data_metrics, kl_in_reward, prompts_of, rollout_correction,
-                                     scores_as_rewards)
 from megaflow.trainer.proxies import WorkerGroups
+from megaflow.trainer.stages import (
+    add_advantages,
+    balance_batch,
+    bypass_old_log_probs,
+    check_rollout_batch,
+    compute_data_metrics,
+    kl_in_reward,
+    prompts_of,
+    rollout_correction,
+    scores_as_rewards,
+)
 
 if TYPE_CHECKING:
     from megaflow.config import Config

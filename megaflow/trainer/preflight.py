@@ -37,9 +37,10 @@ import inspect
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from megaflow.config.typed import ConfigError
 from megaflow.topology.model_spec import resolve_hf_config
@@ -473,7 +474,6 @@ def load_datasets(cfg: Config, tokenizer: Any, task: Any = None) -> Inputs:
     generated = None
     if d.task is not None:
         from megaflow.data.arith import write_arith_dataset
-
         from megaflow.launch.watchdog import temp_prefix
 
         generated = Path(tempfile.mkdtemp(prefix=temp_prefix("task")))  # removed by the watchdog if killed

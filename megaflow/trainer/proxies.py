@@ -24,8 +24,9 @@ response), ``R`` response tokens; field meanings in :mod:`megaflow.protocol`.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from megaflow.protocol import DataProto
 from megaflow.single_controller.collect import GroupProtoResult

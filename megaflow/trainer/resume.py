@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import fnmatch
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import yaml
 

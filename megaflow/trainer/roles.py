@@ -17,8 +17,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from megaflow.topology.role_spec import RoleSpec
-from megaflow.trainer.proxies import WorkerGroups
-from megaflow.trainer.proxies import ActorProxy, CriticProxy, RefProxy, RewardModelProxy, RoleProxy, RolloutProxy
+from megaflow.trainer.proxies import (
+    ActorProxy,
+    CriticProxy,
+    RefProxy,
+    RewardModelProxy,
+    RoleProxy,
+    RolloutProxy,
+    WorkerGroups,
+)
 from megaflow.workers.actor_rollout import ActorRolloutWorker
 from megaflow.workers.megatron_workers import CriticWorker, RefWorker, RewardModelWorker
 

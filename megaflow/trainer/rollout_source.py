@@ -37,7 +37,8 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -47,12 +48,10 @@ from megaflow.trainer.stages import generation_request, join_rollout, sampling_p
 
 if TYPE_CHECKING:
     from megaflow.config import Config
-    from megaflow.topology.hybrid_layout import HybridLayout
-    from megaflow.config.schema import RolloutConfig
-    from megaflow.config.schema import RolloutCorrectionConfig
+    from megaflow.config.schema import RolloutConfig, RolloutCorrectionConfig
     from megaflow.hybrid_engine.transport import TransportPlan
-    from megaflow.trainer.proxies import WorkerGroups
-    from megaflow.trainer.proxies import ActorProxy, RolloutProxy
+    from megaflow.topology.hybrid_layout import HybridLayout
+    from megaflow.trainer.proxies import ActorProxy, RolloutProxy, WorkerGroups
 
 
 # ---------------------------------------------------------------------------- split placement

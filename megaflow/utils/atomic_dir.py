@@ -17,8 +17,9 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 COMPLETE_MARKER = "COMPLETE"
 #: Infix of the temporary directory names (``.<name>.incomplete-<token>``).

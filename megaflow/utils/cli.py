@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 #: Set to 1 to see the traceback of an expected error too (it is re-raised).
 DEBUG_ENV = "MEGAFLOW_DEBUG"

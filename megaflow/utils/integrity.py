@@ -32,8 +32,9 @@ import io
 import json
 import os
 import pickle
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 MANIFEST_FILE = "MANIFEST.json"
 MANIFEST_FORMAT = "megaflow-manifest"

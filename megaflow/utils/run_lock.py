@@ -18,8 +18,8 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 LOCK_FILE = ".megaflow.lock"
 
@@ -111,7 +111,7 @@ class RunDirLock:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
-    def __enter__(self) -> "RunDirLock":
+    def __enter__(self) -> RunDirLock:
         self.acquire()
         return self
 

@@ -20,8 +20,9 @@ import json
 import logging
 import math
 import numbers
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -278,7 +279,7 @@ class Tracking:
             self.bar.close()
             self.bar = None
 
-    def __enter__(self) -> "Tracking":
+    def __enter__(self) -> Tracking:
         return self
 
     def __exit__(self, *exc: Any) -> None:

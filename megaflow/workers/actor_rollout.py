@@ -20,7 +20,7 @@ other methods on the ``actor`` mesh (Megatron DP rank, collected from tp 0 / las
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -59,11 +59,11 @@ class ActorRolloutWorker(ActorWorker):
         super().__init__(spec)
         self.eos_token_ids = tuple(eos_token_ids)
         self.pad_token_id = int(pad_token_id)
-        self.host: Optional[RolloutHost] = None
+        self.host: RolloutHost | None = None
         self.rollout = None  # the host's engine
         self.resharder = None
-        self.transport: Optional[WeightTransport] = None  # set with the engine (or the split transport)
-        self._vllm_shapes: Optional[dict] = None  # the engine shard's vLLM name -> shape
+        self.transport: WeightTransport | None = None  # set with the engine (or the split transport)
+        self._vllm_shapes: dict | None = None  # the engine shard's vLLM name -> shape
         self._actor_version = 0
         self._synced_version = -1
         self._num_sends = 0
@@ -97,7 +97,7 @@ class ActorRolloutWorker(ActorWorker):
             self.transport = ColocatedTransport(self.rollout)
             self._vllm_shapes = self.rollout.sharded_param_shapes()
 
-    def _build_host(self, hf_config: Any, gen_replica: int) -> Optional[RolloutHost]:
+    def _build_host(self, hf_config: Any, gen_replica: int) -> RolloutHost | None:
         """This rank's engine shard (:class:`~megaflow.workers.rollout_host.RolloutHost`)."""
         return RolloutHost(self.config, hf_config, self.spec, rank=self.rank, tp_group_ranks=self.layout.gen_tp_groups,
                            gen_replica=gen_replica, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id)

@@ -8,7 +8,8 @@ valid tokens, so the sum is the mini-batch token mean.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 

@@ -16,7 +16,7 @@ Outputs (``[B, R]``, DataProto field names of :mod:`megaflow.protocol`):
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -53,7 +53,7 @@ class MegatronWorker(Worker):
     config_role = "actor"  # the config section this class serves
     default_mesh = "actor"
 
-    def __init__(self, spec: RoleSpec, mesh: Optional[str] = None) -> None:
+    def __init__(self, spec: RoleSpec, mesh: str | None = None) -> None:
         super().__init__()
         if not isinstance(spec, RoleSpec):
             raise TypeError(f"spec must be a megaflow.topology.role_spec.RoleSpec, got {type(spec).__name__}")
@@ -62,8 +62,8 @@ class MegatronWorker(Worker):
                              f"{spec.role!r}")
         self.role_spec, self.config = spec, spec.config
         self.mesh = mesh or self.default_mesh
-        self.engine: Optional[MegatronEngine] = None
-        self.info: Optional[ParallelInfo] = None
+        self.engine: MegatronEngine | None = None
+        self.info: ParallelInfo | None = None
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -119,7 +119,7 @@ class MegatronWorker(Worker):
         if any(parts.values()):
             self.engine.offload(**parts)
 
-    def _forward(self, data: DataProto, **kwargs) -> Optional[dict[str, torch.Tensor]]:
+    def _forward(self, data: DataProto, **kwargs) -> dict[str, torch.Tensor] | None:
         self._before_phase(("params",))
         try:
             return self.engine.forward(_tensors(data), **kwargs)
@@ -159,7 +159,7 @@ class MegatronWorker(Worker):
             self._after_phase()
         return losses.mean_metrics(steps, self.role_spec.role)
 
-    def _mini_batch_order(self, rows: int, per_rank: int, epoch: int) -> Optional[torch.Tensor]:
+    def _mini_batch_order(self, rows: int, per_rank: int, epoch: int) -> torch.Tensor | None:
         """Row order of one PPO epoch ``[rows]`` (int64) with ``actor.shuffle``; None: in order.
 
         The permutation is drawn from a generator seeded by (``trainer.seed``, the number of
@@ -214,7 +214,7 @@ class ActorWorker(MegatronWorker):
     config_role, default_mesh = "actor", "actor"
 
     @register(nd_compute("actor"))
-    def compute_log_prob(self, data: DataProto) -> Optional[DataProto]:
+    def compute_log_prob(self, data: DataProto) -> DataProto | None:
         """``old_log_probs`` and ``entropys`` ``[B, R]`` at the rollout temperature."""
         out = self._forward(data, **self._sampling(data), with_entropy=True)
         if out is None:
@@ -237,7 +237,7 @@ class RefWorker(MegatronWorker):
     config_role, default_mesh = "ref", "ref"
 
     @register(nd_compute("ref"))
-    def compute_ref_log_prob(self, data: DataProto) -> Optional[DataProto]:
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto | None:
         """``ref_log_probs`` ``[B, R]`` at the rollout temperature."""
         out = self._forward(data, **self._sampling(data))
         return None if out is None else DataProto.from_dict({"ref_log_probs": out["log_probs"]})
@@ -249,7 +249,7 @@ class CriticWorker(MegatronWorker):
     config_role, default_mesh = "critic", "critic"
 
     @register(nd_compute("critic"))
-    def compute_values(self, data: DataProto) -> Optional[DataProto]:
+    def compute_values(self, data: DataProto) -> DataProto | None:
         """``values`` ``[B, R]``: V of the state before each response token."""
         out = self._forward(data)
         return None if out is None else DataProto.from_dict({"values": out["values"]})
@@ -267,7 +267,7 @@ class RewardModelWorker(MegatronWorker):
     config_role, default_mesh = "reward_model", "reward_model"
 
     @register(nd_compute("reward_model"))
-    def compute_rm_score(self, data: DataProto) -> Optional[DataProto]:
+    def compute_rm_score(self, data: DataProto) -> DataProto | None:
         """``rm_scores`` ``[B, R]``: the score on the last real response token, 0 elsewhere."""
         out = self._forward(data)
         if out is None:

@@ -65,9 +65,9 @@ def build_engine(cfg: Config, hf_config: Any, *, rank: int, tp_group_ranks: list
         pad_token_id: the id written after each response and left of each prompt.
     """
     from megaflow.dryrun.memory import cpu_kv_cache_bytes
-    from megaflow.topology.sizes import max_seq_len, rollout_sleep_level
     from megaflow.rollout.sampling import SamplingConfig
     from megaflow.rollout.vllm_rollout import VLLMRollout, VLLMRolloutConfig
+    from megaflow.topology.sizes import max_seq_len, rollout_sleep_level
 
     engine_cfg = VLLMRolloutConfig(
         model_path=engine_model_dir(hf_config, rank), tp_size=cfg.rollout.tp, tp_group_ranks=tp_group_ranks,

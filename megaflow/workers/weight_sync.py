@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -23,7 +22,7 @@ class WeightSync:
 
     weight_version: int
     synced_actor_version: int
-    actor_version: Optional[int] = None
+    actor_version: int | None = None
     figures: dict[str, float] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, float]:
