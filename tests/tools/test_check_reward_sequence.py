@@ -1,5 +1,5 @@
 """tools/check_reward_sequence.py: the exact comparison and its refusals (the full check,
-two training runs, is what the tool itself does; README's developer notes)."""
+two training runs, is what the tool itself does; README's "Tests and development")."""
 import json
 import math
 
