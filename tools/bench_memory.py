@@ -346,7 +346,8 @@ def measure_rank(rank: int, world: int, case: Case, hf_config: dict, prompt_len:
     return out
 
 
-def measure_sync(resharder, hf_config: dict, bucket_bytes: int, dtype: torch.dtype) -> int:
+def measure_sync(resharder, hf_config: dict, bucket_bytes: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> int:
     """Peak bytes of tensors allocated during one streamed weight sync, the engine's wake included.
 
     The worker's route (``generation_buckets`` loaded by ``load_buckets``) into
@@ -358,7 +359,7 @@ def measure_sync(resharder, hf_config: dict, bucket_bytes: int, dtype: torch.dty
     from megaflow.models.hf_mapping import ModelSpec
 
     spec = ModelSpec.from_hf_config(hf_config)
-    engine = SleepingEngine(_vllm_shapes(resharder, spec, resharder.layout.gen_tp), dtype)
+    engine = SleepingEngine(_vllm_shapes(resharder, spec, resharder.layout.gen_tp), dtype, device)
     with TensorAllocationTracker() as tracker:
         streaming_sync(resharder, spec, engine, resharder.placement.gen_tp_rank, bucket_bytes)
     return tracker.peak

@@ -231,8 +231,9 @@ class SleepingEngine:
     one tensor per vLLM parameter; the streamed-update interface of
     :class:`~megaflow.rollout.vllm_rollout.VLLMRollout` (what ``load_buckets`` calls)."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype = torch.float32):
-        self.shapes, self.dtype = shapes, dtype
+    def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        self.shapes, self.dtype, self.device = shapes, dtype, torch.device(device)
         self.params: dict[str, torch.Tensor] = {}
 
     @property
@@ -241,7 +242,8 @@ class SleepingEngine:
         return sum(math.prod(s) for s in self.shapes.values()) * self.dtype.itemsize
 
     def begin_weight_update(self) -> None:
-        self.params = {name: torch.zeros(shape, dtype=self.dtype) for name, shape in self.shapes.items()}
+        self.params = {name: torch.zeros(shape, dtype=self.dtype, device=self.device)
+                       for name, shape in self.shapes.items()}
 
     def load_weight_bucket(self, bucket) -> None:
         for name, tensor in bucket:
@@ -353,7 +355,7 @@ def sync_bound(resharder, engine, bucket_bytes: int, shard_bytes: int) -> int:
     largest tensor, gathered (Megatron layout) or converted (vLLM's, whose vocabulary
     padding may be larger)."""
     largest = max(largest_generation_tensor(resharder),  # the gathered side, or vLLM's (its vocabulary padding)
-                  max(math.prod(shape) for shape in engine.shapes.values()) * 4)
+                  max(math.prod(shape) for shape in engine.shapes.values()) * engine.dtype.itemsize)
     return int(weight_sync_peak_bytes(actor_shard=shard_bytes, engine_weights=engine.nbytes, bucket_bytes=bucket_bytes,
                                       largest_tensor=largest)) - shard_bytes
 

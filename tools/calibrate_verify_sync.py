@@ -37,18 +37,31 @@ def calibrate(model_dir: str, prompts: int, length: int, seed: int, dtype: torch
     """|Delta log p| statistics of ``dtype`` vs fp32 compute on the same ``dtype`` weights (module docstring)."""
     from transformers import AutoModelForCausalLM
 
-    from megaflow.rollout.verify_sync import gap_statistics, round_up_one_digit
+    from megaflow.rollout.verify_sync import round_up_one_digit
 
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    stats = model_gap_statistics(reference, prompts, length, seed, dtype, min_prefix)
+    stats["tolerance"] = round_up_one_digit(2 * stats["max"])
+    return stats
+
+
+def model_gap_statistics(reference, prompts: int, length: int, seed: int, dtype: torch.dtype,
+                         min_prefix: int = 5) -> dict:
+    """|Delta log p| statistics (max, mean, p99, tokens; nats) of ``dtype`` vs fp32 compute on
+    the same ``dtype``-rounded weights of the HF causal LM ``reference`` (fp32, on any device;
+    its weights are rounded in place and it is left in ``dtype``): ``prompts`` random probe
+    sequences of ``length`` tokens, the greedy token after every prefix of >= ``min_prefix``."""
+    from megaflow.rollout.verify_sync import gap_statistics
+
     with torch.no_grad():
         for p in reference.parameters():
             p.copy_(p.to(dtype).to(torch.float32))
-    ids = torch.randint(3, reference.config.vocab_size, (prompts, length), generator=torch.Generator().manual_seed(seed))
+    device = next(reference.parameters()).device
+    ids = torch.randint(3, reference.config.vocab_size, (prompts, length),
+                        generator=torch.Generator().manual_seed(seed)).to(device)
     exact, greedy = _greedy_log_probs(reference, ids)
     low, _ = _greedy_log_probs(reference.to(dtype), ids, greedy)
-    stats = gap_statistics((low - exact)[:, min_prefix - 1:].abs())
-    stats["tolerance"] = round_up_one_digit(2 * stats["max"])
-    return stats
+    return gap_statistics((low - exact)[:, min_prefix - 1:].abs())
 
 
 def main() -> None:

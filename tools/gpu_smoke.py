@@ -37,8 +37,24 @@ same config). Then
    update against the planner (measured / planned, target 0.8-1.25), and tokens/s and model
    TFLOP/s (``2N`` per token forward, ``6N`` per token update; Kaplan et al. 2020).
 
-``--json PATH`` (default ``$OUT/gpu_smoke.json`` when ``$OUT`` is set) writes every result.
-Exit status 1 when a check fails. It is sized to finish in well under 8 minutes.
+8. an offload/reload round trip (issue 31 item 9): two actors with the distributed optimizer
+   from the same weights, one offloading parameters, gradients and optimizer state between
+   phases as the workers do, the twin never; after two steps their log-probs, parameters and
+   optimizer state must agree (exact in fp32, :data:`ROUND_TRIP_TOLERANCE` in bf16). On CPU
+   only the gradient buffers really move; on CUDA everything does;
+9. the bf16 log-prob gap (max / mean / p99 of |Delta log p|, bf16 vs fp32 compute on the same
+   bf16 weights of a random ``transformers`` model, ~1.1B on CUDA; the probe of
+   ``tools/calibrate_verify_sync.py``) recorded next to ``rollout.verify_sync``'s bf16
+   tolerance; on CUDA twice the largest gap must be within it, the CPU rehearsal only records;
+10. a sync-peak rehearsal: one streamed weight sync of the section-7 model into a level-2
+    sleeping stand-in engine (``tools/bench_reshard.py``), its peak (``max_memory_allocated``
+    on CUDA, the live-tensor account of ``tools/bench_memory.py`` on CPU) at most
+    :func:`megaflow.topology.weight_sync.weight_sync_peak_bytes` less the actor shard.
+
+``--json PATH`` (default ``$OUT/gpu_smoke.json`` when ``$OUT`` is set) writes every result
+(``offload_round_trip``, ``log_prob_gap`` and ``sync_peak`` for sections 8-10).
+Exit status 1 when a check fails; each failure is printed naming its check. It is sized to
+finish in well under 8 minutes.
 
 ``--device cpu --dry`` runs the same code on the CPU (fp32, gloo, no memory statistics: the
 memory column reads "-"); the tests run that path so the script is not dead code. It has not
@@ -55,10 +71,11 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(1, os.path.join(ROOT, "tools"))  # bench_memory, bench_reshard, calibrate_verify_sync
 
 RECIPE = "tiny_arith_grpo"
 #: Pure-Python wheels the target lacks (it has Python 3.12, CUDA torch and transformers).
@@ -73,6 +90,14 @@ LLAMA_1B = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 819
 #: Measured / planned memory the planner must meet on a GPU.
 RATIO_RANGE = (0.8, 1.25)
 PHASES = ("build+load", "log-probs", "update (recompute=full)", "reshard t=t_g=1", "generate (HF)")
+#: (rtol, atol) of the offload round trip's comparison with the twin engine, by ``model.dtype``.
+#: fp32 on CPU: exact (nothing changes but where the tensors live). bf16 on CUDA: the copies to
+#: host and back are exact too, but the two engines' kernels run on different allocations, where
+#: cuBLAS may choose other algorithms: one bf16 rounding step (2^-8 relative) is allowed, with an
+#: absolute floor far below any Adam update of a parameter.
+ROUND_TRIP_TOLERANCE = {"float32": (0.0, 0.0), "bfloat16": (2.0 ** -8, 1e-8)}
+#: Updates (each a log-prob forward and a train step, as one RL step) of the offload round trip.
+ROUND_TRIP_STEPS = 2
 
 
 @dataclasses.dataclass
@@ -208,8 +233,9 @@ def install_wheels(folder: str, target: str) -> None:
     sys.path.insert(0, target)
 
 
-def smoke_config(batch: int, response_length: int, dtype: str, use_gpu: bool):
-    """The tiny recipe at world size 1, TP = PP = 1, full recomputation, one micro-batch."""
+def smoke_config(batch: int, response_length: int, dtype: str, use_gpu: bool, extra: Sequence[str] = ()):
+    """The tiny recipe at world size 1, TP = PP = 1, full recomputation, one micro-batch
+    (``extra``: further ``load_run`` overrides)."""
     from megaflow.topology import load_run
 
     prompts = batch // 2
@@ -220,7 +246,7 @@ def smoke_config(batch: int, response_length: int, dtype: str, use_gpu: bool):
                  f"rollout.response_length={response_length}", f"resources.use_gpu={str(use_gpu).lower()}"]
     if use_gpu:
         overrides.append("resources.gpu_memory_gib=80")
-    return load_run(RECIPE, overrides)
+    return load_run(RECIPE, [*overrides, *extra])
 
 
 def planned_bytes(cfg, batch: int) -> dict[str, float]:
@@ -354,9 +380,171 @@ def measure_memory(cuda: bool, batch: int, seq: int) -> dict:
 
     phase("log-prob forward", lambda: state["engine"].forward(rows), tokens=batch * seq, flops=2)
     phase("update", lambda: state["engine"].train_step(rows, loss), tokens=batch * seq, flops=6)
+    sync = sync_peak_check(state["engine"].module, hf_dict, cfg.rollout.weight_sync_bucket_mb << 20, cuda)
     del state["engine"]
     return {"model": {k: hf_dict[k] for k in LLAMA_1B if k in hf_dict}, "num_params": num_params,
-            "dtype": cfg.model.dtype, "batch": batch, "seq": seq, "phases": results}
+            "dtype": cfg.model.dtype, "batch": batch, "seq": seq, "phases": results, "sync_peak": sync}
+
+
+def generation_resharder(module, hf_dict: dict):
+    """The HybridEngine's micro-DP resharder of ``module`` at ``t = t_g = 1`` (world size 1)."""
+    from megaflow.hybrid_engine import MicroDPResharder, build_reshard_groups, plan_hybrid_layout
+
+    layout = plan_hybrid_layout(1, 1, 1, gen_tp=1, num_attention_heads=hf_dict["num_attention_heads"],
+                                num_query_groups=hf_dict["num_key_value_heads"])
+    return MicroDPResharder(build_reshard_groups(layout), dict(module.named_parameters()),
+                            share_embeddings_and_output_weights=module.share_embeddings_and_output_weights)
+
+
+def sync_peak_check(module, hf_dict: dict, bucket_bytes: int, cuda: bool) -> dict:
+    """Section 10: one streamed weight sync of ``module`` (the worker's route, into
+    ``tools/bench_reshard.py``'s level-2 sleeping engine on the same device) measured against
+    :func:`megaflow.topology.weight_sync.weight_sync_peak_bytes` less the actor's shard
+    (allocated before): engine weights + one bucket + the largest tensor.
+
+    Measured: ``torch.cuda.max_memory_allocated`` over the sync on CUDA; on CPU the live-tensor
+    account of ``tools/bench_memory.py``'s ``measure_sync`` (recorded on CUDA too).
+
+    Returns:
+        ``{"measured_bytes", "tracked_bytes", "bound_bytes", "actor_shard_bytes", "bucket_bytes",
+        "ratio", "within"}``; ``within`` is False when the measured peak is above the bound.
+    """
+    import torch
+
+    from bench_memory import measure_sync
+    from bench_reshard import SleepingEngine, _vllm_shapes, sync_bound
+    from megaflow.models.hf_mapping import ModelSpec
+
+    resharder = generation_resharder(module, hf_dict)
+    dtype = next(module.parameters()).dtype
+    device = next(module.parameters()).device
+    shard = sum(p.numel() * p.element_size() for p in module.parameters())
+    shapes = _vllm_shapes(resharder, ModelSpec.from_hf_config(hf_dict), 1)
+    bound = sync_bound(resharder, SleepingEngine(shapes, dtype), bucket_bytes, shard)  # not woken: no allocation
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    tracked = measure_sync(resharder, hf_dict, bucket_bytes, dtype, device)
+    measured = float(torch.cuda.max_memory_allocated() - base) if cuda else float(tracked)
+    return {"measured_bytes": measured, "tracked_bytes": tracked, "bound_bytes": bound, "actor_shard_bytes": shard,
+            "bucket_bytes": bucket_bytes, "ratio": measured / bound, "within": measured <= bound}
+
+
+def log_prob_gap_check(hf_dict: dict, device, enforce: bool, prompts: int = 32, length: int = 20) -> dict:
+    """Section 9: |Delta log p| of bf16 vs fp32 compute on the same bf16 weights (a random
+    ``transformers`` model of ``hf_dict`` on ``device``; ``tools/calibrate_verify_sync.py``'s
+    probe: greedy tokens after every prefix of >= 5 random tokens), next to
+    ``rollout.verify_sync``'s bf16 tolerance (:func:`megaflow.rollout.verify_sync.verify_sync_tolerance`).
+
+    The tolerance holds when twice the largest gap is within it (the engine's and the
+    trainer's gaps to the exact value add up at worst). ``enforce`` (CUDA) makes a miss a
+    failure; the CPU rehearsal (CPU bf16 kernels, not the GPU's) only records.
+
+    Returns:
+        ``{"dtype", "device", "max", "mean", "p99", "tokens", "tolerance", "implied_tolerance",
+        "enforced", "within"}`` (gaps in nats).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from calibrate_verify_sync import model_gap_statistics
+    from megaflow.rollout.verify_sync import round_up_one_digit, verify_sync_tolerance
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_dict), dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    stats = model_gap_statistics(model, prompts, length, seed=0, dtype=torch.bfloat16)
+    del model
+    tolerance = verify_sync_tolerance("bfloat16")
+    return {"dtype": "bfloat16", "device": str(device), **stats, "tolerance": tolerance,
+            "implied_tolerance": round_up_one_digit(2 * stats["max"]) if stats["max"] > 0 else 0.0,
+            "enforced": enforce, "within": 2 * stats["max"] <= tolerance}
+
+
+def _state_gap(a: list, b: list, rtol: float, atol: float) -> tuple[float, int]:
+    """Largest |a - b| over paired tensors and how many pairs miss ``|a - b| <= atol + rtol |b|``."""
+    import torch
+
+    worst, misses = 0.0, 0
+    for x, y in zip(a, b, strict=True):
+        x, y = x.detach().float().cpu(), y.detach().float().cpu()
+        if x.shape != y.shape:
+            return float("inf"), misses + 1
+        if x.numel():
+            worst = max(worst, float((x - y).abs().max()))
+        misses += int(not torch.allclose(x, y, rtol=rtol, atol=atol))
+    return worst, misses
+
+
+def offload_round_trip(cuda: bool, batch: int, response_length: int) -> dict:
+    """Section 8: two actors with the distributed optimizer built from the same weights; one
+    offloads parameters, gradients and optimizer state after every phase and reloads what the
+    next phase needs (the workers' ``_before_phase``/``_after_phase`` with
+    ``actor.param_offload``/``grad_offload``/``optimizer_offload`` on), the twin never offloads.
+    After :data:`ROUND_TRIP_STEPS` steps (a log-prob forward, then an update) their log-probs,
+    parameters and optimizer state (fp32 main parameters and Adam moments) must agree within
+    :data:`ROUND_TRIP_TOLERANCE` of the dtype.
+
+    On CPU the tensors already live in host memory: parameters and optimizer state stay put,
+    the gradient buffers are really released and re-allocated; on CUDA everything moves
+    (``device_bytes_freed``: what the offload released).
+
+    Returns:
+        ``{"dtype", "steps", "offloaded", "device_bytes_freed", "log_prob_max_diff",
+        "param_max_diff", "param_mismatches", "optimizer_max_diff", "optimizer_mismatches",
+        "optimizer_tensors", "rtol", "atol", "within"}``.
+    """
+    import torch
+
+    from bench_memory import _loss, _optimizer_tensors, tiny_batch
+    from megaflow.config.loader import config_to_dict
+    from megaflow.megatron import parallel
+    from megaflow.megatron.engine import MegatronEngine
+    from megaflow.megatron.model import build_gpt_model
+    from megaflow.topology.role_spec import RoleSpec
+
+    dtype_name = "bfloat16" if cuda else "float32"
+    cfg = smoke_config(batch, response_length, dtype_name, use_gpu=cuda,
+                       extra=["actor.use_distributed_optimizer=true", "actor.param_offload=true",
+                              "actor.grad_offload=true", "actor.optimizer_offload=true"])
+    hf_dict = dict(config_to_dict(cfg)["model"]["hf_config"])
+    spec = RoleSpec(cfg, "actor", cfg.trainer.total_steps)
+    info = parallel.initialize_parallel(tp=1, pp=1, seed=1)
+    torch.manual_seed(0)
+    models = [build_gpt_model(hf_dict, dtype=getattr(torch, dtype_name), **spec.model_overrides) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())  # the twin: the same weights before any optimizer exists
+    offloaded, twin = (MegatronEngine(m if cuda else m.cpu(), info, spec, vocab_size=hf_dict["vocab_size"])
+                       for m in models)
+    parts = spec.offload
+    offloaded.offload(**parts)  # as after the worker's init
+    freed, log_prob_diff = 0.0, 0.0
+    for step in range(ROUND_TRIP_STEPS):
+        rows = tiny_batch(batch, cfg.data.max_prompt_length, response_length, hf_dict["vocab_size"], seed=step)
+        offloaded.reload(("params",))  # a forward phase needs the parameters only
+        ours, theirs = offloaded.forward(rows), twin.forward(rows)  # None only off the last PP stage
+        assert ours is not None and theirs is not None
+        log_prob_diff = max(log_prob_diff, float((ours["log_probs"].float() - theirs["log_probs"].float()).abs().max()))
+        offloaded.offload(**parts)
+        offloaded.reload()
+        offloaded.train_step(rows, _loss)
+        twin.train_step(rows, _loss)
+        before = torch.cuda.memory_allocated() if cuda else 0
+        offloaded.offload(**parts)
+        freed = float(before - torch.cuda.memory_allocated()) if cuda else 0.0
+    offloaded.reload()
+    rtol, atol = ROUND_TRIP_TOLERANCE[dtype_name]
+    param_diff, param_misses = _state_gap(list(offloaded.module.parameters()), list(twin.module.parameters()),
+                                          rtol, atol)
+    ours_opt, twin_opt = _optimizer_tensors(offloaded.optimizer), _optimizer_tensors(twin.optimizer)
+    opt_diff, opt_misses = _state_gap(ours_opt, twin_opt, rtol, atol)
+    within = (param_misses == 0 and opt_misses == 0 and len(ours_opt) > 0
+              and log_prob_diff <= atol + rtol * 10)  # log-probs: a few nats at most, so rtol scaled by 10
+    return {"dtype": dtype_name, "steps": ROUND_TRIP_STEPS, "offloaded": sorted(k for k, on in parts.items() if on),
+            "device_bytes_freed": freed, "log_prob_max_diff": log_prob_diff, "param_max_diff": param_diff,
+            "param_mismatches": param_misses, "optimizer_max_diff": opt_diff, "optimizer_mismatches": opt_misses,
+            "optimizer_tensors": len(ours_opt), "rtol": rtol, "atol": atol, "within": within}
 
 
 def compare(measured: float | None, planned: float | None) -> str:
@@ -390,9 +578,10 @@ def _timed(phase: str, device, fn: Callable[[], str], planned: dict[str, float])
     return PhaseResult(phase, time.perf_counter() - start, peak, planned.get(phase), note)
 
 
-def run_smoke(args: argparse.Namespace) -> tuple[list[PhaseResult], list[str], dict]:
-    """Run the five phases and the memory section; returns the table rows, the failed checks
-    (empty = pass) and :func:`measure_memory`'s results."""
+def run_smoke(args: argparse.Namespace) -> tuple[list[PhaseResult], list[str], dict, dict]:
+    """Run the five phases, the memory section (with the sync-peak rehearsal), the offload
+    round trip and the log-prob gap; returns the table rows, the failed checks (empty = pass),
+    :func:`measure_memory`'s results and ``{"offload_round_trip", "log_prob_gap", "sync_peak"}``."""
     import torch
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -525,11 +714,34 @@ def run_smoke(args: argparse.Namespace) -> tuple[list[PhaseResult], list[str], d
         for name, r in memory["phases"].items():
             if r["within_range"] is False:
                 failures.append(f"memory {name}: measured / planned = {r['ratio']:.2f}, outside {RATIO_RANGE}")
+        checks = {"sync_peak": memory.pop("sync_peak"),
+                  "offload_round_trip": offload_round_trip(cuda, args.batch, args.response_length),
+                  "log_prob_gap": log_prob_gap_check(hf_dict if not cuda else LLAMA_1B, device, enforce=cuda)}
+        failures.extend(check_failures(checks))
     finally:
         parallel.destroy_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
-    return rows, failures, memory
+    return rows, failures, memory, checks
+
+
+def check_failures(checks: dict) -> list[str]:
+    """One line per failed check of sections 8-10 (``checks`` as :func:`run_smoke` returns it)."""
+    failures = []
+    trip, gap, sync = checks["offload_round_trip"], checks["log_prob_gap"], checks["sync_peak"]
+    if not trip["within"]:
+        failures.append(f"offload round trip: the offloaded engine differs from its twin after {trip['steps']} "
+                        f"steps (log-probs {trip['log_prob_max_diff']:.3g}, params {trip['param_max_diff']:.3g} "
+                        f"in {trip['param_mismatches']} tensors, optimizer {trip['optimizer_max_diff']:.3g} in "
+                        f"{trip['optimizer_mismatches']} of {trip['optimizer_tensors']} tensors; rtol {trip['rtol']}, "
+                        f"atol {trip['atol']})")
+    if gap["enforced"] and not gap["within"]:
+        failures.append(f"log-prob gap: bf16 vs fp32 max |delta log p| {gap['max']:.3g} needs a verify_sync "
+                        f"tolerance of {gap['implied_tolerance']}, above the {gap['tolerance']} in use")
+    if not sync["within"]:
+        failures.append(f"sync peak: {sync['measured_bytes'] / 2**20:.2f} MiB measured, above the "
+                        f"{sync['bound_bytes'] / 2**20:.2f} MiB of weight_sync_peak_bytes (less the actor shard)")
+    return failures
 
 
 def main(argv=None) -> int:
@@ -548,7 +760,7 @@ def main(argv=None) -> int:
         return 2
     start = time.perf_counter()
     device_index = device_index_check(args.device == "cuda")
-    rows, failures, memory = run_smoke(args)
+    rows, failures, memory, checks = run_smoke(args)
     if device_index["status"] == "fail":
         failures.insert(0, f"device index: {device_index['reason']}")
     print(f"gpu_smoke: device={args.device} torch={torch.__version__} "
@@ -557,6 +769,7 @@ def main(argv=None) -> int:
     print(f"device index (LOCAL_RANK=3, one visible GPU -> cuda:0): {device_index['status']}"
           + (f" ({device_index['reason']})" if device_index.get("reason") else ""))
     print(format_memory(memory))
+    print(format_checks(checks))
     for f in failures:
         print("FAILED:", f)
     print("PASS" if not failures else f"{len(failures)} check(s) failed")
@@ -565,7 +778,8 @@ def main(argv=None) -> int:
             "device": args.device, "dry": args.dry, "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
             "seconds": time.perf_counter() - start, "phases": [dataclasses.asdict(r) for r in rows],
-            "device_index": device_index, "memory": memory, "failures": failures, "passed": not failures})
+            "device_index": device_index, "memory": memory, **checks, "failures": failures,
+            "passed": not failures})
     return 1 if failures else 0
 
 
@@ -580,6 +794,22 @@ def format_memory(memory: dict) -> str:
         lines.append(f"  {name:<18} {r['seconds']:>7.2f} {fmt(peak, '.1f'):>10} {r['planned_bytes'] / 2**20:>10.1f} "
                      f"{fmt(r['ratio'], '.2f'):>6} {fmt(r['tokens_per_s'], '.0f'):>10} {fmt(r['model_tflops'], '.3g'):>8}")
     return "\n".join(lines)
+
+
+def format_checks(checks: dict) -> str:
+    """Sections 8-10 as three lines."""
+    trip, gap, sync = checks["offload_round_trip"], checks["log_prob_gap"], checks["sync_peak"]
+    verdict = lambda ok: "pass" if ok else "FAIL"  # noqa: E731
+    return "\n".join([
+        f"offload round trip ({trip['dtype']}, distributed optimizer, {trip['steps']} steps, offloaded "
+        f"{'+'.join(trip['offloaded'])}) vs twin: log-probs {trip['log_prob_max_diff']:.2e}, params "
+        f"{trip['param_max_diff']:.2e}, optimizer {trip['optimizer_max_diff']:.2e} "
+        f"({trip['optimizer_tensors']} tensors): {verdict(trip['within'])}",
+        f"bf16 vs fp32 log-prob gap on {gap['device']} ({gap['tokens']} probe tokens): max {gap['max']:.3g}, mean "
+        f"{gap['mean']:.3g}, p99 {gap['p99']:.3g}; implies tolerance {gap['implied_tolerance']}, in use "
+        f"{gap['tolerance']}: {verdict(gap['within']) if gap['enforced'] else 'recorded'}",
+        f"weight sync peak: {sync['measured_bytes'] / 2**20:.2f} MiB measured vs {sync['bound_bytes'] / 2**20:.2f} "
+        f"MiB by weight_sync_peak_bytes (ratio {sync['ratio']:.2f}): {verdict(sync['within'])}"])
 
 
 def write_json(path: str, results: dict) -> None:

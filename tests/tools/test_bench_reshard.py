@@ -47,15 +47,21 @@ def test_streamed_sync_peak_is_within_the_formula_and_the_old_route_is_not(gen_t
 def test_sync_bound_is_the_formula_less_the_actor_shard():
     from megaflow.topology.weight_sync import weight_sync_peak_bytes
 
+    import torch
+
     class Engine:
         nbytes = 1000
         shapes = {"x": (5, 4)}
+        dtype = torch.float32
 
     class Resharder:
         @staticmethod
         def generation_shapes():
-            import torch
             return {"a": ((10, 4), torch.float32), "b": ((3,), torch.float32)}
 
     assert bench.sync_bound(Resharder(), Engine(), 300, 77) == 1000 + 300 + 160
+    Engine.shapes = {"x": (50, 4)}  # vLLM's largest tensor (vocabulary padding) above the gathered one
+    assert bench.sync_bound(Resharder(), Engine(), 300, 77) == 1000 + 800 + 800  # the bucket is the tensor
+    Engine.dtype = torch.bfloat16  # the engine's tensors in its own dtype: 2 bytes
+    assert bench.sync_bound(Resharder(), Engine(), 300, 77) == 1000 + 400 + 400
     assert weight_sync_peak_bytes(actor_shard=77, engine_weights=1000, bucket_bytes=300, largest_tensor=160) == 1537

@@ -124,3 +124,113 @@ def test_dry_cpu_rehearsal_runs_every_phase(tmp_path):
         assert phase["peak_bytes"] is None and phase["ratio"] is None and phase["planned_bytes"] > 0
         if name != "params":
             assert phase["tokens_per_s"] == pytest.approx(4 * 32 / phase["seconds"])
+    trip = results["offload_round_trip"]  # fp32 on CPU: exact
+    assert trip["within"] and trip["dtype"] == "float32" and trip["offloaded"] == ["grads", "optimizer", "params"]
+    assert trip["param_max_diff"] == trip["optimizer_max_diff"] == 0.0 and trip["optimizer_tensors"] > 0
+    gap = results["log_prob_gap"]  # bf16 on CPU: recorded, not enforced
+    assert not gap["enforced"] and gap["dtype"] == "bfloat16" and gap["tokens"] == 32 * 16
+    assert 0 < gap["mean"] <= gap["p99"] <= gap["max"] and gap["tolerance"] > 0
+    sync = results["sync_peak"]  # the live-tensor account on CPU, within the formula
+    assert sync["within"] and 0 < sync["measured_bytes"] == sync["tracked_bytes"] <= sync["bound_bytes"]
+    assert "offload round trip" in out and "log-prob gap" in out and "weight sync peak" in out
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A gloo process group of one rank in this process (torn down after the test)."""
+    import torch.distributed as dist
+
+    from megaflow.megatron import parallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    parallel.destroy_parallel()
+    dist.destroy_process_group()
+
+
+def test_offload_round_trip_matches_its_twin_and_catches_a_broken_reload(world_of_one, monkeypatch):
+    good = smoke.offload_round_trip(cuda=False, batch=4, response_length=4)
+    assert good["within"] and good["offloaded"] == ["grads", "optimizer", "params"]
+    assert good["param_max_diff"] == good["optimizer_max_diff"] == good["log_prob_max_diff"] == 0.0
+    assert good["optimizer_tensors"] > 0 and good["rtol"] == good["atol"] == 0.0
+    assert smoke.check_failures({"offload_round_trip": good, "log_prob_gap": {"enforced": False},
+                                 "sync_peak": {"within": True}}) == []
+
+    import torch
+
+    from megaflow.megatron import offload
+
+    reload_params = offload.reload_params
+
+    def stale_reload(model):  # a reload that brings back one parameter off by one bf16 step
+        reload_params(model)
+        with torch.no_grad():
+            next(model.parameters()).mul_(1 + 2 ** -8)
+
+    monkeypatch.setattr(offload, "reload_params", stale_reload)
+    bad = smoke.offload_round_trip(cuda=False, batch=4, response_length=4)
+    assert not bad["within"] and bad["param_mismatches"] >= 1 and bad["optimizer_mismatches"] >= 1
+    failures = smoke.check_failures({"offload_round_trip": bad, "log_prob_gap": {"enforced": False},
+                                     "sync_peak": {"within": True}})
+    assert len(failures) == 1 and failures[0].startswith("offload round trip:")
+
+
+def test_log_prob_gap_is_recorded_next_to_the_tolerance_and_fails_when_enforced(monkeypatch):
+    import torch
+
+    from megaflow.rollout import verify_sync
+
+    hf_dict = dict(smoke.smoke_config(8, 4, "float32", use_gpu=False).model.hf_config)
+    gap = smoke.log_prob_gap_check(hf_dict, torch.device("cpu"), enforce=False, prompts=4, length=10)
+    assert gap["tolerance"] == verify_sync.VERIFY_SYNC_ATOL["bfloat16"] and gap["tokens"] == 4 * 6
+    assert 0 < gap["mean"] <= gap["p99"] <= gap["max"] and gap["within"] and not gap["enforced"]
+    assert gap["implied_tolerance"] == verify_sync.round_up_one_digit(2 * gap["max"])
+    monkeypatch.setitem(verify_sync.VERIFY_SYNC_ATOL, "bfloat16", gap["max"])  # below twice the largest gap
+    tight = smoke.log_prob_gap_check(hf_dict, torch.device("cpu"), enforce=True, prompts=4, length=10)
+    assert tight["max"] == gap["max"] and not tight["within"]
+    failures = smoke.check_failures({"offload_round_trip": {"within": True}, "log_prob_gap": tight,
+                                     "sync_peak": {"within": True}})
+    assert len(failures) == 1 and failures[0].startswith("log-prob gap:")
+    recorded = dict(tight, enforced=False)  # the CPU rehearsal records without failing
+    assert smoke.check_failures({"offload_round_trip": {"within": True}, "log_prob_gap": recorded,
+                                 "sync_peak": {"within": True}}) == []
+
+
+def test_sync_peak_within_the_formula_and_a_gather_first_sync_above_it(world_of_one, monkeypatch):
+    import torch
+
+    import bench_reshard
+    from megaflow.config.loader import config_to_dict
+    from megaflow.megatron import parallel
+    from megaflow.megatron.model import build_gpt_model
+
+    cfg = smoke.smoke_config(8, 4, "float32", use_gpu=False)
+    hf_dict = dict(config_to_dict(cfg)["model"]["hf_config"])
+    parallel.initialize_parallel(tp=1, pp=1, seed=1)
+    module = build_gpt_model(hf_dict, dtype=torch.float32).cpu()
+    shard = sum(p.numel() * p.element_size() for p in module.parameters())
+    bucket = 4096  # far below the model: one bucket holds one tensor
+    ok = smoke.sync_peak_check(module, hf_dict, bucket, cuda=False)
+    # vLLM's tensors by hand (h 128, ffn 384, 2 layers, 4 heads / 2 KV heads of 32, vocab 16
+    # padded to 64 rows): embedding and LM head, fused QKV, o_proj, gate_up, down, two norms a
+    # layer, the final norm; fp32. The largest is gate_up (2 x 384 rows).
+    h, f, layers, kv = 128, 384, 2, 2 * 32
+    assert (hf_dict["hidden_size"], hf_dict["intermediate_size"], hf_dict["vocab_size"]) == (h, f, 16)
+    engine = 4 * (2 * 64 * h + layers * ((h + 2 * kv) * h + h * h + 2 * f * h + h * f + 2 * h) + h)
+    largest = 4 * 2 * f * h
+    assert ok["bound_bytes"] == engine + 2 * largest  # engine + one bucket (one tensor) + the largest tensor
+    assert ok["within"] and ok["measured_bytes"] == ok["tracked_bytes"] > shard
+    load_buckets = bench_reshard.load_buckets
+
+    def gather_first(engine, buckets):  # the route before issue 31: the whole generation shard
+        # gathered into buffers of its own (at t = 1 they would alias the parameters: copied here)
+        # before the engine wakes, so two generation shards are alive at once
+        gathered = [[(name, tensor.clone()) for name, tensor in bucket] for bucket in buckets]
+        return load_buckets(engine, iter(gathered))
+
+    monkeypatch.setattr(bench_reshard, "load_buckets", gather_first)
+    bad = smoke.sync_peak_check(module, hf_dict, bucket, cuda=False)
+    assert not bad["within"] and bad["measured_bytes"] > bad["bound_bytes"]
+    failures = smoke.check_failures({"offload_round_trip": {"within": True}, "log_prob_gap": {"enforced": False},
+                                     "sync_peak": bad})
+    assert len(failures) == 1 and failures[0].startswith("sync peak:")
