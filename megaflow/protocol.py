@@ -278,7 +278,7 @@ class DataProto:
         nt = dict(self.non_tensor_batch)
         for k, v in other.non_tensor_batch.items():
             if k in nt:
-                if not all(_values_equal(x, y) for x, y in zip(nt[k], v)):
+                if not all(_values_equal(x, y) for x, y in zip(nt[k], v, strict=True)):
                     raise ValueError(f"union conflict on non-tensor field {k!r}: different values")
             else:
                 nt[k] = v

@@ -149,7 +149,8 @@ def planned(case: Case) -> dict[str, float]:
                                sequence_parallel=False, dtype=case.dtype)
     gen = plan.rollout.memory
     sync = plan.rollout.weight_sync
-    return {"sync_peak": sync.peak, "params": mem.params, "grads": 0.0 if mem.grad_offload else mem.grads, "optimizer": mem.optimizer,
+    return {"sync_peak": sync.peak, "params": mem.params, "grads": 0.0 if mem.grad_offload else mem.grads,
+            "optimizer": mem.optimizer,
             "layer_activations": mem.activations - logits, "head_activations": logits,
             "gen_weights": gen.weights, "gen_extra": gen.extra_weights,
             "kv_cache": gen.kv_per_sequence * case.micro_batch}

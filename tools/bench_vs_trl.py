@@ -159,7 +159,7 @@ def run_trl(args) -> dict:
     data = Dataset.from_dict({"prompt": [p for p, _ in rows], "answer": [a for _, a in rows]})
 
     def reward(completions, answer, **kw):
-        return [exact_sum(t, a) for t, a in zip(completions, answer)]
+        return [exact_sum(t, a) for t, a in zip(completions, answer, strict=True)]
 
     steps, t = [], {}
 

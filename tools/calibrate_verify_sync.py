@@ -11,7 +11,8 @@ forward per dtype, so it runs in minutes on a loaded CPU. Prints one JSON line: 
 p99 of |Delta log p| and the tolerance they imply (twice the max: the engine's and the
 trainer's gaps to the exact value add up at worst), rounded up to one significant digit.
 
-    PYTHONPATH=$PWD .venv/bin/python tools/calibrate_verify_sync.py [--dtype bfloat16|float16] [--prompts 32] [--length 20]
+    PYTHONPATH=$PWD .venv/bin/python tools/calibrate_verify_sync.py \\
+        [--dtype bfloat16|float16] [--prompts 32] [--length 20]
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def calibrate(model_dir: str, prompts: int, length: int, seed: int, dtype: torch
     with torch.no_grad():
         for p in reference.parameters():
             p.copy_(p.to(dtype).to(torch.float32))
-    ids = torch.randint(3, reference.config.vocab_size, (prompts, length), generator=torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, reference.config.vocab_size, (prompts, length), generator=gen)
     exact, greedy = _greedy_log_probs(reference, ids)
     low, _ = _greedy_log_probs(reference.to(dtype), ids, greedy)
     stats = gap_statistics((low - exact)[:, min_prefix - 1:].abs())

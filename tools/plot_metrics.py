@@ -94,7 +94,7 @@ def draw_metrics(records: Sequence[dict[str, Any]], keys: Sequence[str], *, titl
     ncols = min(ncols, len(keys))
     nrows = math.ceil(len(keys) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.0 * nrows), squeeze=False, layout="constrained")
-    for ax, key in zip(axes.flat, keys):
+    for ax, key in zip(axes.flat, keys, strict=False):
         points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 50 else None)
         ax.set_title(key, fontsize=TITLE_FONTSIZE)
@@ -109,7 +109,7 @@ def draw_metrics(records: Sequence[dict[str, Any]], keys: Sequence[str], *, titl
     # and lay out again (wrapping only adds lines above the axes, it does not widen them).
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
-    for ax, key in zip(axes.flat, keys):
+    for ax, key in zip(axes.flat, keys, strict=False):
         width = ax.get_window_extent(renderer).width
         prop = ax.title.get_fontproperties()
 

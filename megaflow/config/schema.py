@@ -63,7 +63,8 @@ _CLIP_BAND = ("clip_ratio_low", "clip_ratio_high")
 POLICY_LOSS_KEYS: dict[str, tuple[str, ...]] = {
     "ppo": (*_CLIP_BAND, "clip_ratio_c"), "gspo": (*_CLIP_BAND, "clip_ratio_c"), "cispo": _CLIP_BAND,
     "geo_mean": _CLIP_BAND, "sapo": ("tau_pos", "tau_neg"), "gpg": (),
-    "clip_cov": (*_CLIP_BAND, "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), "kl_cov": ("kl_cov_ratio", "ppo_kl_coef"),
+    "clip_cov": (*_CLIP_BAND, "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
+    "kl_cov": ("kl_cov_ratio", "ppo_kl_coef"),
     "dro": ("dro_beta",), "dppo_tv": (*_CLIP_BAND, "clip_ratio_c"), "dppo_kl": (*_CLIP_BAND, "clip_ratio_c"),
 }
 #: Losses defined per sequence: they need loss_agg_mode=seq-mean-token-mean (verl ignores the mode for them).
@@ -675,7 +676,8 @@ class RefConfig(ParallelConfig):
 
     def validate(self) -> None:
         super().validate()
-        check_positive(self, "log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu", "logits_chunk_tokens")
+        check_positive(self, "log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu",
+                       "logits_chunk_tokens")
 
 
 @dataclass(frozen=True)
@@ -763,7 +765,8 @@ class RewardConfig(Section):
             try:
                 re.compile(self.format_pattern)
             except re.error as err:
-                raise ConfigError("format_pattern", f"invalid regular expression {self.format_pattern!r}: {err}") from None
+                raise ConfigError("format_pattern",
+                                  f"invalid regular expression {self.format_pattern!r}: {err}") from None
 
 
 @dataclass(frozen=True)

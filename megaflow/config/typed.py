@@ -59,7 +59,7 @@ class ConfigError(ValueError):
         self.key, self.message, self.related = key, message, tuple(related)
         text = message
         for i, rel in enumerate(self.related):
-            text = text.replace("{%d}" % i, rel)
+            text = text.replace(f"{{{i}}}", rel)
         super().__init__(f"{key}: {text}" if key else text)
 
     def __reduce__(self):  # picklable across processes (Ray) despite the custom __init__
@@ -166,7 +166,7 @@ def _coerce_tuple(value: Any, args: tuple, key: str) -> tuple:
         return tuple(coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
     if len(value) != len(args):
         raise ConfigTypeError(key, f"expected {len(args)} values, got {len(value)}: {value!r}")
-    return tuple(coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    return tuple(coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
 
 
 def _coerce_mapping(value: Any, args: tuple, key: str) -> Mapping:
@@ -245,7 +245,7 @@ def build_section(cls: type[Section], data: Mapping, key: str = "", base: Sectio
             close = difflib.get_close_matches(str(name), names, n=3, cutoff=0.6)
             if close:
                 raise ConfigError(join_key(key, str(name)), "unknown key; did you mean "
-                                  + " or ".join("{%d}" % i for i in range(len(close))) + "?",
+                                  + " or ".join(f"{{{i}}}" for i in range(len(close))) + "?",
                                   tuple(join_key(key, c) for c in close))
             raise ConfigError(join_key(key, str(name)), f"unknown key; valid keys here: {', '.join(names)}")
     try:

@@ -107,7 +107,8 @@ def parse_record(
 
     Required columns: ``prompt_key`` (list of ``{role, content}`` messages, or a string),
     ``data_source`` (non-empty string) and ``reward_model`` (an object with a
-    ``ground_truth`` key, not null unless its ``style`` is ``"model"``). ``extra_info`` is optional; ``extra_info["index"]`` becomes the
+    ``ground_truth`` key, not null unless its ``style`` is ``"model"``). ``extra_info`` is optional;
+    ``extra_info["index"]`` becomes the
     record's index when present, ``default_index`` otherwise.
 
     Raises:

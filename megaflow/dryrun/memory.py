@@ -245,7 +245,7 @@ def rollout_memory(spec: ModelSpec, *, train_tp: int, train_pp: int, gen_tp: int
     vocab_matrices = [int(stage == 0) + int(stage == gen_pp - 1 and not (spec.tie_word_embeddings and gen_pp == 1))
                       for stage in range(gen_pp)]
     weights = max(n + m * vocab_rows * spec.hidden_size // gen_tp
-                  for n, m in zip(stage_parameters(spec, gen_tp, gen_pp), vocab_matrices)) * bytes_
+                  for n, m in zip(stage_parameters(spec, gen_tp, gen_pp), vocab_matrices, strict=True)) * bytes_
     train = max(stage_parameters(spec, train_tp, train_pp)) * bytes_
     per_seq = kv_bytes_per_token(spec, gen_tp, gen_pp, dtype) * seq
     reserved = cpu_kv_cache if engine_budget is None else max(engine_budget - weights, 0.0)

@@ -232,8 +232,9 @@ def _rollout_plan(cfg: Config, actor: RolePlan) -> RolloutPlan:
                                  bytes_per_rank=per_rank, bytes_total=total)
     # --- weight sync phase (issue 31 item 2): actor shard + engine weights + one bucket + largest tensor
     sync = None if split is not None else weight_sync_memory(
-        spec, actor_shard=actor.memory.params, engine_weights=memory.weights, bucket_mb=cfg.rollout.weight_sync_bucket_mb,
-        train_tp=par.tp, gen_tp=sizes.tp, dtype_bytes=DTYPE_BYTES[cfg.model.dtype])
+        spec, actor_shard=actor.memory.params, engine_weights=memory.weights,
+        bucket_mb=cfg.rollout.weight_sync_bucket_mb, train_tp=par.tp, gen_tp=sizes.tp,
+        dtype_bytes=DTYPE_BYTES[cfg.model.dtype])
     return RolloutPlan(sizes=sizes, layout=layout, reshard=reshard_cost(layout, model_bytes), memory=memory,
                        split=split, weight_sync=sync)
 

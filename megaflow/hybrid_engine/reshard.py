@@ -100,7 +100,8 @@ class ReshardStats:
 
     ``bytes_received``: data this rank did not hold before (all-gather slots of its peers,
     broadcast buffers of folded stages); equals
-    :func:`~megaflow.topology.hybrid_layout.reshard_cost`'s ``(t*p - t_g*p_g)/(t_g*p_g*t*p) * M`` when every parameter is TP-partitioned and the
+    :func:`~megaflow.topology.hybrid_layout.reshard_cost`'s ``(t*p - t_g*p_g)/(t_g*p_g*t*p) * M`` when every parameter
+    is TP-partitioned and the
     stages are equal. ``bytes_sent``: this rank's data counted once per receiving peer
     (summed over ranks it equals the total received). ``generation_bytes``: weights held
     in the generation layout (the paper's peak weight memory ``M/(t_g*p_g)``).

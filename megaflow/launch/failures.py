@@ -139,7 +139,7 @@ def _ray_nodes() -> list[NodeResources] | None:
 
         if ray.is_initialized():
             return [NodeResources.from_ray(entry) for entry in ray.nodes()]
-    except Exception:  # the head itself may be gone: report what the error says
+    except Exception:  # noqa: BLE001 - the head itself may be gone: report what the error says
         return None
     return None
 

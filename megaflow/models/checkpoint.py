@@ -350,7 +350,7 @@ def load_checkpoint(model_chunks: Any, ckpt_dir: str | os.PathLike, *, strict: b
                                   f"the model's layer_spec={model_spec!r}: the checkpoint has no {missing[:4]}")
     state = dist_checkpointing.load(sharded, str(Path(ckpt_dir) / MODEL_SUBDIR))
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
-    for chunk, key in zip(chunks, keys):
+    for chunk, key in zip(chunks, keys, strict=True):
         if stored_spec != model_spec:  # every _extra_state the checkpoint did not give: the model's own
             own = chunk.state_dict()
             state[key].update({k: v for k, v in own.items() if k.endswith("_extra_state") and k not in state[key]})

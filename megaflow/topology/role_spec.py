@@ -19,7 +19,7 @@ picklers and the receiver re-validates it (:func:`megaflow.topology.run.run_from
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, Union
+from typing import Any, Generic, TypeVar
 
 from megaflow.config.schema import ROLES, ActorConfig, Config, CriticConfig, RefConfig, RewardModelConfig
 from megaflow.topology.run import run_from_dict
@@ -38,7 +38,7 @@ from megaflow.topology.sizes import (
 )
 
 #: The config section of a Megatron role.
-RoleSection = Union[ActorConfig, RefConfig, CriticConfig, RewardModelConfig]
+RoleSection = ActorConfig | RefConfig | CriticConfig | RewardModelConfig
 S = TypeVar("S", ActorConfig, RefConfig, CriticConfig, RewardModelConfig)
 
 

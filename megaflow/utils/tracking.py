@@ -136,7 +136,8 @@ class _TensorBoardBackend:
         for record in records:
             parts = ", ".join(f"{k}={v:.4g}" for k, v in record["reward"].items())
             blocks.append(f"**{parts}** ({record['response_tokens']} tokens)\n\n"
-                          f"prompt:\n\n    {_indent(record['prompt'])}\n\nresponse:\n\n    {_indent(record['response'])}")
+                          f"prompt:\n\n    {_indent(record['prompt'])}\n\n"
+                          f"response:\n\n    {_indent(record['response'])}")
         self.writer.add_text(f"generations/{split}", "\n\n---\n\n".join(blocks), global_step=step)
         self.writer.flush()
 
