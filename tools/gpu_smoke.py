@@ -510,6 +510,7 @@ def run_smoke(args: argparse.Namespace) -> tuple[list[PhaseResult], list[str], d
         rollout = HFRollout(state["hf"], SamplingConfig(n=2, response_length=resp_len, temperature=1.0,
                                                         eos_token_ids=(), pad_token_id=0))
         out = rollout.generate_sequences(prompts)
+        assert out.batch is not None
         got = tuple(out.batch["responses"].shape)
         if got != (args.batch, resp_len):
             failures.append(f"generate returned responses {got}, expected {(args.batch, resp_len)}")

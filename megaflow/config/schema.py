@@ -253,6 +253,7 @@ class RolloutCorrectionConfig(Section):
             for key in ("rejection_lower", "rejection_upper"):
                 check(getattr(self, key) is not None, key, f"required with {{0}}={self.rejection!r}", "rejection")
             lower, upper = self.rejection_lower, self.rejection_upper
+            assert lower is not None and upper is not None  # (both checked just above)
             check(lower <= upper, "rejection_lower", f"must be <= {{0}} ({upper}), got {lower}", "rejection_upper")
             if self.rejection in ("token", "geometric"):
                 check(lower > 0, "rejection_lower",
@@ -271,17 +272,17 @@ class RolloutCorrectionConfig(Section):
         check((self.rs is None) == (self.rs_threshold is None), "rs_threshold",
               "must be set together with {0} (and only with it)", "rs")
         check(self.rs is None or self.rejection == "none", "rs", "excludes {0}: choose one way to reject", "rejection")
-        if self.rs is not None:
+        if self.rs is not None and self.rs_threshold is not None:  # (set together: checked above)
             from megaflow.algorithms.off_policy import parse_rejection
 
             try:
                 parse_rejection(self.rs, self.rs_threshold)
             except ValueError as err:
                 check(False, "rs", str(err))
-        band = (self.icepop_lower, self.icepop_upper)
-        check((band[0] is None) == (band[1] is None), "icepop_lower", "must be set together with {0}", "icepop_upper")
-        if band[0] is not None:
-            check(0 < band[0] <= band[1], "icepop_lower", f"needs 0 < lower <= {{0}}, got [{band[0]}, {band[1]}]",
+        band = lower, upper = (self.icepop_lower, self.icepop_upper)
+        check((lower is None) == (upper is None), "icepop_lower", "must be set together with {0}", "icepop_upper")
+        if lower is not None and upper is not None:
+            check(0 < lower <= upper, "icepop_lower", f"needs 0 < lower <= {{0}}, got [{lower}, {upper}]",
                   "icepop_upper")
         for key, used in (("icepop_lower", band[0] is not None), ("is_batch_normalize", self.is_batch_normalize),
                           ("is_weight_tokens", self.is_weight_tokens != "kept")):

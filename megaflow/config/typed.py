@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import math
 import types
 import typing
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Literal, Union
+from typing import Any, Literal, TypeVar, Union
 
 __all__ = ["ConfigError", "ConfigTypeError", "Section", "build_section", "freeze", "thaw", "join_key", "NAME_MAX",
            "split_host_port"]
@@ -161,7 +160,7 @@ def _coerce_tuple(value: Any, args: tuple, key: str) -> tuple:
     if isinstance(value, str) and len(args) == 2 and args[1] is Ellipsis:
         value = (value,)  # a single path where a list of paths is expected
     if not isinstance(value, (list, tuple)):
-        raise _wrong_type(key, tuple[args] if args else tuple, value)
+        raise _wrong_type(key, types.GenericAlias(tuple, args) if args else tuple, value)
     if len(args) == 2 and args[1] is Ellipsis:
         return tuple(coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
     if len(value) != len(args):
@@ -214,9 +213,15 @@ def coerce(value: Any, hint: Any, key: str, base: Any = None) -> Any:
     raise TypeError(f"{key}: unsupported annotation {hint!r}")
 
 
-@functools.cache
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    """``typing.get_type_hints(cls)``, computed once per class."""
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    return hints
 
 
 def _field_default(field: dataclasses.Field) -> Any:
@@ -227,7 +232,10 @@ def _field_default(field: dataclasses.Field) -> Any:
     return None
 
 
-def build_section(cls: type[Section], data: Mapping, key: str = "", base: Section | None = None) -> Section:
+S = TypeVar("S", bound="Section")
+
+
+def build_section(cls: type[S], data: Mapping, key: str = "", base: S | None = None) -> S:
     """Build section ``cls`` from a mapping, rejecting unknown keys with suggestions.
 
     Args:

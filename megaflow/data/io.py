@@ -72,7 +72,7 @@ def read_rows(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _read_jsonl(path: Path) -> list[tuple[str, dict[str, Any]]]:
-    rows = []
+    rows: list[tuple[str, dict[str, Any]]] = []
     with path.open("r", encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():

@@ -292,7 +292,7 @@ class MicroDPResharder:
             raise RuntimeError("to_generation called twice without to_training in between")
         start = time.perf_counter()
         acc = _Accounting()
-        self._entries = entries = {}
+        self._entries = entries = dict[str, _GenEntry]()
         try:
             num_aliased = self._gather_own_stage(entries, acc)
             self._fold_stages(entries, acc)

@@ -109,7 +109,8 @@ def _error_text(error: BaseException) -> str:
 
 def _ranges(ranks: Iterable[int]) -> str:
     """``[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"``."""
-    out, run = [], []
+    out: list[str] = []
+    run: list[int] = []
     for rank in sorted(set(ranks)):
         if run and rank == run[-1] + 1:
             run.append(rank)

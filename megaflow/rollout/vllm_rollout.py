@@ -348,7 +348,7 @@ class VLLMRollout:
         else:
             seeds = request_seeds(sampling.seed, len(token_lists) * n)
         self._num_calls += 1
-        common = dict(
+        common: dict[str, Any] = dict(
             temperature=0.0 if sampling.greedy else sampling.temperature,
             top_p=1.0 if sampling.greedy else sampling.top_p,
             top_k=0 if sampling.greedy or sampling.top_k <= 0 else sampling.top_k,

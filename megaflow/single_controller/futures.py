@@ -220,9 +220,9 @@ class GroupFuture:
         """
         refs = [r for f in futures for r in f.refs]
         where = [w for f in futures for w in f.where]
-        processes = None
+        processes: list[tuple[str, int]] | None = None
         if all(f.processes is not None for f in futures):
-            processes = [p for f in futures for p in f.processes]
+            processes = [p for f in futures for p in f.processes or ()]
         values = get_all(refs, where, " + ".join(f.method for f in futures), processes=processes)
         out, start = [], 0
         for f in futures:
