@@ -37,6 +37,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -46,7 +47,7 @@ _STORE_PREFIX = "megaflow_weight_transport"
 
 
 # ---------------------------------------------------------------------------- engine side
-def load_buckets(engine, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> tuple[int, int]:
+def load_buckets(engine: Any, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> tuple[int, int, int]:
     """One streamed weight update of a :class:`~megaflow.rollout.VLLMRollout`.
 
     Opens the update, loads every bucket (dropping each before the next is produced) and
