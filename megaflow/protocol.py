@@ -103,6 +103,11 @@ def _values_equal(a: Any, b: Any) -> bool:
         return False
 
 
+def _tensor_keys(batch: TensorDict | None) -> list[str]:
+    """The tensor field names of ``batch`` (none for None); fields are never nested."""
+    return [k for k in batch.keys() if isinstance(k, str)] if batch is not None else []
+
+
 @dataclass
 class DataProto:
     """A batch of rows with tensor fields, per-row Python objects and batch-level metadata.
@@ -172,8 +177,7 @@ class DataProto:
 
     def keys(self) -> list[str]:
         """All field names: tensor fields first, then non-tensor fields."""
-        tensor_keys = list(self.batch.keys()) if self.batch is not None else []
-        return tensor_keys + list(self.non_tensor_batch.keys())
+        return _tensor_keys(self.batch) + list(self.non_tensor_batch.keys())
 
     def __contains__(self, key: str) -> bool:
         return key in self.keys()
@@ -223,7 +227,7 @@ class DataProto:
         """
         batch = self.batch
         if batch_keys is not None:
-            self._missing(batch_keys, batch.keys() if batch is not None else [], "tensor")
+            self._missing(batch_keys, _tensor_keys(batch), "tensor")
             batch = batch.select(*batch_keys) if batch is not None else None
         nt = self.non_tensor_batch
         if non_tensor_keys is not None:
@@ -242,7 +246,7 @@ class DataProto:
             meta_info_keys: Sequence[str] = ()) -> DataProto:
         """Remove the named fields from this DataProto and return them as a new one."""
         out = self.select(list(batch_keys), list(non_tensor_keys), list(meta_info_keys))
-        if batch_keys:
+        if batch_keys and self.batch is not None:  # (select above refused keys of a missing batch)
             self.batch = self.batch.exclude(*batch_keys)
         for k in non_tensor_keys:
             del self.non_tensor_batch[k]
@@ -278,7 +282,7 @@ class DataProto:
         nt = dict(self.non_tensor_batch)
         for k, v in other.non_tensor_batch.items():
             if k in nt:
-                if not all(_values_equal(x, y) for x, y in zip(nt[k], v)):
+                if not all(_values_equal(x, y) for x, y in zip(nt[k], v, strict=True)):
                     raise ValueError(f"union conflict on non-tensor field {k!r}: different values")
             else:
                 nt[k] = v
@@ -325,8 +329,9 @@ class DataProto:
                 raise ValueError(f"DataProto.concat: piece {i} has fields {sorted(d.keys())}, "
                                  f"piece 0 has {sorted(first_keys)}")
         batch = None
-        if data[0].batch is not None:
-            batch = torch.cat([d.batch for d in data], dim=0)
+        batches = [d.batch for d in data if d.batch is not None]
+        if batches:  # equal field names: every piece has a batch, or none has
+            batch = TensorDict.cat(batches, dim=0)
         nt = {k: np.concatenate([d.non_tensor_batch[k] for d in data]) for k in data[0].non_tensor_batch}
         return DataProto(batch, nt, dict(data[0].meta_info))
 
@@ -378,10 +383,10 @@ class DataProto:
     def __getstate__(self) -> dict[str, Any]:
         # Tensor fields travel as numpy arrays so that Ray's pickle-5 serialiser moves them as
         # out-of-band buffers (one memcpy into the object store, none per element).
-        tensors = None
+        tensors: dict[str, tuple[np.ndarray, str | None]] | None = None
         if self.batch is not None:
             tensors = {}
-            for k in self.batch.keys():
+            for k in _tensor_keys(self.batch):
                 t = self.batch.get(k).detach().cpu().contiguous()
                 if t.dtype == torch.bfloat16:
                     tensors[k] = (t.view(torch.int16).numpy(), "bfloat16")

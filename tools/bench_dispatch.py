@@ -103,7 +103,7 @@ def main() -> None:
     group = RayWorkerGroup(pool, ClassWithInitArgs(EchoWorker), name_prefix="bench")
     group.call("init")
     data = make_batch(args.batch, args.seq_len)
-    tensors = {k: v for k, v in data.batch.items()}
+    tensors = dict(data.batch.items())
     num_bytes = sum(v.numel() * v.element_size() for v in tensors.values())
 
     out = nd_round_trip(group, data)  # warm-up and correctness check

@@ -149,7 +149,8 @@ def planned(case: Case) -> dict[str, float]:
                                sequence_parallel=False, dtype=case.dtype)
     gen = plan.rollout.memory
     sync = plan.rollout.weight_sync
-    return {"sync_peak": sync.peak, "params": mem.params, "grads": 0.0 if mem.grad_offload else mem.grads, "optimizer": mem.optimizer,
+    return {"sync_peak": sync.peak, "params": mem.params, "grads": 0.0 if mem.grad_offload else mem.grads,
+            "optimizer": mem.optimizer,
             "layer_activations": mem.activations - logits, "head_activations": logits,
             "gen_weights": gen.weights, "gen_extra": gen.extra_weights,
             "kv_cache": gen.kv_per_sequence * case.micro_batch}
@@ -209,7 +210,7 @@ class SavedTensorAccount:
         self.exclude = set(exclude)
         self.bytes = {"layers": 0, "other": 0, "head": 0}
         self._seen: set[int] = set()
-        self._where = None  # None: not recording; "other"/"layers"/"head"
+        self._where: str | None = None  # None: not recording; "other"/"layers"/"head"
         self._depth = 0
         self._done = False
 
@@ -310,11 +311,12 @@ def measure_rank(rank: int, world: int, case: Case, hf_config: dict, prompt_len:
     info = parallel.initialize_parallel(tp=case.tp, pp=case.pp, seed=1)
     model = build_gpt_model(hf_config, dtype=TORCH_DTYPES[cfg.model.dtype], **spec.model_overrides)
     engine = MegatronEngine(model, info, spec, vocab_size=hf_config["vocab_size"])
-    module = engine.module
+    module = engine.module  # megatron-core GPTModel (Any: megatron-core has no type information)
     param_ptrs = {_storage(p)[0] for p in module.parameters()}
     batch = tiny_batch(case.micro_batch, prompt_len, response_len, hf_config["vocab_size"], seed=info.dp_rank)
     account = SavedTensorAccount(exclude=param_ptrs)
-    decoder_parts = [module.decoder]  # layers (and, with full recomputation, their checkpointed inputs)
+    # layers (and, with full recomputation, their checkpointed inputs)
+    decoder_parts: list[torch.nn.Module] = [module.decoder]
     final_norm = getattr(module.decoder, "final_layernorm", None)
     with account.recording(engine.model, decoder_parts, outside=[final_norm] if final_norm is not None else []):
         engine.train_step(batch, _loss)
@@ -336,6 +338,7 @@ def measure_rank(rank: int, world: int, case: Case, hf_config: dict, prompt_len:
                                  share_embeddings_and_output_weights=module.share_embeddings_and_output_weights)
     before = unique_storage_bytes(module.parameters())
     with resharder.generation():
+        assert resharder._entries is not None  # set while generation() is active
         gen = [entry.buffer for entry in resharder._entries.values()]  # the gathered buffers themselves
         out["gen_weights"] = sum(b.numel() * b.element_size() for b in gen)  # a buffer may view a param buffer
         # what generation adds: training storages may be released or aliased into the buffers

@@ -454,7 +454,8 @@ def report(args) -> None:
     print(f"streaming: {worst['buckets']} buckets per rank, largest {worst['largest_bucket'] / mib:.2f} MiB; "
           f"bound = engine weights {worst['engine_bytes'] / mib:.2f} MiB + one bucket + the largest generation "
           f"tensor (megaflow.topology.weight_sync)")
-    print(f"ratio gather-first/streaming: peak memory {worst['gather_first_peak'] / max(worst['stream_peak'], 1):.2f}x, "
+    print(f"ratio gather-first/streaming: peak memory "
+          f"{worst['gather_first_peak'] / max(worst['stream_peak'], 1):.2f}x, "
           f"time {worst['gather_first_time'] / worst['stream_time']:.2f}x; naive/streaming: bytes "
           f"{worst['naive_bytes'] / max(worst['stream_bytes'], 1):.2f}x, "
           f"peak memory {worst['naive_peak'] / max(worst['stream_peak'], 1):.2f}x")

@@ -28,6 +28,10 @@ import os
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megaflow.protocol import DataProto
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -76,7 +80,7 @@ def make_prompts(args: argparse.Namespace, vocab_size: int):
                                meta_info={"do_sample": False, "response_length": args.response_len})
 
 
-def timed_rollout(engine, prompts) -> tuple[float, object]:
+def timed_rollout(engine, prompts) -> tuple[float, DataProto]:
     engine.generate_sequences(prompts[: min(4, len(prompts))])  # warm-up (allocations, kernel caches)
     start = time.perf_counter()
     out = engine.generate_sequences(prompts)
@@ -107,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         vllm_time, vllm_out = timed_rollout(vllm, prompts)
 
     tokens = args.batch * args.response_len
+    assert hf_out.batch is not None and vllm_out.batch is not None
     generated = (int(hf_out.batch["response_mask"].sum()), int(vllm_out.batch["response_mask"].sum()))
     if generated != (tokens, tokens):
         raise RuntimeError(f"expected {tokens} generated tokens from each engine, got {generated}")

@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 T0 = time.perf_counter()
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -154,12 +155,13 @@ def run_trl(args) -> dict:
     tok = word_tokenizer()
     cfg = {k: v for k, v in hf_config(args.size).items() if k not in ("model_type", "architectures")}
     torch.manual_seed(args.seed)
-    model = LlamaForCausalLM(LlamaConfig(**cfg, attn_implementation="sdpa")).to(torch.float32)
+    # transformers 5's stubs: LlamaConfig takes attn_implementation through **kwargs; .to is wrapped
+    model = LlamaForCausalLM(LlamaConfig(**cfg, attn_implementation="sdpa")).to(torch.float32)  # type: ignore[call-arg,arg-type]
     rows = problems(args.seed)
     data = Dataset.from_dict({"prompt": [p for p, _ in rows], "answer": [a for _, a in rows]})
 
     def reward(completions, answer, **kw):
-        return [exact_sum(t, a) for t, a in zip(completions, answer)]
+        return [exact_sum(t, a) for t, a in zip(completions, answer, strict=True)]
 
     steps, t = [], {}
 
@@ -268,12 +270,12 @@ def run_megaflow(args) -> dict:
             first_start.append(time.perf_counter() - float(metrics["timing_s/step"]) - T0)
         return log(self, metrics, step)
 
-    tracking.Tracking.log = log_first_step
+    tracking.Tracking.log = log_first_step  # type: ignore[method-assign]  # a timing hook for this run only
     t_train = time.perf_counter()
     try:
         train(cfg)
     finally:
-        tracking.Tracking.log = log
+        tracking.Tracking.log = log  # type: ignore[method-assign]  # restored
     end = time.perf_counter()
     records = read_metrics_jsonl(os.path.join(work, "out", "bench", "run", "metrics.jsonl"))
     steps = []
@@ -438,7 +440,7 @@ def compare(args, sizes: list[str]) -> dict | None:
     summary, or None when a framework produced no run of a size."""
     results: dict = {}
     for size in sizes:
-        runs = {"trl": [], "megaflow": []}
+        runs: dict[str, list[Any]] = {"trl": [], "megaflow": []}
         for r in range(args.repeats):
             for fw in ("trl", "megaflow"):
                 fd, out = tempfile.mkstemp(suffix=".json")

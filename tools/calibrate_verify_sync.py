@@ -11,7 +11,8 @@ forward per dtype, so it runs in minutes on a loaded CPU. Prints one JSON line: 
 p99 of |Delta log p| and the tolerance they imply (twice the max: the engine's and the
 trainer's gaps to the exact value add up at worst), rounded up to one significant digit.
 
-    PYTHONPATH=$PWD .venv/bin/python tools/calibrate_verify_sync.py [--dtype bfloat16|float16] [--prompts 32] [--length 20]
+    PYTHONPATH=$PWD .venv/bin/python tools/calibrate_verify_sync.py \\
+        [--dtype bfloat16|float16] [--prompts 32] [--length 20]
 """
 from __future__ import annotations
 

@@ -373,7 +373,8 @@ def measure_memory(cuda: bool, batch: int, seq: int) -> dict:
     ids = torch.randint(1, hf_dict["vocab_size"], (batch, seq), generator=g)
     rows = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
             "position_ids": torch.arange(seq).expand_as(ids).contiguous(), "responses": ids[:, prompt:],
-            "response_mask": torch.ones(batch, seq - prompt), "advantages": torch.randn(batch, seq - prompt, generator=g)}
+            "response_mask": torch.ones(batch, seq - prompt),
+            "advantages": torch.randn(batch, seq - prompt, generator=g)}
 
     def loss(outputs, mb, den):
         return -(outputs["log_probs"] * mb["advantages"] * mb["response_mask"].float()).sum() / den.num_tokens, {}
@@ -676,7 +677,8 @@ def run_smoke(args: argparse.Namespace) -> tuple[list[PhaseResult], list[str], d
                 row, layer = find_mapping(megatron_name, spec)
                 if row.tied_hf and spec.tie_word_embeddings:
                     continue  # the HF model ties lm_head to the embedding itself
-                for name, tensor in zip(hf_names(row, spec, layer), megatron_shards_to_hf(row, [shard], spec)):
+                shards = megatron_shards_to_hf(row, [shard], spec)
+                for name, tensor in zip(hf_names(row, spec, layer), shards, strict=True):
                     hf_params[name].copy_(tensor)
                     loaded += 1
         if loaded != len(hf_params):
@@ -698,6 +700,7 @@ def run_smoke(args: argparse.Namespace) -> tuple[list[PhaseResult], list[str], d
         rollout = HFRollout(state["hf"], SamplingConfig(n=2, response_length=resp_len, temperature=1.0,
                                                         eos_token_ids=(), pad_token_id=0))
         out = rollout.generate_sequences(prompts)
+        assert out.batch is not None
         got = tuple(out.batch["responses"].shape)
         if got != (args.batch, resp_len):
             failures.append(f"generate returned responses {got}, expected {(args.batch, resp_len)}")
@@ -705,7 +708,7 @@ def run_smoke(args: argparse.Namespace) -> tuple[list[PhaseResult], list[str], d
 
     rows = []
     try:
-        for phase, fn in zip(PHASES, (build, log_probs, update, reshard, generate)):
+        for phase, fn in zip(PHASES, (build, log_probs, update, reshard, generate), strict=True):
             rows.append(_timed(phase, device, fn, planned))
         state.clear()
         gc.collect()
@@ -793,7 +796,8 @@ def format_memory(memory: dict) -> str:
     for name, r in memory["phases"].items():
         peak = None if r["peak_bytes"] is None else r["peak_bytes"] / 2**20
         lines.append(f"  {name:<18} {r['seconds']:>7.2f} {fmt(peak, '.1f'):>10} {r['planned_bytes'] / 2**20:>10.1f} "
-                     f"{fmt(r['ratio'], '.2f'):>6} {fmt(r['tokens_per_s'], '.0f'):>10} {fmt(r['model_tflops'], '.3g'):>8}")
+                     f"{fmt(r['ratio'], '.2f'):>6} {fmt(r['tokens_per_s'], '.0f'):>10} "
+                     f"{fmt(r['model_tflops'], '.3g'):>8}")
     return "\n".join(lines)
 
 

@@ -44,8 +44,8 @@ def select_keys(records: Sequence[dict[str, Any]], patterns: Sequence[str] | Non
     available = sorted({k for r in records for k, v in r.items()
                         if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)})
     if not patterns:
-        keys = [k for k in available if not any(fnmatch.fnmatchcase(k, p) for p in DEFAULT_EXCLUDE)]
-        return sorted(keys, key=_priority)[:max_plots]
+        defaults = [k for k in available if not any(fnmatch.fnmatchcase(k, p) for p in DEFAULT_EXCLUDE)]
+        return sorted(defaults, key=_priority)[:max_plots]
     keys: list[str] = []
     for pattern in patterns:
         matched = [k for k in available if fnmatch.fnmatchcase(k, pattern)]
@@ -94,7 +94,7 @@ def draw_metrics(records: Sequence[dict[str, Any]], keys: Sequence[str], *, titl
     ncols = min(ncols, len(keys))
     nrows = math.ceil(len(keys) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.0 * nrows), squeeze=False, layout="constrained")
-    for ax, key in zip(axes.flat, keys):
+    for ax, key in zip(axes.flat, keys, strict=False):
         points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 50 else None)
         ax.set_title(key, fontsize=TITLE_FONTSIZE)
@@ -108,8 +108,8 @@ def draw_metrics(records: Sequence[dict[str, Any]], keys: Sequence[str], *, titl
     # Lay out once with the full titles' heights, then wrap each title to its axes' width
     # and lay out again (wrapping only adds lines above the axes, it does not widen them).
     fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
-    for ax, key in zip(axes.flat, keys):
+    renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]  # the Agg canvas has it; the base class stub does not
+    for ax, key in zip(axes.flat, keys, strict=False):
         width = ax.get_window_extent(renderer).width
         prop = ax.title.get_fontproperties()
 

@@ -37,7 +37,8 @@ from megaflow.agent.tool import Observation, Tool, ToolCall, ToolError, check_sc
 
 __all__ = [
     "AgentLimits", "AgentLoop", "ChatRenderer", "Trajectory", "render_trajectory", "tp_broadcaster",
-    "trajectory_metrics", "Calculator", "EnvReset", "EnvStep", "Environment", "MalformedCall", "Observation", "PythonInterpreter",
+    "trajectory_metrics", "Calculator", "EnvReset", "EnvStep", "Environment", "MalformedCall", "Observation",
+    "PythonInterpreter",
     "SandboxLimits", "SandboxResult", "Tool", "ToolCall", "ToolEnvironment", "ToolError", "check_rows",
     "check_schema", "known_environments", "known_tools", "make_environment", "make_tool", "parse_tool_calls",
     "register_environment", "register_tool", "row_messages", "row_tools", "run_python", "run_tool_call",

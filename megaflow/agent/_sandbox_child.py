@@ -3,7 +3,8 @@
 Read by :mod:`megaflow.agent.sandbox`; never imported. In order: read the code from stdin,
 leave the network (``unshare(CLONE_NEWNET)``, with ``CLONE_NEWUSER`` when not root), set
 the resource limits, drop to the sandbox's own uid/gid when root, install the audit hook
-(after importing the common stdlib modules; writes only inside the working directory; no fork/exec/ctypes; sockets refused when no
+(after importing the common stdlib modules; writes only inside the working directory; no fork/exec/ctypes; sockets
+refused when no
 network namespace could be made), then run the code as ``__main__``.
 """
 import json
@@ -25,7 +26,8 @@ BLOCKED_EVENTS = {"os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exe
 #: imported before the uid is dropped: the interpreter's library may sit in a directory the
 #: sandbox uid cannot read (e.g. a pyenv under /root); other modules import if readable.
 PRELOADED = ("math", "cmath", "decimal", "fractions", "statistics", "random", "itertools", "functools",
-             "collections", "heapq", "bisect", "re", "json", "string", "datetime", "time", "socket", "encodings.idna", "traceback")
+             "collections", "heapq", "bisect", "re", "json", "string", "datetime", "time", "socket",
+             "encodings.idna", "traceback")
 SOCKET_EVENTS = {"socket.__new__", "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg",
                  "socket.getaddrinfo", "socket.gethostbyname"}
 

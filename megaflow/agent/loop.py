@@ -22,6 +22,7 @@ the engine's ``max_model_len``), ``"tool_time"``, ``"env_done"``.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -182,7 +183,8 @@ class AgentLoop:
             while True:
                 finished = self.engine.step() if active else []
                 active -= len(finished)
-                update = self._shared((lambda: run.advance(finished, engine_idle=active == 0)) if run else None)
+                advance = functools.partial(run.advance, finished, engine_idle=active == 0) if run else None
+                update = self._shared(advance)
                 active += self._add(update["requests"])
                 if update["done"]:
                     break
@@ -197,7 +199,7 @@ class AgentLoop:
         """``produce()`` on the tool rank, broadcast to the replica; a failure is raised on every rank."""
         try:
             payload = ("ok", produce()) if produce is not None else None
-        except Exception as e:  # sent to the other ranks, then raised here too
+        except Exception as e:  # noqa: BLE001 - any failure is sent to the other ranks, then raised here too
             payload = ("error", f"{type(e).__name__}: {e}")
         status, value = self.broadcast(payload)
         if status == "error":
@@ -219,7 +221,7 @@ class _ToolRankRun:
         self.loop, self.limits, self.seeds = loop, loop.limits, [int(s) for s in seeds]
         self.envs: list[Environment] = [make_environment(r.get("agent_name") or DEFAULT_ENVIRONMENT) for r in rows]
         self.trajectories: list[Trajectory] = []
-        for env, row in zip(self.envs, rows):
+        for env, row in zip(self.envs, rows, strict=True):
             start = env.reset(row)
             tools = [t.spec() for t in start.tools.values()]
             self.trajectories.append(Trajectory(loop.renderer.prompt_ids(start.messages, tools),
@@ -305,5 +307,5 @@ class _ToolRankRun:
         return TurnRequest(index, ids, budget, request_seeds(self.seeds[index], 1, stream=t.num_turns)[0])
 
 
-__all__ = ["AgentLimits", "AgentLoop", "AgentLoopError", "STOP_REASONS", "ToolCallRecord", "Trajectory", "TurnEngine", "TurnRequest",
-           "tp_broadcaster"]
+__all__ = ["AgentLimits", "AgentLoop", "AgentLoopError", "STOP_REASONS", "ToolCallRecord", "Trajectory", "TurnEngine",
+           "TurnRequest", "tp_broadcaster"]

@@ -139,6 +139,8 @@ def _run(code: str, limits: SandboxLimits, network_namespace: bool) -> SandboxRe
 
 def _feed_and_wait(proc: subprocess.Popen, code: str, timeout_s: float) -> bool:
     """Send the code, wait up to ``timeout_s``; True if the child had to be killed."""
+    if proc.stdin is None:
+        raise ValueError("the sandbox child must be started with stdin=subprocess.PIPE")
     try:
         proc.stdin.write(code.encode())
         proc.stdin.close()

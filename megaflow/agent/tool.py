@@ -132,7 +132,7 @@ def run_tool_call(call: ToolCall, tools: Mapping[str, Tool]) -> Observation:
                            error="timeout", seconds=time.monotonic() - start)
     except ToolError as e:
         return Observation(f"Error: {e}", tool=call.name, error=e.kind, seconds=time.monotonic() - start)
-    except Exception as e:  # a tool's bug becomes an observation, not a crashed step
+    except Exception as e:  # noqa: BLE001 - a tool's bug becomes an observation, not a crashed step
         return Observation(f"Error: {call.name} raised {type(e).__name__}: {e}", tool=call.name,
                            error="exception", seconds=time.monotonic() - start)
     return Observation(str(text), tool=call.name, seconds=time.monotonic() - start)

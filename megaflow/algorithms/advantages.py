@@ -69,6 +69,13 @@ class AdvantageInputs:
 Estimator = Callable[[AdvantageInputs], "tuple[torch.Tensor, torch.Tensor]"]
 
 
+def _given(value: torch.Tensor | None, name: str) -> torch.Tensor:
+    """An optional input the estimator ``requires`` (present: :func:`compute_advantages` checked it)."""
+    if value is None:
+        raise ValueError(f"{name!r} is required by this advantage estimator")
+    return value
+
+
 @dataclass(frozen=True)
 class AdvantageEstimator:
     """A registered estimator: ``fn(inputs) -> (advantages, returns)``.
@@ -121,7 +128,7 @@ def _broadcast(per_row: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def _gae(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO with a critic: GAE advantages (batch-whitened when ``norm_by_std``); returns = A + V."""
-    mask, values = inputs.response_mask, inputs.values
+    mask, values = inputs.response_mask, _given(inputs.values, "values")
     advantages = masked_gae(inputs.token_level_rewards, values, mask, inputs.gamma, inputs.lam)
     returns = (advantages + values) * mask
     if inputs.norm_by_std:
@@ -131,7 +138,7 @@ def _gae(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _grpo_like(inputs: AdvantageInputs, norm_by_std: bool) -> tuple[torch.Tensor, torch.Tensor]:
     scores = inputs.sequence_scores()
-    stats = group_stats(scores, inputs.valid_rows, inputs.group_index)
+    stats = group_stats(scores, inputs.valid_rows, _given(inputs.group_index, "group_ids"))
     centred = scores - stats.mean
     if norm_by_std:
         centred = centred / (stats.std + inputs.epsilon)
@@ -166,7 +173,7 @@ def _rloo(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     broadcast to valid tokens; 0 when ``n_g < 2``. returns = advantages.
     """
     scores = inputs.sequence_scores()
-    stats = group_stats(scores, inputs.valid_rows, inputs.group_index)
+    stats = group_stats(scores, inputs.valid_rows, _given(inputs.group_index, "group_ids"))
     leave_one_out = (stats.sum - scores) / (stats.count - 1).clamp_min(1)
     per_row = scores - leave_one_out
     per_row = torch.where(stats.constant | ~inputs.valid_rows, torch.zeros_like(per_row), per_row)
@@ -211,7 +218,7 @@ def _remax(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """
     mask = inputs.response_mask
     returns = discounted_returns(inputs.token_level_rewards, mask, inputs.gamma)
-    advantages = (returns - inputs.baseline_rewards.unsqueeze(-1)) * mask
+    advantages = (returns - _given(inputs.baseline_rewards, "baseline_rewards").unsqueeze(-1)) * mask
     return advantages, returns
 
 

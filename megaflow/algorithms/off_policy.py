@@ -81,7 +81,7 @@ def parse_rejection(options: str, thresholds: str | float) -> list[RejectionBand
         raise ValueError(f"rejection thresholds: give one value for all options or one per option "
                          f"({len(names)}), got {len(specs)}: {thresholds!r}")
     specs = specs * len(names) if len(specs) == 1 else specs
-    return [_band(name, spec) for name, spec in zip(names, specs)]
+    return [_band(name, spec) for name, spec in zip(names, specs, strict=True)]
 
 
 def _band(option: str, spec: str) -> RejectionBand:

@@ -38,15 +38,11 @@ def split_override(item: str) -> tuple[str, list[str], str]:
     parts: list[str] = []
     pos = 0
     while True:
-        if pos < len(item) and item[pos] == '"' and parts:
-            match = _QUOTED.match(item, pos)
-            part = match.group(1) if match else None
-        else:
-            match = (_NAME if parts else _SECTION).match(item, pos)
-            part = match.group(0) if match else None
+        quoted = bool(parts) and pos < len(item) and item[pos] == '"'
+        match = (_QUOTED if quoted else _NAME if parts else _SECTION).match(item, pos)
         if match is None:
             raise ConfigError("", f"override {item!r}: {_SHAPE}")
-        parts.append(part)
+        parts.append(match.group(1) if quoted else match.group(0))
         pos = match.end()
         if item[pos:pos + 1] == ".":
             pos += 1

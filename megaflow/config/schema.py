@@ -63,7 +63,8 @@ _CLIP_BAND = ("clip_ratio_low", "clip_ratio_high")
 POLICY_LOSS_KEYS: dict[str, tuple[str, ...]] = {
     "ppo": (*_CLIP_BAND, "clip_ratio_c"), "gspo": (*_CLIP_BAND, "clip_ratio_c"), "cispo": _CLIP_BAND,
     "geo_mean": _CLIP_BAND, "sapo": ("tau_pos", "tau_neg"), "gpg": (),
-    "clip_cov": (*_CLIP_BAND, "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), "kl_cov": ("kl_cov_ratio", "ppo_kl_coef"),
+    "clip_cov": (*_CLIP_BAND, "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
+    "kl_cov": ("kl_cov_ratio", "ppo_kl_coef"),
     "dro": ("dro_beta",), "dppo_tv": (*_CLIP_BAND, "clip_ratio_c"), "dppo_kl": (*_CLIP_BAND, "clip_ratio_c"),
 }
 #: Losses defined per sequence: they need loss_agg_mode=seq-mean-token-mean (verl ignores the mode for them).
@@ -252,6 +253,7 @@ class RolloutCorrectionConfig(Section):
             for key in ("rejection_lower", "rejection_upper"):
                 check(getattr(self, key) is not None, key, f"required with {{0}}={self.rejection!r}", "rejection")
             lower, upper = self.rejection_lower, self.rejection_upper
+            assert lower is not None and upper is not None  # (both checked just above)
             check(lower <= upper, "rejection_lower", f"must be <= {{0}} ({upper}), got {lower}", "rejection_upper")
             if self.rejection in ("token", "geometric"):
                 check(lower > 0, "rejection_lower",
@@ -270,17 +272,17 @@ class RolloutCorrectionConfig(Section):
         check((self.rs is None) == (self.rs_threshold is None), "rs_threshold",
               "must be set together with {0} (and only with it)", "rs")
         check(self.rs is None or self.rejection == "none", "rs", "excludes {0}: choose one way to reject", "rejection")
-        if self.rs is not None:
+        if self.rs is not None and self.rs_threshold is not None:  # (set together: checked above)
             from megaflow.algorithms.off_policy import parse_rejection
 
             try:
                 parse_rejection(self.rs, self.rs_threshold)
             except ValueError as err:
                 check(False, "rs", str(err))
-        band = (self.icepop_lower, self.icepop_upper)
-        check((band[0] is None) == (band[1] is None), "icepop_lower", "must be set together with {0}", "icepop_upper")
-        if band[0] is not None:
-            check(0 < band[0] <= band[1], "icepop_lower", f"needs 0 < lower <= {{0}}, got [{band[0]}, {band[1]}]",
+        band = lower, upper = (self.icepop_lower, self.icepop_upper)
+        check((lower is None) == (upper is None), "icepop_lower", "must be set together with {0}", "icepop_upper")
+        if lower is not None and upper is not None:
+            check(0 < lower <= upper, "icepop_lower", f"needs 0 < lower <= {{0}}, got [{lower}, {upper}]",
                   "icepop_upper")
         for key, used in (("icepop_lower", band[0] is not None), ("is_batch_normalize", self.is_batch_normalize),
                           ("is_weight_tokens", self.is_weight_tokens != "kept")):
@@ -675,7 +677,8 @@ class RefConfig(ParallelConfig):
 
     def validate(self) -> None:
         super().validate()
-        check_positive(self, "log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu", "logits_chunk_tokens")
+        check_positive(self, "log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu",
+                       "logits_chunk_tokens")
 
 
 @dataclass(frozen=True)
@@ -763,7 +766,8 @@ class RewardConfig(Section):
             try:
                 re.compile(self.format_pattern)
             except re.error as err:
-                raise ConfigError("format_pattern", f"invalid regular expression {self.format_pattern!r}: {err}") from None
+                raise ConfigError("format_pattern",
+                                  f"invalid regular expression {self.format_pattern!r}: {err}") from None
 
 
 @dataclass(frozen=True)

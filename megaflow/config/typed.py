@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import math
 import types
 import typing
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Literal, Union
+from typing import Any, Literal, TypeVar, Union
 
 __all__ = ["ConfigError", "ConfigTypeError", "Section", "build_section", "freeze", "thaw", "join_key", "NAME_MAX",
            "split_host_port"]
@@ -59,7 +58,7 @@ class ConfigError(ValueError):
         self.key, self.message, self.related = key, message, tuple(related)
         text = message
         for i, rel in enumerate(self.related):
-            text = text.replace("{%d}" % i, rel)
+            text = text.replace(f"{{{i}}}", rel)
         super().__init__(f"{key}: {text}" if key else text)
 
     def __reduce__(self):  # picklable across processes (Ray) despite the custom __init__
@@ -161,12 +160,12 @@ def _coerce_tuple(value: Any, args: tuple, key: str) -> tuple:
     if isinstance(value, str) and len(args) == 2 and args[1] is Ellipsis:
         value = (value,)  # a single path where a list of paths is expected
     if not isinstance(value, (list, tuple)):
-        raise _wrong_type(key, tuple[args] if args else tuple, value)
+        raise _wrong_type(key, types.GenericAlias(tuple, args) if args else tuple, value)
     if len(args) == 2 and args[1] is Ellipsis:
         return tuple(coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
     if len(value) != len(args):
         raise ConfigTypeError(key, f"expected {len(args)} values, got {len(value)}: {value!r}")
-    return tuple(coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    return tuple(coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
 
 
 def _coerce_mapping(value: Any, args: tuple, key: str) -> Mapping:
@@ -214,9 +213,15 @@ def coerce(value: Any, hint: Any, key: str, base: Any = None) -> Any:
     raise TypeError(f"{key}: unsupported annotation {hint!r}")
 
 
-@functools.cache
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    """``typing.get_type_hints(cls)``, computed once per class."""
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    return hints
 
 
 def _field_default(field: dataclasses.Field) -> Any:
@@ -227,7 +232,10 @@ def _field_default(field: dataclasses.Field) -> Any:
     return None
 
 
-def build_section(cls: type[Section], data: Mapping, key: str = "", base: Section | None = None) -> Section:
+S = TypeVar("S", bound="Section")
+
+
+def build_section(cls: type[S], data: Mapping, key: str = "", base: S | None = None) -> S:
     """Build section ``cls`` from a mapping, rejecting unknown keys with suggestions.
 
     Args:
@@ -245,7 +253,7 @@ def build_section(cls: type[Section], data: Mapping, key: str = "", base: Sectio
             close = difflib.get_close_matches(str(name), names, n=3, cutoff=0.6)
             if close:
                 raise ConfigError(join_key(key, str(name)), "unknown key; did you mean "
-                                  + " or ".join("{%d}" % i for i in range(len(close))) + "?",
+                                  + " or ".join(f"{{{i}}}" for i in range(len(close))) + "?",
                                   tuple(join_key(key, c) for c in close))
             raise ConfigError(join_key(key, str(name)), f"unknown key; valid keys here: {', '.join(names)}")
     try:

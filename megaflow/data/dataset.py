@@ -122,9 +122,9 @@ class RLHFDataset(Dataset):
         add_special = not self.use_chat_template
         try:
             return list(self.tokenizer(texts, add_special_tokens=add_special)["input_ids"]) if texts else []
-        except Exception:  # find the offending row for the message
+        except Exception:  # noqa: BLE001 - any tokenizer failure: find the offending row for the message
             out = []
-            for record, text in zip(records, texts):
+            for record, text in zip(records, texts, strict=True):
                 try:
                     out.append(self.tokenizer(text, add_special_tokens=add_special)["input_ids"])
                 except Exception as exc:
@@ -136,7 +136,7 @@ class RLHFDataset(Dataset):
     def _apply_length_limit(self, records: list[PromptRecord], token_ids: list[list[int]],
                             mode: str) -> tuple[list[PromptRecord], list[np.ndarray]]:
         kept_records, kept_ids = [], []
-        for record, ids in zip(records, token_ids):
+        for record, ids in zip(records, token_ids, strict=True):
             if len(ids) > self.max_prompt_length:
                 if mode == "error":
                     raise ValueError(

@@ -42,7 +42,7 @@ def read_gsm8k_jsonl(path: str | Path, split: str) -> list[dict[str, Any]]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GSM8K file not found: {path}")
-    rows = []
+    rows: list[dict[str, Any]] = []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():

@@ -72,7 +72,7 @@ def read_rows(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _read_jsonl(path: Path) -> list[tuple[str, dict[str, Any]]]:
-    rows = []
+    rows: list[tuple[str, dict[str, Any]]] = []
     with path.open("r", encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -107,7 +107,8 @@ def parse_record(
 
     Required columns: ``prompt_key`` (list of ``{role, content}`` messages, or a string),
     ``data_source`` (non-empty string) and ``reward_model`` (an object with a
-    ``ground_truth`` key, not null unless its ``style`` is ``"model"``). ``extra_info`` is optional; ``extra_info["index"]`` becomes the
+    ``ground_truth`` key, not null unless its ``style`` is ``"model"``). ``extra_info`` is optional;
+    ``extra_info["index"]`` becomes the
     record's index when present, ``default_index`` otherwise.
 
     Raises:

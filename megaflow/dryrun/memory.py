@@ -181,14 +181,14 @@ def role_memory(role: str, spec: ModelSpec, shape: ParallelShape, *, dtype: str,
                                    sequence_parallel=shape.sequence_parallel, dtype=dtype)
     if trained:
         layers = spec.num_layers // shape.pp
-        in_flight = min(shape.pp, shape.num_micro_batches)
+        in_flight: float = min(shape.pp, shape.num_micro_batches)
         if shape.vpp:
             in_flight *= 1 + (shape.pp - 1) / (shape.pp * shape.vpp)
         first = in_flight * layers * layer_act + (logits if shape.pp == 1 else 0)
         last = layers * layer_act + logits
         activations = max(first, last)
         shards = shape.dp * shape.cp if distributed_optimizer else 1
-        grads = n_params * GRAD_BYTES
+        grads: float = n_params * GRAD_BYTES
         optimizer = n_params * optimizer_bytes_per_param(dtype) / shards
     else:
         activations, grads, optimizer = layer_act + logits, 0.0, 0.0
@@ -245,10 +245,15 @@ def rollout_memory(spec: ModelSpec, *, train_tp: int, train_pp: int, gen_tp: int
     vocab_matrices = [int(stage == 0) + int(stage == gen_pp - 1 and not (spec.tie_word_embeddings and gen_pp == 1))
                       for stage in range(gen_pp)]
     weights = max(n + m * vocab_rows * spec.hidden_size // gen_tp
-                  for n, m in zip(stage_parameters(spec, gen_tp, gen_pp), vocab_matrices)) * bytes_
+                  for n, m in zip(stage_parameters(spec, gen_tp, gen_pp), vocab_matrices, strict=True)) * bytes_
     train = max(stage_parameters(spec, train_tp, train_pp)) * bytes_
     per_seq = kv_bytes_per_token(spec, gen_tp, gen_pp, dtype) * seq
-    reserved = cpu_kv_cache if engine_budget is None else max(engine_budget - weights, 0.0)
+    if engine_budget is not None:
+        reserved = max(engine_budget - weights, 0.0)
+    elif cpu_kv_cache is not None:
+        reserved = cpu_kv_cache
+    else:
+        raise ValueError("rollout_memory needs engine_budget (GPU) or cpu_kv_cache (CPU)")
     extra = weights if params_in_buffer and weights > train else max(weights - train, 0.0)
     return RolloutMemory(weights=weights, extra_weights=extra, kv_per_sequence=per_seq,
                          kv_needed=per_seq * samples_per_replica, kv_reserved=reserved)

@@ -201,7 +201,8 @@ def _role_plan(cfg: Config, role: str) -> RolePlan:
         tp=par.tp, pp=par.pp, cp=par.cp, dp=par.dp, vpp=par.vpp, sequence_parallel=section.sequence_parallel,
         recompute=getattr(section, "recompute_granularity", "none"),
         micro_batch=micro, num_micro_batches=num_micro, seq=max_seq_len(cfg))
-    offload = tuple(getattr(section, f"{kind}_offload", False) for kind in ("param", "grad", "optimizer"))
+    param, grad, optimizer = (getattr(section, f"{kind}_offload", False) for kind in ("param", "grad", "optimizer"))
+    offload: tuple[bool, bool, bool] = (param, grad, optimizer)
     distributed = trained and uses_distributed_optimizer(cfg, role)
     memory = role_memory(role, spec, shape, dtype=cfg.model.dtype, trained=trained,
                          distributed_optimizer=distributed,
@@ -232,8 +233,9 @@ def _rollout_plan(cfg: Config, actor: RolePlan) -> RolloutPlan:
                                  bytes_per_rank=per_rank, bytes_total=total)
     # --- weight sync phase (issue 31 item 2): actor shard + engine weights + one bucket + largest tensor
     sync = None if split is not None else weight_sync_memory(
-        spec, actor_shard=actor.memory.params, engine_weights=memory.weights, bucket_mb=cfg.rollout.weight_sync_bucket_mb,
-        train_tp=par.tp, gen_tp=sizes.tp, dtype_bytes=DTYPE_BYTES[cfg.model.dtype])
+        spec, actor_shard=actor.memory.params, engine_weights=memory.weights,
+        bucket_mb=cfg.rollout.weight_sync_bucket_mb, train_tp=par.tp, gen_tp=sizes.tp,
+        dtype_bytes=DTYPE_BYTES[cfg.model.dtype])
     return RolloutPlan(sizes=sizes, layout=layout, reshard=reshard_cost(layout, model_bytes), memory=memory,
                        split=split, weight_sync=sync)
 
@@ -439,11 +441,11 @@ def build_plan(cfg: Config) -> Plan:
             pools.append(PoolPlan(placement=placement, roles=pool_roles, phases=_phases(roles, pool_roles, rollout)))
         else:
             idle.append(f"resources.pools.{name}: no enabled role is placed on it; its ranks stay idle")
-    pools = tuple(pools)
+    pool_plans = tuple(pools)
     res = cfg.resources
     if res.use_gpu:  # issue 31 item 3: runtime headroom per GPU, host copies per node
-        pools = tuple(_gpu_pool(cfg, pool, roles, rollout) for pool in pools)
-    host_per_node = _host_per_node(pools)
+        pool_plans = tuple(_gpu_pool(cfg, pool, roles, rollout) for pool in pool_plans)
+    host_per_node = _host_per_node(pool_plans)
     requirements = cluster_requirements(cfg)
     device_memory = res.gpu_memory_gib * GIB if res.use_gpu else (
         res.cpu_memory_gib * GIB if res.cpu_memory_gib is not None else None)
@@ -452,8 +454,8 @@ def build_plan(cfg: Config) -> Plan:
         experiment=cfg.trainer.experiment_name, model=actor_spec, num_parameters=count_parameters(actor_spec),
         dtype=cfg.model.dtype, use_gpu=bool(res.use_gpu), device_memory=device_memory, cluster_nodes=res.nodes,
         cluster_procs_per_node=res.procs_per_node, requirements=requirements,
-        num_samples=num_samples_per_step(cfg), max_seq_len=max_seq_len(cfg), pools=pools,
+        num_samples=num_samples_per_step(cfg), max_seq_len=max_seq_len(cfg), pools=pool_plans,
         roles=tuple(roles.values()), rollout=rollout,
-        problems=tuple(_memory_problems(cfg, pools, rollout) + _host_problems(cfg, host_per_node)),
-        notes=tuple(idle + _notes(cfg, rollout, requirements, pools)),
+        problems=tuple(_memory_problems(cfg, pool_plans, rollout) + _host_problems(cfg, host_per_node)),
+        notes=tuple(idle + _notes(cfg, rollout, requirements, pool_plans)),
         warnings=tuple(_warnings(cfg, roles, rollout)), host_per_node=host_per_node)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from megaflow.dryrun.memory import GIB
-from megaflow.dryrun.plan import Plan, PoolPlan, RolePlan, RolloutPlan
+from megaflow.dryrun.plan import Plan, PoolPlan, RolePlan, RolloutPlan, SplitRolloutPlan
 from megaflow.topology.placement import Groups
 
 
@@ -84,8 +84,7 @@ def _role_lines(rp: RolePlan, max_groups: int) -> list[str]:
     return lines
 
 
-def _split_lines(ro: RolloutPlan) -> list[str]:
-    sp = ro.split
+def _split_lines(sp: SplitRolloutPlan) -> list[str]:
     routes = "; ".join(f"tp rank {g.gen_tp_rank}: actor rank {g.source} -> rollout ranks {list(g.receivers)}"
                        for g in sp.transport.groups)
     return [f"    weight sync (broadcast, actor generation replica 0 -> rollout pool): {routes}",
@@ -99,7 +98,7 @@ def _rollout_lines(ro: RolloutPlan, max_groups: int) -> list[str]:
     return [
         f"rollout ({where}): t_g={s.tp} p_g={s.pp}, micro-DP d_g={s.micro_dp}; "
         f"{s.num_replicas} generation replicas of {s.tp * s.pp} rank(s), {s.samples_per_replica} samples each",
-        *([] if ro.split is None else _split_lines(ro)),
+        *([] if ro.split is None else _split_lines(ro.split)),
         _groups("generation tp groups", lay.gen_tp_groups, max_groups),
         _groups("micro-dp groups", lay.micro_dp_groups, max_groups),
         f"    reshard train->generate per rank: receives {_gib(cost.micro_dp_bytes)} "
@@ -111,7 +110,8 @@ def _rollout_lines(ro: RolloutPlan, max_groups: int) -> list[str]:
 
 
 def _memory_lines(plan: Plan) -> list[str]:
-    lines = [f"memory per rank by phase{' (limit ' + _gib(plan.device_memory) + ' per GPU)' if plan.use_gpu else ''}:"]
+    limit = plan.device_memory if plan.use_gpu else None  # (set whenever use_gpu)
+    lines = [f"memory per rank by phase{'' if limit is None else ' (limit ' + _gib(limit) + ' per GPU)'}:"]
     for pool in plan.pools:
         lines.append(f"  pool {pool.placement.name}:")
         for phase in pool.phases:

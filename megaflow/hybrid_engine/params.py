@@ -94,10 +94,10 @@ def partition_of(name: str, tensor: torch.Tensor, *, gated_linear_unit: bool) ->
         return by_name
     if not tensor.tensor_model_parallel:
         return None, 1
-    dim = getattr(tensor, "partition_dim", None)
-    if dim is None or dim < 0:
-        raise ValueError(f"{name}: tensor_model_parallel=True but partition_dim={dim!r}")
-    by_attr = (int(dim), int(getattr(tensor, "partition_stride", 1)))
+    attr_dim = getattr(tensor, "partition_dim", None)
+    if attr_dim is None or attr_dim < 0:
+        raise ValueError(f"{name}: tensor_model_parallel=True but partition_dim={attr_dim!r}")
+    by_attr = (int(attr_dim), int(getattr(tensor, "partition_stride", 1)))
     if by_name[0] is not None and by_attr != by_name:
         raise ValueError(f"{name}: megatron attributes say (partition_dim, stride)={by_attr} "
                          f"but megaflow's table says {by_name} (gated_linear_unit="

@@ -100,7 +100,8 @@ class ReshardStats:
 
     ``bytes_received``: data this rank did not hold before (all-gather slots of its peers,
     broadcast buffers of folded stages); equals
-    :func:`~megaflow.topology.hybrid_layout.reshard_cost`'s ``(t*p - t_g*p_g)/(t_g*p_g*t*p) * M`` when every parameter is TP-partitioned and the
+    :func:`~megaflow.topology.hybrid_layout.reshard_cost`'s ``(t*p - t_g*p_g)/(t_g*p_g*t*p) * M`` when every parameter
+    is TP-partitioned and the
     stages are equal. ``bytes_sent``: this rank's data counted once per receiving peer
     (summed over ranks it equals the total received). ``generation_bytes``: weights held
     in the generation layout (the paper's peak weight memory ``M/(t_g*p_g)``).
@@ -291,7 +292,7 @@ class MicroDPResharder:
             raise RuntimeError("to_generation called twice without to_training in between")
         start = time.perf_counter()
         acc = _Accounting()
-        self._entries = entries = {}
+        self._entries = entries = dict[str, _GenEntry]()
         try:
             num_aliased = self._gather_own_stage(entries, acc)
             self._fold_stages(entries, acc)

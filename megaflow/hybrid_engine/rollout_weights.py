@@ -273,6 +273,7 @@ def iter_vllm_buckets(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec
         converted = to_vllm_shard(name, tensor, spec, gen_tp=gen_tp, gen_tp_rank=gen_tp_rank,
                                   vllm_shapes=vllm_shapes, exchange_vocab=exchange_vocab)
         del tensor
+        assert converted is not None  # only a tied output layer converts to None; vllm_param_name skipped it
         bucket.append(converted)
         size += nbytes
         del converted

@@ -3,7 +3,8 @@
 The 3D-HybridEngine turns every actor rank's training shard into its generation shard
 (TP = t_g, :class:`~megaflow.hybrid_engine.reshard.MicroDPResharder`); the shard is then
 converted to vLLM's names and layouts and cut into buckets of at most
-``rollout.weight_sync_bucket_mb`` (:func:`~megaflow.hybrid_engine.rollout_weights.iter_vllm_buckets`). A :class:`WeightTransport` moves those
+``rollout.weight_sync_bucket_mb`` (:func:`~megaflow.hybrid_engine.rollout_weights.iter_vllm_buckets`). A
+:class:`WeightTransport` moves those
 buckets into an engine:
 
 * :class:`ColocatedTransport` - the engine lives in the caller's process: buckets go
@@ -36,6 +37,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -45,7 +47,7 @@ _STORE_PREFIX = "megaflow_weight_transport"
 
 
 # ---------------------------------------------------------------------------- engine side
-def load_buckets(engine, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> tuple[int, int]:
+def load_buckets(engine: Any, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> tuple[int, int, int]:
     """One streamed weight update of a :class:`~megaflow.rollout.VLLMRollout`.
 
     Opens the update, loads every bucket (dropping each before the next is produced) and
@@ -237,10 +239,11 @@ class BroadcastTransport(WeightTransport):
             nonlocal header
             while not header["end"]:
                 sizes = [_numel(s) * torch.empty((), dtype=getattr(torch, d)).element_size()
-                         for s, d in zip(header["shapes"], header["dtypes"])]
+                         for s, d in zip(header["shapes"], header["dtypes"], strict=True)]
                 flat = self._broadcast(torch.empty(sum(sizes), dtype=torch.uint8))
                 bucket, offset = [], 0
-                for name, shape, dtype, size in zip(header["names"], header["shapes"], header["dtypes"], sizes):
+                fields = zip(header["names"], header["shapes"], header["dtypes"], sizes, strict=True)
+                for name, shape, dtype, size in fields:
                     bucket.append((name, flat[offset:offset + size].view(getattr(torch, dtype)).reshape(shape)))
                     offset += size
                 stats.bytes_received += flat.numel()

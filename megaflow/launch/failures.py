@@ -109,7 +109,8 @@ def _error_text(error: BaseException) -> str:
 
 def _ranges(ranks: Iterable[int]) -> str:
     """``[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"``."""
-    out, run = [], []
+    out: list[str] = []
+    run: list[int] = []
     for rank in sorted(set(ranks)):
         if run and rank == run[-1] + 1:
             run.append(rank)
@@ -139,7 +140,7 @@ def _ray_nodes() -> list[NodeResources] | None:
 
         if ray.is_initialized():
             return [NodeResources.from_ray(entry) for entry in ray.nodes()]
-    except Exception:  # the head itself may be gone: report what the error says
+    except Exception:  # noqa: BLE001 - the head itself may be gone: report what the error says
         return None
     return None
 

@@ -28,6 +28,7 @@ import os
 import socket
 import struct
 import sys
+from collections.abc import Mapping
 
 _SIOCGIFADDR = 0x8915  # Linux ioctl: IPv4 address of an interface
 
@@ -77,13 +78,13 @@ def node_ip(interface: str | None = None) -> str:
     except socket.gaierror:
         infos = []
     for info in infos:
-        candidate = info[4][0]
+        candidate = str(info[4][0])
         if not ipaddress.ip_address(candidate).is_loopback:
             return candidate
     raise ValueError(f"no non-loopback IPv4 address found on {socket.gethostname()}: pass --interface NAME")
 
 
-def node_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+def node_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Environment variables for a node's Ray daemons (a local Ray's too), read from their
     environment when they start.
 
@@ -96,8 +97,8 @@ def node_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     at nice 0, like the controller and every other process; a value already in ``environ``
     (default: this process's environment) is kept.
     """
-    environ = os.environ if environ is None else environ
-    return {"RAY_worker_niceness": environ.get("RAY_worker_niceness", "0")}
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    return {"RAY_worker_niceness": env.get("RAY_worker_niceness", "0")}
 
 
 def ray_start_command(args: argparse.Namespace, ip: str) -> list[str]:

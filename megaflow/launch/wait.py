@@ -14,6 +14,7 @@ needed and what joined) or the recipe is invalid; 3 when the cluster cannot be r
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        ray.init(address=address, namespace=cfg.ray.namespace, logging_level="WARNING", log_to_driver=False)
+        ray.init(address=address, namespace=cfg.ray.namespace, logging_level=logging.WARNING, log_to_driver=False)
     except (ConnectionError, RuntimeError) as err:
         print(f"error: cannot connect to the Ray cluster at {address}: {err}", file=sys.stderr)
         return 3

@@ -224,14 +224,14 @@ def _cuda_type_names() -> Iterator[None]:
     depth = getattr(_type_names_depth, "value", 0)
     original = torch.Tensor.type
     if depth == 0:
-        torch.Tensor.type = _cuda_type_name(original)
+        torch.Tensor.type = _cuda_type_name(original)  # type: ignore[method-assign]  # the CPU patch itself
     _type_names_depth.value = depth + 1
     try:
         yield
     finally:
         _type_names_depth.value = depth
         if depth == 0:
-            torch.Tensor.type = original
+            torch.Tensor.type = original  # type: ignore[method-assign]  # restored
 
 
 def _with_cuda_type_names(fn: Callable) -> Callable:
@@ -239,7 +239,7 @@ def _with_cuda_type_names(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         with _cuda_type_names():
             return fn(*args, **kwargs)
-    wrapper.__megaflow_cpu_compat__ = True
+    wrapper.__megaflow_cpu_compat__ = True  # type: ignore[attr-defined]  # marks an applied patch
     return wrapper
 
 
@@ -247,11 +247,11 @@ def _with_cuda_type_names(fn: Callable) -> Callable:
 def _tensor_cuda_is_identity() -> Iterator[None]:
     """While active, ``Tensor.cuda()`` returns the tensor itself (it stays on the CPU)."""
     original = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]  # the CPU patch itself
     try:
         yield
     finally:
-        torch.Tensor.cuda = original
+        torch.Tensor.cuda = original  # type: ignore[method-assign]  # restored
 
 
 def _with_tensor_cuda_identity(fn: Callable) -> Callable:
@@ -259,7 +259,7 @@ def _with_tensor_cuda_identity(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         with _tensor_cuda_is_identity():
             return fn(*args, **kwargs)
-    wrapper.__megaflow_cpu_compat__ = True
+    wrapper.__megaflow_cpu_compat__ = True  # type: ignore[attr-defined]  # marks an applied patch
     return wrapper
 
 
@@ -298,7 +298,7 @@ def apply_cpu_accommodations() -> bool:
             return True
         proxy = _CpuTorch()
         for module_name in _DEVICE_MODULES:
-            importlib.import_module(module_name).torch = proxy
+            importlib.import_module(module_name).torch = proxy  # type: ignore[attr-defined]  # the module's torch name
         for module_name, path, _why in _CUDA_TYPE_NAME_FUNCTIONS:
             _patch_type_name_function(module_name, path)
         for module_name, path, _why in _TENSOR_CUDA_FUNCTIONS:

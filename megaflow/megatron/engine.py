@@ -381,7 +381,7 @@ class MegatronEngine:
         totals = torch.stack([sum(d[k].cpu() for d in store) for k in keys]).to(self.device)
         if self.info.dp_size > 1:
             dist.all_reduce(totals, group=self.info.dp_group)
-        return {k: float(v) for k, v in zip(keys, totals.tolist())}
+        return {k: float(v) for k, v in zip(keys, totals.tolist(), strict=True)}
 
     # ------------------------------------------------------------------ offload
     def offload(self, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:

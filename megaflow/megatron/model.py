@@ -151,8 +151,9 @@ class ScalarHead(torch.nn.Module):
         weight = torch.randn(1, hidden_size, generator=generator, dtype=torch.float32) * init_std
         self.weight = torch.nn.Parameter(weight.to(device=device, dtype=dtype))
         # Replicated across TP: Megatron counts it once in the grad norm (tp rank 0).
-        self.weight.tensor_model_parallel = False
-        self.weight.sequence_parallel = False
+        # megatron-core reads these attributes off a Parameter (torch's stubs do not declare them)
+        self.weight.tensor_model_parallel = False  # type: ignore[attr-defined]
+        self.weight.sequence_parallel = False  # type: ignore[attr-defined]
 
     def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None):

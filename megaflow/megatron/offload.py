@@ -30,7 +30,7 @@ def _param_buffers(model) -> list:
 
 def _standalone_params(model) -> list[torch.nn.Parameter]:
     """Parameters not held in a DDP contiguous param buffer (all of them without dist-opt)."""
-    in_buffer = set()
+    in_buffer: set[int] = set()
     for buffer in _param_buffers(model):
         if getattr(buffer, "param_data", None) is not None:
             in_buffer.update(id(p) for p in buffer.params)
@@ -44,7 +44,7 @@ def offload_params(model) -> None:
             buffer.offload_to_cpu(move_params=True, move_grads=False)
     for p in _standalone_params(model):
         if _on_accelerator(p):
-            p._megaflow_host = p.data.to("cpu", copy=True).pin_memory()
+            p._megaflow_host = p.data.to("cpu", copy=True).pin_memory()  # type: ignore[attr-defined]  # megatron-style attribute on a Parameter
             p.data.untyped_storage().resize_(0)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -60,7 +60,7 @@ def reload_params(model) -> None:
         if host is not None:
             p.data.untyped_storage().resize_(host.numel() * host.element_size())
             p.data.copy_(host, non_blocking=True)
-            del p._megaflow_host
+            del p._megaflow_host  # type: ignore[attr-defined]  # set by offload above
 
 
 def offload_grads(model) -> None:

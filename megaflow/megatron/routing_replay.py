@@ -80,7 +80,7 @@ class RoutingReplay:
 
         if len(targets) != len(self._replays):
             raise ValueError(f"{len(targets)} routing targets for {len(self._replays)} MoE layers")
-        for replay, target in zip(self._replays, targets):
+        for replay, target in zip(self._replays, targets, strict=True):
             replay.set_target_indices(target.long())
         with self._action(RouterReplayAction.REPLAY_FORWARD):
             yield

@@ -28,7 +28,7 @@ import os
 import queue
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,9 @@ from megaflow.utils.atomic_dir import (
 )
 from megaflow.utils.integrity import IntegrityError, check_dcp_pickles, read_json, verify_manifest
 
+if TYPE_CHECKING:  # megatron-core has no type information: GPTModel reads as Any
+    from megatron.core.models.gpt import GPTModel
+
 FORMAT = "megaflow-megatron"
 FORMAT_VERSION = 1
 METADATA_FILE = "megaflow_checkpoint.json"
@@ -52,7 +55,7 @@ MODEL_SUBDIR = "model"
 HF_SUBDIR = "hf"
 
 
-def _sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+def _sharded_state_dict(chunks: list[GPTModel]) -> dict[str, Any]:
     if len(chunks) == 1:
         return {"model": chunks[0].sharded_state_dict()}
     return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
@@ -172,19 +175,20 @@ def save_checkpoint(model_chunks: Any, ckpt_dir: str | os.PathLike, hf_config: A
     chunks = _chunks(model_chunks)
     final = Path(ckpt_dir).absolute()
     rank = dist.get_rank()
-    target = [None]
+    target: list[str | Exception | None] = [None]
     if rank == 0:
         try:
             check_output_dir(final, overwrite=overwrite or not atomic)
-            target = [str(temporary_sibling(final)) if atomic else str(final)]
-            (Path(target[0]) / MODEL_SUBDIR).mkdir(parents=True, exist_ok=True)
-            (Path(target[0]) / COMPLETE_MARKER).unlink(missing_ok=True)  # a previous save's
+            work_dir = str(temporary_sibling(final)) if atomic else str(final)
+            target = [work_dir]
+            (Path(work_dir) / MODEL_SUBDIR).mkdir(parents=True, exist_ok=True)
+            (Path(work_dir) / COMPLETE_MARKER).unlink(missing_ok=True)  # a previous save's
         except Exception as err:  # noqa: BLE001 - reported on every rank below
             target = [err]
     dist.broadcast_object_list(target, src=0)
     if isinstance(target[0], Exception):
         raise target[0]
-    work = Path(target[0])
+    work = Path(str(target[0]))
     try:
         save_sharded(_sharded_state_dict(chunks), work / MODEL_SUBDIR)
         metadata = checkpoint_metadata(chunks, hf_config, parallel_info, extra_metadata)
@@ -325,7 +329,11 @@ def load_checkpoint(model_chunks: Any, ckpt_dir: str | os.PathLike, *, strict: b
     """
     from megatron.core import dist_checkpointing
 
-    verify_on_rank0(lambda: (read_checkpoint_metadata(ckpt_dir), verify_checkpoint_files(ckpt_dir)))
+    def verify() -> None:
+        read_checkpoint_metadata(ckpt_dir)
+        verify_checkpoint_files(ckpt_dir)
+
+    verify_on_rank0(verify)
     meta = read_checkpoint_metadata(ckpt_dir)
     chunks = _chunks(model_chunks)
     stored = ModelSpec.from_hf_config(meta["hf_config"])
@@ -350,7 +358,7 @@ def load_checkpoint(model_chunks: Any, ckpt_dir: str | os.PathLike, *, strict: b
                                   f"the model's layer_spec={model_spec!r}: the checkpoint has no {missing[:4]}")
     state = dist_checkpointing.load(sharded, str(Path(ckpt_dir) / MODEL_SUBDIR))
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
-    for chunk, key in zip(chunks, keys):
+    for chunk, key in zip(chunks, keys, strict=True):
         if stored_spec != model_spec:  # every _extra_state the checkpoint did not give: the model's own
             own = chunk.state_dict()
             state[key].update({k: v for k, v in own.items() if k.endswith("_extra_state") and k not in state[key]})

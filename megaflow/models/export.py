@@ -101,6 +101,7 @@ def export_hf_dir(model_chunks: Any, hf_config: Any, parallel_info: Any,
                                   f"{sorted(set(expected) - set(names))}, extra "
                                   f"{sorted(set(names) - set(expected))}")
         out.close()
+        assert written_dtype is not None  # the expected key set is never empty
         hf_config_for_export(hf_config, spec, written_dtype).save_pretrained(work)
         if hf_files_from is not None:
             copy_tokenizer_files(hf_files_from, work)

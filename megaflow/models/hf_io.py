@@ -211,7 +211,7 @@ class HFShardWriter:
         finals = [SAFE_SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors"
                                                for i in range(n)]
         weight_map = {}
-        for (tmp, keys), final in zip(self._written, finals):
+        for (tmp, keys), final in zip(self._written, finals, strict=True):
             os.replace(self.directory / tmp, self.directory / final)
             weight_map.update(dict.fromkeys(keys, final))
         if n > 1:

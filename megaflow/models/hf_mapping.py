@@ -4,7 +4,8 @@ Supported families: Llama (Llama 2/3, SmolLM2: ``LlamaForCausalLM``), Qwen2/Qwen
 (``Qwen2ForCausalLM``), Qwen3 dense (``Qwen3ForCausalLM``, q/k norms) and Qwen3-MoE
 (``Qwen3MoeForCausalLM``: router ``mlp.gate`` and per-expert ``mlp.experts.{e}.*`` tensors,
 the checkpoints' on-disk layout), plus their ``*ForSequenceClassification`` variants for critic and
-reward models (``score.weight`` <-> megaflow's scalar ``output_layer``). Each row of :data:`PARAM_MAPPINGS` names the megatron-core
+reward models (``score.weight`` <-> megaflow's scalar ``output_layer``). Each row of :data:`PARAM_MAPPINGS` names the
+megatron-core
 parameter (with its aliases: the local layer spec keeps separate norms, the Transformer
 Engine spec fuses them into ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``),
 its HF source tensors, the named transform that joins them and the tensor-parallel
@@ -301,5 +302,6 @@ def megatron_shards_to_hf(row: ParamMapping, shards: Sequence[torch.Tensor], spe
 __all__ = [
     "SUPPORTED_ARCHITECTURES", "EMBED", "LM_HEAD", "SCORE", "UnsupportedModelError", "ModelSpec",
     "ParamMapping", "PARAM_MAPPINGS", "ShardLayout", "find_mapping", "is_active", "hf_names", "exported_rows",
-    "hf_order", "hf_units", "local_expert", "expected_hf_keys", "hf_shape", "hf_to_megatron_shard", "megatron_shards_to_hf",
+    "hf_order", "hf_units", "local_expert", "expected_hf_keys", "hf_shape", "hf_to_megatron_shard",
+    "megatron_shards_to_hf",
 ]

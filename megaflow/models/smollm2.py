@@ -34,7 +34,7 @@ def find_smollm2_gguf() -> Path:
     except metadata.PackageNotFoundError as err:
         raise FileNotFoundError(f"PyPI package {PACKAGE!r} is not installed "
                                 f"(pip install {PACKAGE}==0.1.2)") from err
-    ggufs = [Path(dist.locate_file(f)) for f in dist.files or [] if str(f).endswith(".gguf")]
+    ggufs = [Path(str(dist.locate_file(f))) for f in dist.files or [] if str(f).endswith(".gguf")]
     ggufs = [p for p in ggufs if p.is_file()]
     if not ggufs:
         raise FileNotFoundError(f"package {PACKAGE!r} contains no .gguf file")

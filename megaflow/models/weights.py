@@ -263,7 +263,7 @@ def iter_hf_tensors(model_chunks: Any, hf_config: Any, parallel_info: Any, *,
             owner = _owner(row, layer, plan.layer_owner, info.pp_size)
             tensors = _gather_row(chunks, row, layer, owner, spec, info, kv_replication,
                                   model_param, expert) or tensors
-        for name, tensor in zip(names, tensors):
+        for name, tensor in zip(names, tensors, strict=True):
             yield name, None if tensor is None else tensor.to(dtype or model_param.dtype)
 
 

@@ -118,6 +118,7 @@ class RuleRewardManager:
         missing = [k for k in ("responses", "response_mask") if k not in keys]
         if missing:
             raise ValueError(f"RuleRewardManager needs tensor fields {missing}; the batch has {keys}")
+        assert data.batch is not None  # (no batch: both fields are missing above)
         responses, mask = data.batch["responses"], data.batch["response_mask"]
         if responses.dim() != 2 or responses.shape != mask.shape:
             raise ValueError(

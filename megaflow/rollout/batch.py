@@ -68,7 +68,7 @@ def prompt_token_lists(input_ids: torch.Tensor, attention_mask: torch.Tensor) ->
     """
     lengths = check_left_padded(input_ids, attention_mask)
     prompt_len = input_ids.shape[1]
-    return [row[prompt_len - n:] for row, n in zip(input_ids.tolist(), lengths.tolist())]
+    return [row[prompt_len - n:] for row, n in zip(input_ids.tolist(), lengths.tolist(), strict=True)]
 
 
 def position_ids_for_rollout(prompt_mask: torch.Tensor, response_len: int) -> torch.Tensor:

@@ -18,12 +18,17 @@ scope, so it is reproducible for a given seed but draws different samples than v
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from megaflow.algorithms.response_mask import compute_response_mask
 from megaflow.protocol import DataProto
 from megaflow.rollout.batch import assemble_rollout_batch, check_left_padded, read_prompts, rollout_output
 from megaflow.rollout.sampling import SamplingConfig, request_seeds
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class HFRollout:
@@ -36,7 +41,7 @@ class HFRollout:
         seed: base seed used when a call's ``meta_info`` gives none.
     """
 
-    def __init__(self, model: torch.nn.Module, sampling: SamplingConfig | None = None, *, seed: int = 0) -> None:
+    def __init__(self, model: PreTrainedModel, sampling: SamplingConfig | None = None, *, seed: int = 0) -> None:
         self.model = model.eval()
         self.sampling = sampling if sampling is not None else _sampling_from_model(model)
         self.seed = seed

@@ -200,7 +200,7 @@ def _sampled_log_probs(completion: Any) -> list[float]:
         raise RuntimeError("vLLM returned no log-probs (SamplingParams.logprobs must be set)")
     if hasattr(logprobs, "start_indices"):  # FlatLogprobs: position i's first entry is the sampled token
         return [logprobs.logprobs[logprobs.start_indices[i]] for i in range(len(tokens))]
-    return [position[token].logprob for position, token in zip(logprobs, tokens)]
+    return [position[token].logprob for position, token in zip(logprobs, tokens, strict=True)]
 
 
 class VLLMRollout:
@@ -253,7 +253,8 @@ class VLLMRollout:
             model=str(cfg.model_path), skip_tokenizer_init=True, generation_config="vllm",
             dtype=cfg.dtype or ("float32" if on_cpu else "bfloat16"), load_format=cfg.load_format,
             tensor_parallel_size=cfg.tp_size, distributed_executor_backend=backend,
-            enforce_eager=on_cpu if cfg.enforce_eager is None else cfg.enforce_eager, seed=cfg.seed, max_num_seqs=cfg.max_num_seqs,
+            enforce_eager=on_cpu if cfg.enforce_eager is None else cfg.enforce_eager, seed=cfg.seed,
+            max_num_seqs=cfg.max_num_seqs,
             enable_prefix_caching=cfg.enable_prefix_caching, logprobs_mode=cfg.logprobs_mode,
             enable_sleep_mode=self.sleep_mode_available and cfg.free_cache_engine,
             gpu_memory_utilization=cfg.gpu_memory_utilization, disable_log_stats=True,
@@ -347,7 +348,7 @@ class VLLMRollout:
         else:
             seeds = request_seeds(sampling.seed, len(token_lists) * n)
         self._num_calls += 1
-        common = dict(
+        common: dict[str, Any] = dict(
             temperature=0.0 if sampling.greedy else sampling.temperature,
             top_p=1.0 if sampling.greedy else sampling.top_p,
             top_k=0 if sampling.greedy or sampling.top_k <= 0 else sampling.top_k,

@@ -81,7 +81,7 @@ def remove_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
         The names removed. Segments of live owners, other users' segments (permission
         denied) and names not made by megaflow are left alone.
     """
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(shm_dir)
     except FileNotFoundError:
@@ -154,7 +154,7 @@ def _wrap_make_group_name() -> None:
     cls = cpu_communicator._CPUSHMDistributed
     if _state["original"] is None:
         _state["original"] = cls.make_group_name
-        cls.make_group_name = staticmethod(_patched_make_group_name)
+        cls.make_group_name = staticmethod(_patched_make_group_name)  # type: ignore[method-assign]  # the patch itself
 
 
 class EngineShm:

@@ -63,7 +63,7 @@ def _concat_unpad(values: Sequence[DataProto], pad_size: int | None, num_rows: i
     if pad_size and num_rows is not None and len(merged) != num_rows:
         raise ValueError(f"{method} returned {len(merged)} rows for {num_rows} input rows ({pad_size} of them "
                          f"padding); a proto method on a padded batch must return one row per input row")
-    return merged.unpad(pad_size)
+    return merged.unpad(pad_size) if pad_size else merged
 
 
 def collect_proto(outputs: Sequence[Any], pad_size: int | None, num_rows: int | None,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -59,7 +59,7 @@ class NDCompute:
     mesh: str
 
 
-DispatchMode = Union[Dispatch, NDCompute]
+DispatchMode = Dispatch | NDCompute
 
 
 def nd_compute(mesh: str) -> NDCompute:

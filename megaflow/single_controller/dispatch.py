@@ -73,7 +73,7 @@ class MeshInfo:
         empty = sorted(set(range(dp_size)) - set(mapping))
         if empty:
             raise ValueError(f"mesh {self.mesh!r}: dp ranks {empty} have no rank (mapping {list(mapping)})")
-        collected = sorted(d for d, c in zip(mapping, mask) if c)
+        collected = sorted(d for d, c in zip(mapping, mask, strict=True) if c)
         if collected != list(range(dp_size)):
             raise ValueError(f"mesh {self.mesh!r}: the collect ranks must cover dp ranks 0..{dp_size - 1} exactly "
                              f"once each, got dp ranks {collected} (mapping {list(mapping)}, mask {list(mask)})")
@@ -99,7 +99,7 @@ class MeshInfo:
     @property
     def collect_ranks(self) -> tuple[int, ...]:
         """Collect ranks ordered by their dp rank (index ``d`` = the rank that returns chunk ``d``)."""
-        by_dp = {d: r for r, (d, c) in enumerate(zip(self.dp_rank_mapping, self.collect_mask)) if c}
+        by_dp = {d: r for r, (d, c) in enumerate(zip(self.dp_rank_mapping, self.collect_mask, strict=True)) if c}
         return tuple(by_dp[d] for d in range(self.dp_size))
 
 

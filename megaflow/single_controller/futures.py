@@ -57,7 +57,7 @@ def _get(refs: Sequence[ray.ObjectRef], where: Sequence[str], method: str) -> li
     try:
         return ray.get(list(refs))
     except RayError:
-        for ref, label in zip(refs, where):  # error path only: find the rank that failed
+        for ref, label in zip(refs, where, strict=True):  # error path only: find the rank that failed
             try:
                 ray.get(ref, timeout=0)
             except RayError as exc:
@@ -116,14 +116,14 @@ def get_all(refs: Sequence[ray.ObjectRef], where: Sequence[str], method: str,
         ready, pending = ray.wait(pending, num_returns=len(pending), timeout=poll_s, fetch_local=False)
         early = [index_of[r] for r in ready if index_of[r] in check]
         if pending and early:  # some ranks are done, others still run: did a done one fail?
-            values.update(zip(early, _get([refs[i] for i in early], [where[i] for i in early], method)))
+            values.update(zip(early, _get([refs[i] for i in early], [where[i] for i in early], method), strict=True))
         if pending and processes is not None:
             for i in (index_of[r] for r in pending):
                 if _local_process_gone(*processes[i]):
                     raise WorkerError(where[i], method, f"the worker process died or was killed: pid "
                                                         f"{processes[i][1]} on this node has exited")
     missing = [i for i in sorted(check | set(fetch)) if i not in values]
-    values.update(zip(missing, _get([refs[i] for i in missing], [where[i] for i in missing], method)))
+    values.update(zip(missing, _get([refs[i] for i in missing], [where[i] for i in missing], method), strict=True))
     return [values[i] for i in fetch]
 
 
@@ -220,9 +220,9 @@ class GroupFuture:
         """
         refs = [r for f in futures for r in f.refs]
         where = [w for f in futures for w in f.where]
-        processes = None
+        processes: list[tuple[str, int]] | None = None
         if all(f.processes is not None for f in futures):
-            processes = [p for f in futures for p in f.processes]
+            processes = [p for f in futures for p in f.processes or ()]
         values = get_all(refs, where, " + ".join(f.method for f in futures), processes=processes)
         out, start = [], 0
         for f in futures:

@@ -82,7 +82,7 @@ class WorkerHost:
         for role, spec in roles.items():
             try:
                 self._roles[role] = spec.build()
-            except Exception:
+            except Exception:  # noqa: BLE001 - any constructor failure is reported with its rank, then re-raised
                 err = self._fail(role, f"{spec.cls.__name__}.__init__")
                 raise err from None
 
@@ -109,7 +109,7 @@ class WorkerHost:
             fn: Callable[..., Any] = getattr(self._roles[role], method)
             args, kwargs, report = resolve_arguments(args, kwargs)
             output = fn(*args, **kwargs)
-        except Exception:
+        except Exception:  # noqa: BLE001 - any method failure is reported with its rank, then re-raised
             err = self._fail(role, method)
             raise err from None
         if not keep_output:

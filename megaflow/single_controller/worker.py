@@ -134,7 +134,8 @@ class Worker:
 
         Megatron training meshes: ``dp_rank`` = data-parallel rank, ``is_collect = tp_rank
         == 0 and cp_rank == 0 and pp_rank == pp_size - 1``; generation meshes: ``dp_rank`` =
-        replica index, ``is_collect = gen_tp_rank == 0`` (:func:`~megaflow.single_controller.decorator.nd_compute`). Register once
+        replica index, ``is_collect = gen_tp_rank == 0`` (:func:`~megaflow.single_controller.decorator.nd_compute`).
+        Register once
         per mesh before the first call; the controller caches the layout.
 
         Raises:

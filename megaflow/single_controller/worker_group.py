@@ -293,7 +293,7 @@ class RayWorkerGroup:
         plan = make_plan(spec, self.world_size, args, kwargs, mesh, put=ray.put, method=method)
         hosts = self._core.hosts
         refs = [hosts[r].execute.remote(role, name, keep, *a, **kw)
-                for r, a, kw, keep in zip(plan.ranks, plan.args, plan.kwargs, plan.keep_output)]
+                for r, a, kw, keep in zip(plan.ranks, plan.args, plan.kwargs, plan.keep_output, strict=True)]
         where = [self._core.where_of(role, r) for r in plan.ranks]
         collect_index = [plan.ranks.index(r) for r in plan.collect_ranks]
         processes = [(self._core.metadata[r].node_ip, self._core.metadata[r].pid) for r in plan.ranks]

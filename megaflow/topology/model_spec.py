@@ -185,17 +185,22 @@ def resolve_hf_config(path: str | None, inline: Mapping[str, Any] | None, prefix
     return _read_config_json(path, f"{prefix}.path"), f"{prefix}.path"
 
 
-def _field_error(source: str, name: str, detail: str, cls: type[ConfigError] = ConfigError) -> ConfigError:
-    """Error about HF config field ``name`` (dotted for nested fields): keyed
-    ``<source>.<name>`` unless ``source`` is a checkpoint path key (``*.path``), whose
+def _field_key_message(source: str, name: str, detail: str) -> tuple[str, str]:
+    """Key and message of an error about HF config field ``name`` (dotted for nested fields):
+    keyed ``<source>.<name>`` unless ``source`` is a checkpoint path key (``*.path``), whose
     config.json is then named in the message."""
     if source.endswith(".path"):
-        return cls(source, f"config.json field {name!r}: {detail}")
-    return cls(f"{source}.{name}", detail)
+        return source, f"config.json field {name!r}: {detail}"
+    return f"{source}.{name}", detail
+
+
+def _field_error(source: str, name: str, detail: str) -> ConfigError:
+    """Error about HF config field ``name``; see :func:`_field_key_message`."""
+    return ConfigError(*_field_key_message(source, name, detail))
 
 
 def _unsupported(source: str, name: str, detail: str) -> UnsupportedModelError:
-    return _field_error(source, name, detail, UnsupportedModelError)
+    return UnsupportedModelError(*_field_key_message(source, name, detail))
 
 
 def _int_field(value: Any, name: str, source: str) -> int:
@@ -256,14 +261,14 @@ def _as_mapping(hf_config: Any) -> Mapping[str, Any]:
 def _head(cfg: Mapping[str, Any], source: str) -> str:
     """``"score"`` for a ``*ForSequenceClassification`` architecture, else ``"lm_head"``."""
     archs = list(cfg.get("architectures") or [])
-    heads = set()
+    heads: set[str] = set()
     for name in archs:
-        model_type, head = SUPPORTED_ARCHITECTURES.get(name, (None, None))
-        if model_type is None or model_type != cfg.get("model_type"):
+        entry = SUPPORTED_ARCHITECTURES.get(name)
+        if entry is None or entry[0] != cfg.get("model_type"):
             raise _unsupported(source, "architectures",
                                f"{archs!r} (model_type={cfg.get('model_type')!r}) is not supported; "
                                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
-        heads.add(head)
+        heads.add(entry[1])
     if len(heads) > 1:
         raise _unsupported(source, "architectures", f"{archs!r} mixes an LM head and a score head")
     if "score" in heads and cfg.get("num_labels", 1) != 1:

@@ -19,9 +19,17 @@ picklers and the receiver re-validates it (:func:`megaflow.topology.run.run_from
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, Union
+from typing import Any, Generic, TypeVar
 
-from megaflow.config.schema import ROLES, ActorConfig, Config, CriticConfig, RefConfig, RewardModelConfig
+from megaflow.config.schema import (
+    ROLES,
+    ActorConfig,
+    Config,
+    CriticConfig,
+    RefConfig,
+    RewardModelConfig,
+    TrainedRoleConfig,
+)
 from megaflow.topology.run import run_from_dict
 from megaflow.topology.sizes import (
     TRAINED_ROLES,
@@ -38,7 +46,7 @@ from megaflow.topology.sizes import (
 )
 
 #: The config section of a Megatron role.
-RoleSection = Union[ActorConfig, RefConfig, CriticConfig, RewardModelConfig]
+RoleSection = ActorConfig | RefConfig | CriticConfig | RewardModelConfig
 S = TypeVar("S", ActorConfig, RefConfig, CriticConfig, RewardModelConfig)
 
 
@@ -96,6 +104,12 @@ class RoleSpec:
     def section(self) -> RoleSection:
         """The role's config section (``config.actor``, ``config.critic``, ...)."""
         return getattr(self.config, self.role)
+
+    @property
+    def trained_section(self) -> TrainedRoleConfig | None:
+        """The role's section when the role has an optimizer (actor, critic), else None."""
+        section = self.section
+        return section if self.trains and isinstance(section, TrainedRoleConfig) else None
 
     # The role's own section, typed: ``spec.actor`` on the actor's spec (ValueError on another role's).
     actor = _OwnSection[ActorConfig]()
@@ -172,10 +186,10 @@ class RoleSpec:
         """What stays on the host between phases: ``params``, ``grads``, ``optimizer``
         (``<role>.param_offload`` / ``grad_offload`` / ``optimizer_offload``; a role without
         an optimizer has no gradients or optimizer state to offload)."""
-        section = self.section
-        return {"params": section.param_offload,
-                "grads": self.trains and section.grad_offload,
-                "optimizer": self.trains and section.optimizer_offload}
+        trained = self.trained_section
+        return {"params": self.section.param_offload,
+                "grads": trained is not None and trained.grad_offload,
+                "optimizer": trained is not None and trained.optimizer_offload}
 
     @property
     def model_overrides(self) -> dict[str, Any]:
@@ -183,12 +197,12 @@ class RoleSpec:
         :func:`megaflow.megatron.model.build_gpt_model`: sequence parallelism (only where
         tp > 1) and, for the trained roles, activation recomputation (``recompute_method``
         None: uniform; ``recompute_num_layers`` None: 1, as the config documents)."""
-        section = self.section
+        section, trained = self.section, self.trained_section
         out: dict[str, Any] = {"sequence_parallel": section.sequence_parallel and section.tp > 1}
-        granularity = section.recompute_granularity if self.trains else "none"
-        if granularity == "full":
-            out.update(recompute_granularity="full", recompute_method=section.recompute_method or "uniform",
-                       recompute_num_layers=section.recompute_num_layers or 1)
+        granularity = trained.recompute_granularity if trained is not None else "none"
+        if trained is not None and granularity == "full":
+            out.update(recompute_granularity="full", recompute_method=trained.recompute_method or "uniform",
+                       recompute_num_layers=trained.recompute_num_layers or 1)
         elif granularity == "selective":
             out.update(recompute_granularity="selective")
         return out

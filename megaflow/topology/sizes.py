@@ -35,7 +35,7 @@ def pools_in_use(cfg: Config) -> dict[str, tuple[str, ...]]:
     """Pools that host processes, in placement order: pool -> the enabled roles placed on
     it, plus ``"rollout"`` on the rollout's own pool under split placement. A disabled
     role's ``resources.placement`` entry is not read."""
-    placement, by_pool = cfg.resources.placement, {}
+    placement, by_pool = cfg.resources.placement, dict[str, list[str]]()
     for role in enabled_roles(cfg):
         by_pool.setdefault(getattr(placement, role), []).append(role)
     split = split_rollout_pool(cfg)
@@ -185,6 +185,8 @@ def _check_split_rollout_pool(cfg: Config) -> int:
             ``rollout.sleep_level=2`` (nothing would restore the discarded weights).
     """
     pool, res = split_rollout_pool(cfg), cfg.resources
+    if pool is None:
+        raise ValueError("split placement's rules checked without a rollout pool of its own")
     world = res.pool_world_size(pool)
     check(world >= cfg.rollout.tp and world % cfg.rollout.tp == 0, "resources.placement.rollout",
           f"rollout pool {pool!r} has {world} ranks, not a positive multiple of {{0}}={cfg.rollout.tp} "
@@ -275,7 +277,7 @@ def token_budgets(cfg: Config, role: str) -> tuple[int | None, int | None]:
     section = getattr(cfg, role)
     if role not in TOKEN_BUDGET_KEYS or not section.use_dynamic_bsz:
         return None, None
-    out = []
+    out: list[int | None] = []
     for key in TOKEN_BUDGET_KEYS[role]:
         if key is None:
             out.append(None)

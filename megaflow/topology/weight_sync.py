@@ -29,7 +29,8 @@ from megaflow.topology.model_spec import ModelSpec, padded_vocab_size
 #: (``vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE``).
 VLLM_VOCAB_PADDING = 64
 
-__all__ = ["VLLM_VOCAB_PADDING", "WeightSyncMemory", "weight_sync_peak_bytes", "largest_generation_tensor_bytes", "weight_sync_memory"]
+__all__ = ["VLLM_VOCAB_PADDING", "WeightSyncMemory", "weight_sync_peak_bytes", "largest_generation_tensor_bytes",
+           "weight_sync_memory"]
 
 
 def weight_sync_peak_bytes(*, actor_shard: float, engine_weights: float, bucket_bytes: float,

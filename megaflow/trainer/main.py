@@ -5,7 +5,8 @@
 
 Exit codes: 0 success; 1 a layout that does not fit; 2 a config or input error (the
 message names the dotted key, file or value; found before any process starts, by the
-dry run too: :mod:`megaflow.trainer.preflight`; ``MEGAFLOW_DEBUG=1`` adds the traceback); 3 the cluster is missing resources or a
+dry run too: :mod:`megaflow.trainer.preflight`; ``MEGAFLOW_DEBUG=1`` adds the traceback); 3 the cluster is missing
+resources or a
 worker process/node died (the message names what is missing, or the node, role and rank); 4 a
 training-health check stopped the run (``algorithm.rollout_correction.max_mismatch``, a
 non-finite loss or gradient norm); 130 interrupted (Ctrl-C) and 143 stopped by SIGTERM, with where it
@@ -375,7 +376,8 @@ def _train_locked(cfg, inputs, prepared: Prepared, watchdog) -> dict[str, float]
     try:
         with Tracking(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger, log_dir=run_dir,
                       config=config_to_dict(cfg), total_steps=total_steps,
-                      initial_step=resume_point.step if resume_point is not None else 0,  # the bar counts this run's steps
+                      # the bar counts this run's steps
+                      initial_step=resume_point.step if resume_point is not None else 0,
                       console_every=cfg.trainer.console_every) as tracker:
             trainer = RayPPOTrainer(cfg, groups, prepared.reward_fn, prepared.train_loader, prepared.val_loader,
                                     tracker, checkpoints, config_yaml=dump_config(cfg),

@@ -12,7 +12,8 @@ Which config keys may differ on resume (:data:`RESUME_MAY_DIFFER`): those that c
 neither what a step computes nor the data it sees: the run's length and cadence
 (``trainer.total_steps``, ``save_freq``, ...), where output goes and how it is logged,
 validation, memory placement (offload, recomputation, KV-cache size), the machines
-(``resources.*``: a DP change reshards the optimizer state) and the Ray cluster. Every other difference (learning rate, algorithm, model, data, batch and
+(``resources.*``: a DP change reshards the optimizer state) and the Ray cluster. Every other difference (learning rate,
+algorithm, model, data, batch and
 micro-batch sizes, seeds, sampling, ...) would make the resumed run something else than
 the continuation of the saved one, and is refused unless
 ``trainer.resume_ignore_config_diff=true``. The optimizer state reshards across DP sizes

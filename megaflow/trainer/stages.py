@@ -61,7 +61,8 @@ def generation_request(prompts: DataProto, n: int, sampling: dict[str, Any]) -> 
         KeyError: the prompts lack ``input_ids`` or ``attention_mask``.
     """
     if "uid" not in prompts.non_tensor_batch:
-        prompts = prompts.union(DataProto.from_dict(non_tensors={"uid": [uuid.uuid4().hex for _ in range(len(prompts))]}))
+        uids = [uuid.uuid4().hex for _ in range(len(prompts))]
+        prompts = prompts.union(DataProto.from_dict(non_tensors={"uid": uids}))
     present = set(prompts.batch.keys()) if prompts.batch is not None else set()
     missing = [k for k in PROMPT_KEYS if k not in present]
     if missing:
@@ -403,6 +404,7 @@ def compute_data_metrics(batch: DataProto, max_response_length: int) -> dict[str
 
 
 __all__ = ["sampling_params", "generation_request", "join_rollout", "rollout_metrics", "prompts_of",
-           "ROLLOUT_REPLACES", "PROMPT_KEYS", "check_rollout_batch", "kl_in_reward", "scores_as_rewards", "add_advantages", "compute_data_metrics", "bypass_old_log_probs",
+           "ROLLOUT_REPLACES", "PROMPT_KEYS", "check_rollout_batch", "kl_in_reward", "scores_as_rewards",
+           "add_advantages", "compute_data_metrics", "bypass_old_log_probs",
            "balanced_dp_order", "balance_batch",
            "rollout_correction", "RolloutMismatchError"]

@@ -37,7 +37,7 @@ def fsync_path(path: str | os.PathLike) -> None:
 
 def fsync_tree(path: str | os.PathLike) -> None:
     """fsync every file and directory under ``path``."""
-    for dirpath, _, filenames in os.walk(path):
+    for dirpath, _, filenames in os.walk(os.fspath(path)):
         for name in filenames:
             fsync_path(Path(dirpath) / name)
         fsync_path(Path(dirpath))

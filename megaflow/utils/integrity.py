@@ -76,7 +76,8 @@ def _is_sealed(directory: Path) -> bool:
 
 def _walk(root: Path) -> tuple[list[str], list[str]]:
     """(files to list, sealed subdirectories), as sorted POSIX paths relative to ``root``."""
-    files, sealed = [], []
+    files: list[str] = []
+    sealed: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
         rel_dir = here.relative_to(root)

@@ -20,9 +20,9 @@ import json
 import logging
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,14 @@ def key_figures(metrics: Mapping[str, float]) -> dict[str, float]:
     return out
 
 
+class _Backend(Protocol):
+    """What :class:`Tracking` calls on each backend."""
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class _ConsoleBackend:
     """A short line of :func:`key_figures` every ``every`` steps and at ``last_step``
     (``every`` 0: none); the full set goes to the other backends."""
@@ -110,7 +118,7 @@ class _JsonlBackend:
                 file.write(json.dumps({"step": step, "split": split, **record}) + "\n")
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        record = {"step": step}
+        record: dict[str, float | None] = {"step": step}
         record.update({k: (v if math.isfinite(v) else None) for k, v in metrics.items()})
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
@@ -136,7 +144,8 @@ class _TensorBoardBackend:
         for record in records:
             parts = ", ".join(f"{k}={v:.4g}" for k, v in record["reward"].items())
             blocks.append(f"**{parts}** ({record['response_tokens']} tokens)\n\n"
-                          f"prompt:\n\n    {_indent(record['prompt'])}\n\nresponse:\n\n    {_indent(record['response'])}")
+                          f"prompt:\n\n    {_indent(record['prompt'])}\n\n"
+                          f"response:\n\n    {_indent(record['response'])}")
         self.writer.add_text(f"generations/{split}", "\n\n---\n\n".join(blocks), global_step=step)
         self.writer.flush()
 
@@ -205,13 +214,13 @@ class Tracking:
             self.bar = tqdm(total=total_steps, initial=initial_step, desc=experiment, unit="step",
                             dynamic_ncols=True, bar_format=BAR_FORMAT)
         self._last_step = initial_step
-        factories = {
+        factories: dict[str, Callable[[], _Backend]] = {
             "console": lambda: _ConsoleBackend(self.write, console_every, total_steps),
             "jsonl": lambda: _JsonlBackend(self.log_dir),
             "tensorboard": lambda: _TensorBoardBackend(self.log_dir),
             "wandb": lambda: _WandbBackend(project, experiment, config, self.log_dir),
         }
-        self.backends = {}
+        self.backends: dict[str, _Backend] = {}
         try:
             for name in dict.fromkeys(backends):
                 self.backends[name] = factories[name]()

@@ -46,7 +46,8 @@ class ActorRolloutWorker(ActorWorker):
     """:class:`ActorWorker` plus a vLLM engine fed by the micro-DP resharder.
 
     The engine reads ``rollout`` (``tp`` = t_g, ``response_length``, ``gpu_memory_utilization``,
-    ``sleep_level``, ``enforce_eager``, the CPU KV cache keys, ``ignore_eos``), ``data.max_prompt_length``, ``model.dtype`` and
+    ``sleep_level``, ``enforce_eager``, the CPU KV cache keys, ``ignore_eos``), ``data.max_prompt_length``,
+    ``model.dtype`` and
     ``trainer.seed`` from the config; ``rollout.pp > 1`` is refused at load.
 
     Args:

@@ -45,7 +45,8 @@ def _bypass_settings(cfg: Config) -> dict | None:
         return None
     return dict(loss_type=rc.bypass_loss_type, is_level=None if rc.is_level == "none" else rc.is_level,
                 is_threshold=rc.is_threshold, is_batch_normalize=rc.is_batch_normalize,
-                rejection=parse_rejection(rc.rs, rc.rs_threshold) if rc.rs is not None else None,
+                rejection=(parse_rejection(rc.rs, rc.rs_threshold)
+                           if rc.rs is not None and rc.rs_threshold is not None else None),  # (set together)
                 weights_over_kept=rc.is_weight_tokens == "kept", clip_ratio_low=actor.clip_ratio_low,
                 clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c)
 
