@@ -23,6 +23,7 @@ CORE = [
     "pyarrow==26.0.1",
     "gguf==0.19.0",
     "matplotlib==3.11.2",  # tools/plot_metrics.py
+    "peft==0.21.2",  # LoRA adapters exported and loaded in Hugging Face PEFT layout
 ]
 
 EXTRAS = {
