@@ -98,8 +98,9 @@ class RolloutHost:
         pad_token_id: the tokenizer's padding id.
     """
 
-    def __init__(self, cfg: Config, hf_config: Any, spec: ModelSpec, *, rank: int, tp_group_ranks: Sequence[Sequence[int]],
-                 gen_replica: int, eos_token_ids: tuple[int, ...], pad_token_id: int) -> None:
+    def __init__(self, cfg: Config, hf_config: Any, spec: ModelSpec, *, rank: int,
+                 tp_group_ranks: Sequence[Sequence[int]], gen_replica: int, eos_token_ids: tuple[int, ...],
+                 pad_token_id: int) -> None:
         self.cfg, self.spec, self.gen_replica, self.pad_token_id = cfg, spec, gen_replica, int(pad_token_id)
         self.engine = build_engine(cfg, hf_config, rank=rank, tp_group_ranks=tp_group_ranks,
                                    eos_token_ids=stop_token_ids(cfg, eos_token_ids), pad_token_id=self.pad_token_id)
