@@ -169,6 +169,17 @@ class DataProto:
             return len(next(iter(self.non_tensor_batch.values())))
         return 0
 
+    @property
+    def tensors(self) -> TensorDict:
+        """``batch``, the tensor fields, for code that reads or sets them (each ``[B, ...]``).
+
+        Raises:
+            KeyError: the DataProto has no tensor fields (``batch`` is None), so any field read is missing.
+        """
+        if self.batch is None:
+            raise KeyError(f"this DataProto has no tensor fields (non-tensor fields: {sorted(self.non_tensor_batch)})")
+        return self.batch
+
     def _check_lengths(self) -> None:
         n = len(self)
         for k, v in self.non_tensor_batch.items():

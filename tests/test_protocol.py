@@ -75,6 +75,17 @@ def test_select_pop_unknown_field():
     assert "old_log_probs" not in d and "old_log_probs" in popped
 
 
+def test_tensors_is_the_batch_or_a_key_error():
+    ids = torch.arange(6).reshape(3, 2)
+    dp = DataProto.from_dict({"input_ids": ids}, {"uid": ["a", "b", "c"]})
+    assert dp.tensors is dp.batch and torch.equal(dp.tensors["input_ids"], ids)
+    dp.tensors["responses"] = ids + 1  # a write goes to the batch
+    assert torch.equal(dp.batch["responses"], ids + 1)
+    objects_only = DataProto.from_dict(non_tensors={"uid": ["a", "b"]})
+    with pytest.raises(KeyError, match=r"no tensor fields \(non-tensor fields: \['uid'\]\)"):
+        objects_only.tensors
+
+
 def test_union_merges_and_refuses_conflicts():
     d = make()
     extra = DataProto.from_dict({"values": torch.ones(6, 3)}, {"data_source": ["gsm8k"] * 6}, {"step": 3})

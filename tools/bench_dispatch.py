@@ -54,15 +54,15 @@ class EchoWorker(Worker):
         return dict(tensors) if return_output else None
 
 
-def make_batch(batch: int, seq_len: int) -> DataProto:
+def make_tensors(batch: int, seq_len: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return DataProto.from_dict({
+    return {
         "input_ids": torch.randint(0, 50_000, (batch, seq_len), generator=g),
         "attention_mask": torch.ones(batch, seq_len, dtype=torch.long),
         "position_ids": torch.arange(seq_len).expand(batch, seq_len).contiguous(),
         "old_log_probs": -torch.rand(batch, seq_len, generator=g),
         "advantages": torch.randn(batch, seq_len, generator=g),
-    })
+    }
 
 
 def nd_round_trip(group: RayWorkerGroup, data: DataProto) -> DataProto:
@@ -102,12 +102,12 @@ def main() -> None:
     pool = ResourcePool([DP * TP], num_cpus_per_process=1.0, name_prefix="bench")
     group = RayWorkerGroup(pool, ClassWithInitArgs(EchoWorker), name_prefix="bench")
     group.call("init")
-    data = make_batch(args.batch, args.seq_len)
-    tensors = dict(data.batch.items())
+    tensors = make_tensors(args.batch, args.seq_len)
+    data = DataProto.from_dict(tensors)
     num_bytes = sum(v.numel() * v.element_size() for v in tensors.values())
 
     out = nd_round_trip(group, data)  # warm-up and correctness check
-    assert all(torch.equal(out.batch[k], v) for k, v in tensors.items()), "nd_compute changed the data"
+    assert all(torch.equal(out.tensors[k], v) for k, v in tensors.items()), "nd_compute changed the data"
     for as_numpy in (False, True):
         plain = plain_round_trip(group, tensors, as_numpy)
         assert all(torch.equal(plain[k], v) for k, v in tensors.items()), "plain round trip changed the data"

@@ -149,6 +149,8 @@ def planned(case: Case) -> dict[str, float]:
                                sequence_parallel=False, dtype=case.dtype)
     gen = plan.rollout.memory
     sync = plan.rollout.weight_sync
+    if sync is None:  # the planner prices the streamed sync of colocated layouts only
+        raise ValueError(f"case {case.name}: the rollout is not colocated with the actor, no weight sync to measure")
     return {"sync_peak": sync.peak, "params": mem.params, "grads": 0.0 if mem.grad_offload else mem.grads,
             "optimizer": mem.optimizer,
             "layer_activations": mem.activations - logits, "head_activations": logits,
@@ -311,7 +313,7 @@ def measure_rank(rank: int, world: int, case: Case, hf_config: dict, prompt_len:
     info = parallel.initialize_parallel(tp=case.tp, pp=case.pp, seed=1)
     model = build_gpt_model(hf_config, dtype=TORCH_DTYPES[cfg.model.dtype], **spec.model_overrides)
     engine = MegatronEngine(model, info, spec, vocab_size=hf_config["vocab_size"])
-    module = engine.module  # megatron-core GPTModel (Any: megatron-core has no type information)
+    module: Any = engine.module  # megatron-core GPTModel (Any: megatron-core has no type information)
     param_ptrs = {_storage(p)[0] for p in module.parameters()}
     batch = tiny_batch(case.micro_batch, prompt_len, response_len, hf_config["vocab_size"], seed=info.dp_rank)
     account = SavedTensorAccount(exclude=param_ptrs)

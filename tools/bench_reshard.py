@@ -43,6 +43,7 @@ import statistics
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -235,6 +236,8 @@ class SleepingEngine:
                  device: torch.device | str = "cpu"):
         self.shapes, self.dtype, self.device = shapes, dtype, torch.device(device)
         self.params: dict[str, torch.Tensor] = {}
+        #: called with the weights just before a sleep discards them (a benchmark keeps them to compare routes)
+        self.on_sleep: Callable[[dict[str, torch.Tensor]], None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -257,6 +260,8 @@ class SleepingEngine:
 
     def sleep(self) -> None:
         """Level 2: the weights are discarded (the next sync rewrites them)."""
+        if self.on_sleep is not None:
+            self.on_sleep(self.params)
         self.params = {}
 
 
@@ -381,7 +386,7 @@ def _rank_main(rank: int, world_size: int, args) -> dict:
     bucket_bytes = int(args.bucket_mb * 2 ** 20)
     engines = {kind: SleepingEngine(shapes) for kind in ROUTES}
     vocab = {kind: [0] for kind in ROUTES}
-    loaded = {}
+    loaded: dict[str, dict[str, torch.Tensor]] = {}
     out: dict = {"shard_bytes": sum(t.numel() * t.element_size() for t in params.values())}
 
     def run(kind: str):
@@ -394,9 +399,7 @@ def _rank_main(rank: int, world_size: int, args) -> dict:
                           me.gen_tp_rank, vocab[kind])
 
     def keep(kind: str):  # what the engine held, for the bit-for-bit comparison (before it sleeps)
-        engine = engines[kind]
-        sleep = engine.sleep
-        engine.sleep = lambda: (loaded.__setitem__(kind, dict(engine.params)), sleep())
+        engines[kind].on_sleep = lambda params: loaded.__setitem__(kind, dict(params))
 
     for kind in ROUTES:  # peak memory: one tracked sync each, the engine's wake inside it
         keep(kind)

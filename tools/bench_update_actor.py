@@ -113,6 +113,8 @@ def megaflow_spec(args, hf):
         "actor.optim.clip_grad=1.0", "actor.optim.lr_warmup_steps=0"])
     tree = config_to_dict(cfg)
     tree["model"]["hf_config"] = {k: v for k, v in hf.to_dict().items() if v is not None}
+    if cfg.trainer.total_steps is None:  # the recipe's steps are the lr schedule's length
+        raise ValueError("tiny_arith_grpo must set trainer.total_steps for this benchmark")
     return RoleSpec(run_from_dict(tree), "actor", cfg.trainer.total_steps)
 
 

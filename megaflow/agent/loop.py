@@ -218,13 +218,16 @@ class _ToolRankRun:
     def __init__(self, loop: AgentLoop, rows: Sequence[Mapping[str, Any]], seeds: Sequence[int]) -> None:
         if len(rows) != len(seeds):
             raise ValueError(f"got {len(seeds)} seeds for {len(rows)} rows")
+        if loop.renderer is None or loop.decode is None:
+            raise ValueError("the tool rank's AgentLoop needs a renderer and a decode function")
         self.loop, self.limits, self.seeds = loop, loop.limits, [int(s) for s in seeds]
+        self.renderer, self.decode = loop.renderer, loop.decode
         self.envs: list[Environment] = [make_environment(r.get("agent_name") or DEFAULT_ENVIRONMENT) for r in rows]
         self.trajectories: list[Trajectory] = []
         for env, row in zip(self.envs, rows, strict=True):
             start = env.reset(row)
             tools = [t.spec() for t in start.tools.values()]
-            self.trajectories.append(Trajectory(loop.renderer.prompt_ids(start.messages, tools),
+            self.trajectories.append(Trajectory(self.renderer.prompt_ids(start.messages, tools),
                                                 messages=list(start.messages), tools=tools))
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=loop.max_tool_threads,
                                                           thread_name_prefix="megaflow-agent")
@@ -250,7 +253,7 @@ class _ToolRankRun:
     def finish(self) -> list[Trajectory]:
         self.pool.shutdown(wait=True)
         for t in self.trajectories:
-            t.template_ok = self.loop.renderer.matches_template(t.messages, t.tools, t.prompt_ids + t.response_ids)
+            t.template_ok = self.renderer.matches_template(t.messages, t.tools, t.prompt_ids + t.response_ids)
         return self.trajectories
 
     # ---------------------------------------------------------------- one trajectory
@@ -261,7 +264,7 @@ class _ToolRankRun:
         t.response_mask += [1] * len(ids)
         t.log_probs += log_probs
         ended = bool(ids) and ids[-1] in self.loop.eos_token_ids
-        text = self.loop.decode(ids[:-1] if ended else ids)
+        text = self.decode(ids[:-1] if ended else ids)
         t.messages.append({"role": "assistant", "content": text})
         calls = parse_tool_calls(text) if ended else []
         if not ended:
@@ -284,7 +287,7 @@ class _ToolRankRun:
         if t.tool_seconds > self.limits.tool_time_s:
             t.stop_reason = "tool_time"
             return None
-        observation = self.loop.renderer.observation_ids([(o.tool, o.text) for o in step.observations])
+        observation = self.renderer.observation_ids([(o.tool, o.text) for o in step.observations])
         if len(t.response_ids) + len(observation) >= self.limits.response_length:
             t.stop_reason = "length"
             return None

@@ -83,8 +83,8 @@ def _top_p_threshold(z: torch.Tensor, top_p: float, group, tp_size: int) -> torc
     values, order = z.sort(dim=-1, descending=True)
     probs = exp_z.gather(-1, order) / total.unsqueeze(-1)
     above = torch.cumsum(probs, dim=-1) - probs  # local mass strictly above each token
-    count = (above < top_p).sum(-1).max().reshape(1)
-    count = int(_all_reduce(count, dist.ReduceOp.MAX, group, tp_size))
+    local_count = (above < top_p).sum(-1).max().reshape(1)
+    count = int(_all_reduce(local_count, dist.ReduceOp.MAX, group, tp_size))
     values = _all_gather_columns(values[:, :count], group, tp_size)
     probs = _all_gather_columns(probs[:, :count], group, tp_size)
     values, order = values.sort(dim=-1, descending=True)
@@ -282,6 +282,7 @@ def chunked_vocab_parallel_log_probs(hidden: torch.Tensor, weight: torch.Tensor,
         log_probs, entropy = vocab_parallel_log_probs(h @ w.t(), y, tp_group=tp_group, vocab_size=vocab_size,
                                                       temperature=temperature, top_p=top_p, top_k=top_k,
                                                       with_entropy=True)
+        assert entropy is not None  # (with_entropy=True)
         return log_probs, entropy
 
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)

@@ -182,9 +182,9 @@ def hf_order(spec: ModelSpec) -> list[tuple[ParamMapping, int | None]]:
     """The exported ``(row, global layer)`` units in HF's order: embedding, layers, norm,
     head. Expert rows appear once per layer (:func:`hf_units` expands them per expert)."""
     rows = exported_rows(spec)
-    return ([(r, None) for r in rows if r.stage == "first"]
-            + [(r, i) for i in range(spec.num_layers) for r in rows if r.per_layer]
-            + [(r, None) for r in rows if r.stage == "last"])
+    units: list[tuple[ParamMapping, int | None]] = [(r, None) for r in rows if r.stage == "first"]
+    units += [(r, i) for i in range(spec.num_layers) for r in rows if r.per_layer]
+    return units + [(r, None) for r in rows if r.stage == "last"]
 
 
 def hf_units(spec: ModelSpec) -> list[tuple[ParamMapping, int | None, int | None]]:
@@ -291,8 +291,8 @@ def megatron_shards_to_hf(row: ParamMapping, shards: Sequence[torch.Tensor], spe
                                        factor=kv_replication) for t in (k, v))
         return [q, k, v]
     if row.transform == "gate_up":
-        parts = [T.split_gate_up(s) for s in shards]
-        return [T.gather_tp([p[0] for p in parts], 0), T.gather_tp([p[1] for p in parts], 0)]
+        halves = [T.split_gate_up(s) for s in shards]
+        return [T.gather_tp([h[0] for h in halves], 0), T.gather_tp([h[1] for h in halves], 0)]
     full = T.gather_tp(shards, row.tp_dim)
     if row.transform == "vocab":
         full = T.unpad_vocab(full, spec.vocab_size)

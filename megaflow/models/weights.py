@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -34,10 +34,13 @@ from megaflow.models.hf_mapping import (
     megatron_shards_to_hf,
 )
 
+if TYPE_CHECKING:  # megatron-core has no type information: GPTModel reads as Any
+    from megatron.core.models.gpt import GPTModel
+
 log = logging.getLogger(__name__)
 
 
-def unwrap_model_chunks(model_chunks: Any) -> list[torch.nn.Module]:
+def unwrap_model_chunks(model_chunks: Any) -> list[GPTModel]:
     """A model or list of chunks -> list of bare GPTModels (DDP/Float16Module unwrapped)."""
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     unwrapped = []
@@ -48,18 +51,18 @@ def unwrap_model_chunks(model_chunks: Any) -> list[torch.nn.Module]:
     return unwrapped
 
 
-def _global_layers(chunk: torch.nn.Module) -> list[int]:
+def _global_layers(chunk: GPTModel) -> list[int]:
     """Global 0-based layer index of each local layer of ``chunk``."""
     return [layer.layer_number - 1 for layer in chunk.decoder.layers]
 
 
-def _has_scalar_head(chunk: torch.nn.Module, spec: ModelSpec) -> bool:
+def _has_scalar_head(chunk: GPTModel, spec: ModelSpec) -> bool:
     head = getattr(chunk, "output_layer", None)
     weight = getattr(head, "weight", None)
     return weight is not None and tuple(weight.shape) == (1, spec.hidden_size)
 
 
-def model_spec_for(chunks: Sequence[torch.nn.Module], spec: ModelSpec) -> ModelSpec:
+def model_spec_for(chunks: Sequence[GPTModel], spec: ModelSpec) -> ModelSpec:
     """``spec`` with ``head`` set to what these chunks have (critic/reward: ``score``).
 
     Only the last pipeline stage holds the head: on other stages this answers
@@ -71,7 +74,7 @@ def model_spec_for(chunks: Sequence[torch.nn.Module], spec: ModelSpec) -> ModelS
                                tie_word_embeddings=spec.tie_word_embeddings and not scalar)
 
 
-def shard_layout(chunk: torch.nn.Module, spec: ModelSpec, tp_size: int, tp_rank: int) -> ShardLayout:
+def shard_layout(chunk: GPTModel, spec: ModelSpec, tp_size: int, tp_rank: int) -> ShardLayout:
     """The :class:`ShardLayout` of a built chunk: padded vocab and KV-head replication."""
     num_query_groups = chunk.config.num_query_groups or chunk.config.num_attention_heads
     if num_query_groups % spec.num_kv_heads:
@@ -93,7 +96,7 @@ def global_expert(local: int, spec: ModelSpec, parallel_info: Any) -> int:
     return ep_rank * (spec.num_experts // ep_size) + local
 
 
-def _named_params(chunk: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+def _named_params(chunk: GPTModel) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in chunk.named_parameters() if p is not None]
 
 
@@ -201,13 +204,14 @@ def plan_export(model_chunks: Any, hf_config: Any, parallel_info: Any) -> Export
 
 
 def _owner(row: ParamMapping, layer: int | None, owners: dict[int, int], pp_size: int) -> int:
-    """The pipeline stage holding ``row`` at global ``layer``."""
-    if row.per_layer:
+    """The pipeline stage holding ``row`` at global ``layer`` (None for the rows of the
+    first and last stage, which are not per layer: :func:`~megaflow.models.hf_mapping.hf_order`)."""
+    if layer is not None:
         return owners[layer]
     return 0 if row.stage == "first" else pp_size - 1
 
 
-def _local_param(chunks: Sequence[torch.nn.Module], row: ParamMapping,
+def _local_param(chunks: Sequence[GPTModel], row: ParamMapping,
                  layer: int | None, expert: int | None = None) -> torch.Tensor:
     """This stage's parameter for ``row`` at global ``layer`` (any layer-spec alias), and
     for expert rows local ``expert``."""
@@ -258,7 +262,7 @@ def iter_hf_tensors(model_chunks: Any, hf_config: Any, parallel_info: Any, *,
     kv_replication = shard_layout(chunks[0], spec, info.tp_size, 0).kv_replication
     for row, layer, expert in hf_units(spec):
         names = hf_names(row, spec, layer, expert)
-        tensors: list[torch.Tensor | None] = [None] * len(names)
+        tensors: Sequence[torch.Tensor | None] = [None] * len(names)
         if active_experts if row.per_expert else active:
             owner = _owner(row, layer, plan.layer_owner, info.pp_size)
             tensors = _gather_row(chunks, row, layer, owner, spec, info, kv_replication,
@@ -267,7 +271,7 @@ def iter_hf_tensors(model_chunks: Any, hf_config: Any, parallel_info: Any, *,
             yield name, None if tensor is None else tensor.to(dtype or model_param.dtype)
 
 
-def _gather_row(chunks, row: ParamMapping, layer: int | None, owner: int, spec: ModelSpec,
+def _gather_row(chunks: Sequence[GPTModel], row: ParamMapping, layer: int | None, owner: int, spec: ModelSpec,
                 info: Any, kv_replication: int, like: torch.Tensor,
                 expert: int | None = None) -> list[torch.Tensor] | None:
     """Full HF tensors of one row (global ``expert`` for expert rows) on the writer; None
@@ -275,7 +279,7 @@ def _gather_row(chunks, row: ParamMapping, layer: int | None, owner: int, spec: 
     full = None
     ep_rank, ep_size = _ep(info)
     per_rank = spec.num_experts // ep_size if row.per_expert else 0
-    holder = expert // per_rank if row.per_expert else 0  # the EP rank holding the expert
+    holder = expert // per_rank if expert is not None else 0  # the EP rank holding the expert (expert rows)
     if info.pp_rank == owner and ep_rank == holder:
         local = _local_param(chunks, row, layer, None if expert is None else expert % per_rank).contiguous()
         shards = [local]
@@ -292,6 +296,7 @@ def _gather_row(chunks, row: ParamMapping, layer: int | None, owner: int, spec: 
     if owner == 0:
         return full
     if info.pp_rank == owner:
+        assert full is not None  # (this stage's TP rank 0 gathered the row, EP rank 0 received it above)
         for tensor in full:
             dist.send(tensor.contiguous(), dst=info.pp_ranks[0])
         return None
@@ -307,6 +312,7 @@ def _expert_to_ep_rank0(full: list[torch.Tensor] | None, names: Sequence[str], s
     stage and TP rank 0; returns them on EP rank 0, None elsewhere."""
     ranks = dist.get_process_group_ranks(info.ep_group)
     if info.ep_rank == holder:
+        assert full is not None  # (the holder's TP rank 0 gathered the expert's tensors)
         for tensor in full:
             dist.send(tensor.contiguous(), dst=ranks[0])
         return None

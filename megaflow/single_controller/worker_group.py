@@ -32,7 +32,7 @@ free port on its node), then all build their role objects with ``MASTER_ADDR``/
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -110,8 +110,10 @@ class _GroupCore:
             for rank, (node, local) in enumerate(layout):
                 pg, bundle = pool.bundle_of(rank)
                 strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
-                self.hosts.append(_RemoteHost.options(scheduling_strategy=strategy, **pool.actor_resources())
-                                  .remote(rank, world_size, local, node, pool.actor_threads()))
+                host = (_RemoteHost.options(scheduling_strategy=strategy, **pool.actor_resources())
+                        .remote(rank, world_size, local, node, pool.actor_threads()))
+                # Ray types .remote() as ``ActorHandle[T] | type[T]`` (for its typed-method stubs); it is a handle
+                self.hosts.append(cast(ray.actor.ActorHandle, host))
             self.where = [f"group {name_prefix!r} rank {r}" for r in range(world_size)]
             reports = get_all([h.metadata.remote(r == 0) for r, h in enumerate(self.hosts)], self.where, "start-up")
             self.metadata: list[WorkerMetadata] = [meta for meta, _ in reports]

@@ -44,7 +44,7 @@ def group_metric(batch: DataProto, metric: str) -> np.ndarray:
         KeyError: ``metric`` names no field of the batch (the available ones are listed).
     """
     if metric == "score":
-        return batch.batch["token_level_scores"].sum(-1).double().numpy()
+        return batch.tensors["token_level_scores"].sum(-1).double().numpy()
     field = REWARD_FIELD_PREFIX + metric
     if field not in batch.non_tensor_batch:
         known = ["score"] + sorted(k[len(REWARD_FIELD_PREFIX):] for k in batch.non_tensor_batch
@@ -67,7 +67,8 @@ def split_groups(batch: DataProto, metric: str = "score") -> tuple[list[str], li
     values = group_metric(batch, metric)
     uids = batch.non_tensor_batch["uid"]
     order = list(dict.fromkeys(uids.tolist()))
-    informative, flat = [], []
+    informative: list[str] = []
+    flat: list[str] = []
     for uid in order:
         group = values[uids == uid]
         group = group[~np.isnan(group)]

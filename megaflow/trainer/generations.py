@@ -53,7 +53,7 @@ def sample_generations(batch: DataProto, decode: Callable[[list[int]], str], cou
     """
     if count <= 0 or len(batch) == 0:
         return []
-    b, nt = batch.batch, batch.non_tensor_batch
+    b, nt = batch.tensors, batch.non_tensor_batch
     width = b["prompts"].shape[1]
     prompt_mask = b["attention_mask"][:, :width].bool()
     response_mask = b["response_mask"].bool()

@@ -114,7 +114,7 @@ def check_sequence_length(cfg: Config) -> None:
         hf, source = resolve_hf_config(path, inline, prefix)
         limit = hf.get("max_position_embeddings")
         if isinstance(limit, int) and not isinstance(limit, bool) and prompt + response > limit:
-            where = f"{source}.max_position_embeddings" if source.endswith("hf_config") else \
+            where = f"{source}.max_position_embeddings" if path is None or source.endswith("hf_config") else \
                 f"{Path(path).expanduser()}/config.json"
             raise ConfigError("rollout.response_length",
                               f"{response} + {{0}}={prompt} = {prompt + response} tokens exceeds the model's "
@@ -424,9 +424,16 @@ def check_model_dirs(cfg: Config) -> None:
 
 
 def tokenizer_source(cfg: Config) -> tuple[str, str]:
-    """``(dotted key, name or path)`` of the run's tokenizer."""
+    """``(dotted key, name or path)`` of the run's tokenizer.
+
+    Raises:
+        ConfigError: at ``model.tokenizer``, neither it nor ``model.path`` is set (the load refuses that too).
+    """
     if cfg.model.tokenizer is not None:
         return "model.tokenizer", cfg.model.tokenizer
+    if cfg.model.path is None:
+        raise ConfigError("model.tokenizer", "required when {0} is not set (an HF tokenizer directory, or 'arith')",
+                          ("model.path",))
     return "model.path", cfg.model.path
 
 

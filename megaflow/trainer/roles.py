@@ -14,12 +14,13 @@ placement).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from megaflow.topology.role_spec import RoleSpec
 from megaflow.trainer.proxies import (
     ActorProxy,
     CriticProxy,
+    MegatronProxy,
     RefProxy,
     RewardModelProxy,
     RoleProxy,
@@ -36,9 +37,7 @@ if TYPE_CHECKING:
 #: config section -> worker class
 ROLE_CLASSES = {"actor": ActorRolloutWorker, "ref": RefWorker, "critic": CriticWorker,
                 "reward_model": RewardModelWorker}
-#: role -> the typed proxy the controller calls it through
-PROXIES: dict[str, type[RoleProxy]] = {"actor": ActorProxy, "rollout": RolloutProxy, "ref": RefProxy,
-                                       "critic": CriticProxy, "reward_model": RewardModelProxy}
+_P = TypeVar("_P", bound=RoleProxy)
 
 
 def eos_token_ids(tokenizer: Any) -> tuple[int, ...]:
@@ -58,6 +57,11 @@ def _role_init_args(cfg: Config, role: str, tokenizer: Any, total_steps: int | N
     if role == "actor":
         return ClassWithInitArgs(ROLE_CLASSES[role], spec, eos_token_ids(tokenizer), int(tokenizer.pad_token_id))
     return ClassWithInitArgs(ROLE_CLASSES[role], spec)
+
+
+def _proxy(views: dict[str, Any], role: str, cls: type[_P]) -> _P | None:
+    """The typed proxy ``cls`` over ``role``'s group (None when the role is not configured)."""
+    return cls(views[role]) if role in views else None
 
 
 def resource_pool(cfg: Config, pool_name: str) -> ResourcePool:
@@ -114,9 +118,13 @@ def build_worker_groups(cfg: Config, tokenizer: Any, total_steps: int | None = N
     # Every role's init_model is started before any is awaited: roles on different pools build
     # their process groups and models at the same time; colocated roles share their processes,
     # whose Ray actors run the calls one after another in this order.
-    proxies = {role: PROXIES[role](view) for role, view in views.items()}
-    pending = [proxies[role].init_model_async() for role in ("actor", "rollout", "ref", "critic", "reward_model")
-               if role in proxies]
+    groups = WorkerGroups(actor=ActorProxy(views["actor"]), ref=_proxy(views, "ref", RefProxy),
+                          critic=_proxy(views, "critic", CriticProxy),
+                          reward_model=_proxy(views, "reward_model", RewardModelProxy), resource_pools=pools,
+                          rollout=_proxy(views, "rollout", RolloutProxy))
+    starting: list[MegatronProxy | RolloutProxy | None] = [groups.actor, groups.rollout, groups.ref, groups.critic,
+                                                           groups.reward_model]
+    pending = [proxy.init_model_async() for proxy in starting if proxy is not None]
     for future in pending:
         future.get()
     if split is not None:
@@ -126,13 +134,13 @@ def build_worker_groups(cfg: Config, tokenizer: Any, total_steps: int | None = N
 
         par = role_parallel(cfg, "actor")
         layout = plan_hybrid_layout(par.tp, par.pp, par.dp, cfg.rollout.tp)  # as the actor plans it
-        connect_split(proxies["actor"], proxies["rollout"], layout, backend="nccl" if res.use_gpu else "gloo")
+        assert groups.rollout is not None  # (split placement: the rollout role has its own pool, pools_in_use)
+        connect_split(groups.actor, groups.rollout, layout, backend="nccl" if res.use_gpu else "gloo")
     # The processes' start-up ends here: garbage collection, paused since they started, resumes
     # (a no-op call on the second view of colocated roles).
     for view in views.values():
         view.end_startup()
-    return WorkerGroups(actor=proxies["actor"], ref=proxies.get("ref"), critic=proxies.get("critic"),
-                        reward_model=proxies.get("reward_model"), resource_pools=pools, rollout=proxies.get("rollout"))
+    return groups
 
 
 def shutdown_worker_groups(groups: WorkerGroups) -> None:
@@ -147,4 +155,4 @@ def shutdown_worker_groups(groups: WorkerGroups) -> None:
     groups.resource_pools.clear()
 
 
-__all__ = ["build_worker_groups", "shutdown_worker_groups", "eos_token_ids", "ROLE_CLASSES", "PROXIES"]
+__all__ = ["build_worker_groups", "shutdown_worker_groups", "eos_token_ids", "ROLE_CLASSES"]

@@ -82,6 +82,18 @@ def connect_split(actor: ActorProxy, rollout: RolloutProxy, actor_layout: Hybrid
     return plan
 
 
+def _rollout_group(groups: WorkerGroups) -> RolloutProxy:
+    """``groups.rollout``, the engines' own group under split placement.
+
+    Raises:
+        ValueError: the groups have no rollout group (the engines live in the actor's processes).
+    """
+    if groups.rollout is None:
+        raise ValueError("split placement needs a rollout group of its own (resources.placement.rollout); "
+                         "these worker groups have none")
+    return groups.rollout
+
+
 def sync_split_weights(groups: WorkerGroups, rollout_cfg: RolloutConfig, *, dtype: str) -> dict[str, float]:
     """One split-placement sync: the actor broadcasts (in buckets of
     ``rollout.weight_sync_bucket_mb``), the rollout group receives, both in lockstep; with
@@ -97,13 +109,14 @@ def sync_split_weights(groups: WorkerGroups, rollout_cfg: RolloutConfig, *, dtyp
     """
     from megaflow.workers.rollout_worker import check_split_synced
 
+    rollout = _rollout_group(groups)
     per_actor, per_rollout = GroupFuture.get_together([
         groups.actor.sync_rollout_weights_async(verify=False, bucket_mb=rollout_cfg.weight_sync_bucket_mb),
-        groups.rollout.receive_weights_async()])  # a failure on either side raises at once
+        rollout.receive_weights_async()])  # a failure on either side raises at once
     metrics = check_split_synced(per_actor, per_rollout)
     metrics["rollout/actor_version"] = float(per_actor[0].actor_version)
     if rollout_cfg.verify_sync:
-        metrics["rollout/verify_sync_max_diff"] = verify_split_sync(groups.actor, groups.rollout, dtype)
+        metrics["rollout/verify_sync_max_diff"] = verify_split_sync(groups.actor, rollout, dtype)
     return metrics
 
 
@@ -122,10 +135,10 @@ def verify_split_sync(actor: ActorProxy, rollout: RolloutProxy, dtype: str) -> f
 
     out = rollout.probe_rollout()[0]
     keys = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask")
-    trainer = actor.compute_log_prob(DataProto.from_dict({k: out.batch[k] for k in keys},
+    trainer = actor.compute_log_prob(DataProto.from_dict({k: out.tensors[k] for k in keys},
                                                          meta_info={"temperature": 1.0}))
-    mask = out.batch["response_mask"].bool()
-    delta = (out.batch["rollout_log_probs"] - trainer.batch["old_log_probs"].to(torch.float32)).abs()
+    mask = out.tensors["response_mask"].bool()
+    delta = (out.tensors["rollout_log_probs"] - trainer.tensors["old_log_probs"].to(torch.float32)).abs()
     worst = float(delta[mask].max()) if mask.any() else 0.0
     tolerance = verify_sync_tolerance(dtype)
     if worst > tolerance:
@@ -241,8 +254,8 @@ class ColocatedSource:
 
         r = self.cfg.rollout
         per_rank = self.groups.actor.sync_rollout_weights(verify=r.verify_sync, bucket_mb=r.weight_sync_bucket_mb)
-        metrics = check_synced(per_rank)
-        return SyncReport(actor_version=per_rank[0].actor_version, metrics=metrics)
+        metrics = check_synced(per_rank)  # every engine serves its actor rank's version
+        return SyncReport(actor_version=per_rank[0].synced_actor_version, metrics=metrics)
 
     def _engines(self) -> ActorProxy | RolloutProxy:
         """The group whose ``generate_sequences`` runs the engines."""
@@ -293,7 +306,7 @@ class SplitSource(ColocatedSource):
         return SyncReport(actor_version=int(metrics["rollout/actor_version"]), metrics=metrics)
 
     def _engines(self) -> ActorProxy | RolloutProxy:
-        return self.groups.rollout
+        return _rollout_group(self.groups)
 
 
 @dataclasses.dataclass
@@ -359,12 +372,18 @@ class OneStepOffSource(SplitSource):
 
     def _start(self, item: _InFlight) -> None:
         item.prompts, gen_in = self._request(item.prompts, self.cfg.rollout.n, greedy=False, step=item.step)
-        item.future = self.groups.rollout.generate_sequences_async(gen_in)
+        item.future = _rollout_group(self.groups).generate_sequences_async(gen_in)
 
     def next_batch(self, step: int) -> tuple[DataProto, dict[str, float]]:
         """The batch of ``step`` (generated with the previous sync's weights, or, on the first
         step and the first after a resume, with this step's), after starting the generation of
-        the batch of ``step + 1`` with the weights of this step's sync."""
+        the batch of ``step + 1`` with the weights of this step's sync.
+
+        Raises:
+            RuntimeError: called before the first :meth:`sync` (no actor version to bound the staleness by).
+        """
+        if self.actor_version is None:
+            raise RuntimeError("OneStepOffSource.next_batch before the first sync: no actor version to bound staleness")
         if not self.queue:  # the first step (or the first after a resume): nothing in flight yet
             self.queue.append(self._draw(step))
         head = self.queue[0]
@@ -377,7 +396,7 @@ class OneStepOffSource(SplitSource):
         batch, metrics = join_rollout(head.prompts, head.future.get(), self.cfg.rollout.n)
         metrics = self._relative_times(metrics)
         self._timeline["timeline/train_start"] = time.time() - self.origin
-        metrics.update(staleness_metrics(batch.batch["weight_version"], self.actor_version, self.max_staleness))
+        metrics.update(staleness_metrics(batch.tensors["weight_version"], self.actor_version, self.max_staleness))
         return batch, metrics
 
     def correction(self) -> RolloutCorrectionConfig:

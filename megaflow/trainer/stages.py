@@ -98,7 +98,8 @@ def join_rollout(prompts: DataProto, out: GroupProtoResult, n: int) -> tuple[Dat
         repeated ``n`` times, joined with the rollout's rows (``meta_info`` dropped: the
         sampling parameters stay with the call); and :func:`rollout_metrics`.
     """
-    rest = prompts.select(batch_keys=[k for k in prompts.batch.keys() if k not in ROLLOUT_REPLACES])
+    kept = [k for k in prompts.tensors.keys() if isinstance(k, str) and k not in ROLLOUT_REPLACES]
+    rest = prompts.select(batch_keys=kept)
     rest = rest.repeat(n, interleave=True)
     if rest.batch is not None and len(rest.batch.keys()) == 0:
         rest.batch = None
@@ -116,8 +117,8 @@ def prompts_of(batch: DataProto, n: int) -> DataProto:
         KeyError: the batch has no ``prompts`` or ``attention_mask``.
     """
     rows = torch.arange(0, len(batch), n)
-    prompt_ids = batch.batch["prompts"][rows]
-    mask = batch.batch["attention_mask"][rows, : prompt_ids.shape[1]]
+    prompt_ids = batch.tensors["prompts"][rows]
+    mask = batch.tensors["attention_mask"][rows, : prompt_ids.shape[1]]
     return DataProto.from_dict({"input_ids": prompt_ids, "attention_mask": mask},
                                {k: v[rows.numpy()] for k, v in batch.non_tensor_batch.items()})
 
@@ -128,7 +129,7 @@ def kl_in_reward(batch: DataProto, kl_ctrl: Any, kind: str) -> tuple[DataProto, 
     Needs ``token_level_scores``, ``old_log_probs``, ``ref_log_probs``, ``response_mask``
     (all ``[B, R]``). Updates the KL controller with the batch's KL (Ziegler et al. 2019).
     """
-    b = batch.batch
+    b = batch.tensors
     rewards, metrics = apply_kl_penalty(b["token_level_scores"], b["old_log_probs"], b["ref_log_probs"],
                                         b["response_mask"], kl_ctrl.value, kind)
     kl_ctrl.update(metrics["kl"], n_steps=len(batch))
@@ -139,7 +140,7 @@ def kl_in_reward(batch: DataProto, kl_ctrl: Any, kind: str) -> tuple[DataProto, 
 
 def scores_as_rewards(batch: DataProto) -> tuple[DataProto, dict[str, float]]:
     """No KL in the reward: ``token_level_rewards = token_level_scores``."""
-    out = DataProto.from_dict({"token_level_rewards": batch.batch["token_level_scores"].clone()})
+    out = DataProto.from_dict({"token_level_rewards": batch.tensors["token_level_scores"].clone()})
     return batch.union(out), {}
 
 
@@ -159,7 +160,7 @@ def check_rollout_batch(batch: DataProto) -> None:
     b = batch.batch
     missing = [k for k in ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
                if b is None or k not in b.keys()]
-    if missing:
+    if missing or b is None:  # (no batch: every field is missing)
         raise ValueError(f"the rollout returned no {missing}")
     ids, mask, pos, resp, resp_mask = (b[k] for k in ("input_ids", "attention_mask", "position_ids", "responses",
                                                       "response_mask"))
@@ -197,7 +198,7 @@ def add_advantages(batch: DataProto, estimator: str, *, gamma: float, lam: float
     ``[B]``) are passed when present; the estimator decides which it needs and raises a
     clear error for a missing one.
     """
-    b = batch.batch
+    b = batch.tensors
     keys = b.keys()
     advantages, returns = compute_advantages(
         estimator,
@@ -233,7 +234,8 @@ def balanced_dp_order(lengths: torch.Tensor, dp_size: int) -> torch.Tensor:
     if dp_size < 1 or rows % dp_size:
         raise ValueError(f"{rows} rows do not split evenly over dp_size={dp_size}")
     per_rank = rows // dp_size
-    totals, members = [0] * dp_size, [[] for _ in range(dp_size)]
+    totals = [0] * dp_size
+    members: list[list[int]] = [[] for _ in range(dp_size)]
     for row in torch.sort(lengths, descending=True, stable=True).indices.tolist():
         rank = min((r for r in range(dp_size) if len(members[r]) < per_rank), key=lambda r: (totals[r], r))
         members[rank].append(row)
@@ -247,7 +249,7 @@ def balance_batch(batch: DataProto, dp_size: int) -> tuple[DataProto, dict[str, 
     Returns the reordered batch and ``perf/dp_tokens_imbalance`` (max / mean tokens per rank,
     1 = perfectly balanced).
     """
-    lengths = batch.batch["attention_mask"].sum(-1)
+    lengths = batch.tensors["attention_mask"].sum(-1)
     order = balanced_dp_order(lengths, dp_size)
     per_rank = lengths[order].reshape(dp_size, -1).sum(-1).float()
     return batch[order], {"perf/dp_tokens_imbalance": float(per_rank.max() / per_rank.mean().clamp_min(1))}
@@ -263,9 +265,9 @@ def bypass_old_log_probs(batch: DataProto) -> DataProto:
     Raises:
         KeyError: the rollout returned no ``rollout_log_probs``.
     """
-    if "rollout_log_probs" not in batch.batch.keys():
+    if "rollout_log_probs" not in batch.tensors.keys():
         raise KeyError("bypass mode needs the rollout's rollout_log_probs")
-    return batch.union(DataProto.from_dict({"old_log_probs": batch.batch["rollout_log_probs"].clone()}))
+    return batch.union(DataProto.from_dict({"old_log_probs": batch.tensors["rollout_log_probs"].clone()}))
 
 
 def _rejection(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor,
@@ -321,7 +323,7 @@ def rollout_correction(batch: DataProto, rc: Any, *, step: int) -> tuple[DataPro
     """
     from megaflow.algorithms import rollout_correction_metrics
 
-    b = batch.batch
+    b = batch.tensors
     if "rollout_log_probs" not in b.keys() or "old_log_probs" not in b.keys():
         return batch, {}
     old, rollout, mask = b["old_log_probs"], b["rollout_log_probs"], b["response_mask"]
@@ -344,12 +346,12 @@ def rollout_correction(batch: DataProto, rc: Any, *, step: int) -> tuple[DataPro
     metrics = {f"rollout_corr/{k}": v for k, v in {**stats, **verl_metrics}.items()}
     if not extra and kept is None:
         return batch, metrics
-    actor_batch = DataProto(batch=batch.batch.clone(recurse=False), non_tensor_batch=dict(batch.non_tensor_batch),
+    actor_batch = DataProto(batch=batch.tensors.clone(recurse=False), non_tensor_batch=dict(batch.non_tensor_batch),
                             meta_info=dict(batch.meta_info))
     for key, value in extra.items():
-        actor_batch.batch[key] = value
+        actor_batch.tensors[key] = value
     if kept is not None:
-        actor_batch.batch["response_mask"] = kept
+        actor_batch.tensors["response_mask"] = kept
     return actor_batch, metrics
 
 
@@ -370,7 +372,7 @@ def compute_data_metrics(batch: DataProto, max_response_length: int) -> dict[str
     tokens (absolute difference of probabilities), the standard check that rollout and
     training agree.
     """
-    b = batch.batch
+    b = batch.tensors
     mask = b["response_mask"].bool()
     seq_scores = b["token_level_scores"].sum(-1)
     seq_rewards = b["token_level_rewards"].sum(-1) if "token_level_rewards" in b.keys() else seq_scores
