@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from megaflow.topology.role_spec import RoleSpec
 from megaflow.trainer.proxies import (
     ActorProxy,
+    CostCriticProxy,
     CriticProxy,
     RefProxy,
     RewardModelProxy,
@@ -27,7 +28,7 @@ from megaflow.trainer.proxies import (
     WorkerGroups,
 )
 from megaflow.workers.actor_rollout import ActorRolloutWorker
-from megaflow.workers.megatron_workers import CriticWorker, RefWorker, RewardModelWorker
+from megaflow.workers.megatron_workers import CostCriticWorker, CriticWorker, RefWorker, RewardModelWorker
 
 if TYPE_CHECKING:
     from megaflow.config import Config
@@ -35,10 +36,11 @@ if TYPE_CHECKING:
 
 #: config section -> worker class
 ROLE_CLASSES = {"actor": ActorRolloutWorker, "ref": RefWorker, "critic": CriticWorker,
-                "reward_model": RewardModelWorker}
+                "reward_model": RewardModelWorker, "cost_critic": CostCriticWorker}
 #: role -> the typed proxy the controller calls it through
 PROXIES: dict[str, type[RoleProxy]] = {"actor": ActorProxy, "rollout": RolloutProxy, "ref": RefProxy,
-                                       "critic": CriticProxy, "reward_model": RewardModelProxy}
+                                       "critic": CriticProxy, "reward_model": RewardModelProxy,
+                                       "cost_critic": CostCriticProxy}
 
 
 def eos_token_ids(tokenizer: Any) -> tuple[int, ...]:
@@ -115,7 +117,8 @@ def build_worker_groups(cfg: Config, tokenizer: Any, total_steps: int | None = N
     # their process groups and models at the same time; colocated roles share their processes,
     # whose Ray actors run the calls one after another in this order.
     proxies = {role: PROXIES[role](view) for role, view in views.items()}
-    pending = [proxies[role].init_model_async() for role in ("actor", "rollout", "ref", "critic", "reward_model")
+    pending = [proxies[role].init_model_async() for role in ("actor", "rollout", "ref", "critic", "cost_critic",
+                                                                 "reward_model")
                if role in proxies]
     for future in pending:
         future.get()
@@ -132,7 +135,8 @@ def build_worker_groups(cfg: Config, tokenizer: Any, total_steps: int | None = N
     for view in views.values():
         view.end_startup()
     return WorkerGroups(actor=proxies["actor"], ref=proxies.get("ref"), critic=proxies.get("critic"),
-                        reward_model=proxies.get("reward_model"), resource_pools=pools, rollout=proxies.get("rollout"))
+                        reward_model=proxies.get("reward_model"), resource_pools=pools, rollout=proxies.get("rollout"),
+                        cost_critic=proxies.get("cost_critic"))
 
 
 def shutdown_worker_groups(groups: WorkerGroups) -> None:
