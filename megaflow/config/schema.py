@@ -194,13 +194,16 @@ class RolloutCorrectionConfig(Section):
     seq_sum_k1|k2|k3, seq_mean_k1|k2|k3, seq_max_k2|k3 (k1 = log(pi_rollout / pi_old) per token,
     k2 = delta^2 / 2, k3 = exp(delta) - 1 - delta; megaflow.algorithms.off_policy). Needs
     rs_threshold; excludes rejection."""
-    rs_threshold: str | None = None
-    """verl's rollout_rs_threshold: one value for every rs option or one per option
-    (comma-separated); a k1 entry is 'lower_upper' (ratios) or u meaning [1/u, u], a k2/k3 entry
-    an upper bound. A string: quote a single number in YAML ('0.01')."""
+    rs_threshold: Any = None
+    """verl's rollout_rs_threshold (a string or a number, as verl's str | float): one value for
+    every rs option or one per option (comma-separated); a k1 entry is 'lower_upper' (ratios,
+    e.g. '0.5_2.0') or u meaning [1/u, u], a k2/k3 entry an upper bound. A number is read as
+    its text (2 -> '2'), as verl does; stored as that string."""
     is_batch_normalize: bool = False
     """Divide the truncated weights by their batch mean (token: over valid tokens; sequence,
-    geometric: over the rows with valid tokens), verl's rollout_is_batch_normalize."""
+    geometric: over the rows with valid tokens), verl's rollout_is_batch_normalize. The batch is
+    the step's batch, or in bypass mode each micro-batch: verl's bypass loss recomputes (and
+    normalises) the weights inside the loss, per micro-batch, and so does megaflow's."""
     icepop_lower: float | None = None
     """IcePop weight band (with icepop_upper; needs is_level): importance ratios outside
     [icepop_lower, icepop_upper] get weight 0 before truncation; unlike rejection the tokens
@@ -234,6 +237,13 @@ class RolloutCorrectionConfig(Section):
     refused). Sequence IS with rejection takes verl's is_weight_tokens=valid."""
 
     def __post_init__(self) -> None:
+        threshold = self.rs_threshold
+        if isinstance(threshold, (int, float)) and not isinstance(threshold, bool):  # verl: str(threshold)
+            check(math.isfinite(threshold), "rs_threshold", f"must be a finite number, got {threshold!r}")
+            object.__setattr__(self, "rs_threshold", str(threshold))
+        check(self.rs_threshold is None or isinstance(self.rs_threshold, str), "rs_threshold",
+              f"expected a string ('lower_upper', 'u' or comma-separated) or a number, got "
+              f"{type(threshold).__name__} {threshold!r}")
         if self.preset is not None:
             check(self.preset in ROLLOUT_CORRECTION_PRESETS, "preset",
                   f"unknown preset {self.preset!r}; valid: {', '.join(ROLLOUT_CORRECTION_PRESETS)}")
