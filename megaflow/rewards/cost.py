@@ -74,7 +74,7 @@ class RuleCostManager(RuleRewardManager):
         self.cost_kwargs = dict(cost_kwargs or {})
 
     def _specs(self, sources: np.ndarray) -> dict[str, RewardSpec]:
-        return {source: self.spec for source in set(sources)}
+        return dict.fromkeys(set(sources), self.spec)
 
     def _score_one(self, spec: RewardSpec, data: DataProto, i: int, source: str, text: str,
                    truth: Any, extra: Any) -> dict[str, float]:
@@ -83,6 +83,7 @@ class RuleCostManager(RuleRewardManager):
 
     def __call__(self, data: DataProto) -> DataProto:
         scored = super().__call__(data)
+        assert scored.batch is not None  # (the manager always returns token_level_scores)
         fields = {COST_FIELD_PREFIX + k[len(REWARD_FIELD_PREFIX):]: v for k, v in scored.non_tensor_batch.items()}
         return DataProto.from_dict({"token_level_costs": scored.batch["token_level_scores"]}, non_tensors=fields)
 

@@ -410,6 +410,7 @@ class WorkerGroups:
         return {name: group for name in ("actor", "rollout", "ref", "critic", "cost_critic", "reward_model")
                 if (group := getattr(self, name)) is not None}
 
-__all__ = ["WorkerGroups", "ActorProxy", "RolloutProxy", "RefProxy", "CriticProxy", "CostCriticProxy", "RewardModelProxy", "MegatronProxy",
+__all__ = ["WorkerGroups", "ActorProxy", "RolloutProxy", "RefProxy", "CriticProxy", "CostCriticProxy",
+           "RewardModelProxy", "MegatronProxy",
            "RoleProxy", "WorkerGroupLike", "Reads", "reads", "declared_reads", "inputs_for", "FORWARD_KEYS",
            "PROMPT_KEYS", "SAMPLING_META", "GROUP_MEMBERS"]

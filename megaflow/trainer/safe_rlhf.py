@@ -34,6 +34,8 @@ from megaflow.rewards.manager import reward_metrics
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from tensordict import TensorDict
+
     from megaflow.config import Config
     from megaflow.trainer.proxies import CostCriticProxy
 
@@ -62,6 +64,13 @@ def resolve_cost_function(cfg: Config) -> Callable[..., Any]:
     return fn
 
 
+def _tensors(batch: DataProto) -> TensorDict:
+    """The batch's tensors (a step's batch always has them)."""
+    if batch.batch is None:
+        raise ValueError("Safe RLHF's stages need a batch with tensors")
+    return batch.batch
+
+
 class SafeRLHF:
     """The controller's Safe RLHF state and stages (see the module docstring).
 
@@ -83,7 +92,7 @@ class SafeRLHF:
 
     def add_cost_values(self, batch: DataProto, cost_critic: CostCriticProxy) -> DataProto:
         """``cost_values`` ``[B, R]`` from the cost critic."""
-        values = cost_critic.compute_values(batch).batch["values"]
+        values = _tensors(cost_critic.compute_values(batch))["values"]
         return batch.union(DataProto.from_dict({"cost_values": values}))
 
     def lagrangian_step(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
@@ -94,7 +103,7 @@ class SafeRLHF:
         ``reward_advantages``, ``cost_advantages``, ``cost_returns`` (all ``[B, R]``), and the
         ``safe/*`` metrics (lambda after the step, the mean episode cost, its gap to the limit).
         """
-        b, algo = batch.batch, self.algo
+        b, algo = _tensors(batch), self.algo
         mask = b["response_mask"]
         cost_adv, cost_ret = compute_advantages("gae", token_level_rewards=b["token_level_costs"],
                                                 response_mask=mask, values=b["cost_values"], gamma=algo.gamma,
@@ -106,7 +115,7 @@ class SafeRLHF:
         out = DataProto.from_dict({"reward_advantages": b["advantages"], "cost_advantages": cost_adv,
                                    "cost_returns": cost_ret})
         batch = batch.union(out)
-        batch.batch["advantages"] = combined
+        _tensors(batch)["advantages"] = combined
         metrics = {"safe/lambda": lam, "safe/lambda_before": lam_before, "safe/log_lambda": self.multiplier.log_lambda,
                    "safe/episode_cost/mean": mean_cost,
                    "safe/episode_cost/minus_limit": mean_cost - self.multiplier.cost_limit,
@@ -120,7 +129,7 @@ class SafeRLHF:
     def update_cost_critic(batch: DataProto, cost_critic: CostCriticProxy) -> dict[str, float]:
         """Fit the cost critic to ``cost_returns`` (its old values ``cost_values``); the update's
         metrics as ``cost_critic/...``."""
-        b = batch.batch
+        b = _tensors(batch)
         inputs = DataProto.from_dict({k: b[k] for k in ("input_ids", "attention_mask", "responses", "response_mask")}
                                      | {"values": b["cost_values"], "returns": b["cost_returns"]})
         per_rank = cost_critic.update_critic(inputs)

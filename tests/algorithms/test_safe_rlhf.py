@@ -70,7 +70,8 @@ def test_state_round_trips_exactly_and_refuses_bad_values():
     assert restored.update(0.5) == m.update(0.5)
     with pytest.raises(ValueError, match="log_lambda"):
         restored.load_state_dict({"log_lambda": float("inf")})
-    for kwargs, name in (({"lambda_init": 0.0}, "lambda_init"), ({"lr": -1.0}, "lr"), ({"lambda_max": 0.0}, "lambda_max")):
+    for kwargs, name in (({"lambda_init": 0.0}, "lambda_init"), ({"lr": -1.0}, "lr"),
+                         ({"lambda_max": 0.0}, "lambda_max")):
         args = {"lambda_init": 1.0, "lr": 0.1, "cost_limit": 0.0, **kwargs}
         with pytest.raises(ValueError, match=name):
             LagrangeMultiplier(**args)

@@ -13,7 +13,6 @@ import torch
 from megaflow.algorithms import compute_advantages
 from megaflow.config.schema import SafeRLHFConfig
 from megaflow.protocol import DataProto
-from megaflow.rewards.cost import contains_digit
 from megaflow.trainer.checkpoint import CheckpointManager
 from megaflow.trainer.ppo_trainer import RayPPOTrainer, WorkerGroups
 from megaflow.trainer.proxies import ActorProxy, CostCriticProxy, CriticProxy
@@ -79,7 +78,7 @@ def test_one_step_by_hand(tmp_path, logged):
     mask = sent["response_mask"]
     responses = sent["responses"]
     # the rule cost: 1 on the last valid token of every response with an 8 among its valid tokens
-    has8 = torch.tensor([8 in r[m.bool()].tolist() for r, m in zip(responses, mask)], dtype=torch.float32)
+    has8 = torch.tensor([8 in r[m.bool()].tolist() for r, m in zip(responses, mask, strict=True)], dtype=torch.float32)
     costs = torch.zeros(mask.shape)
     costs[torch.arange(len(has8)), mask.sum(-1) - 1] = has8
     cost_adv, cost_ret = compute_advantages("gae", token_level_rewards=costs, response_mask=mask,
