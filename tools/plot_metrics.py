@@ -25,7 +25,9 @@ from megaflow.utils.tracking import METRICS_FILE, read_metrics_jsonl
 DEFAULT_EXCLUDE = ("timing_s/*",)
 TITLE_FONTSIZE = 9
 #: Drawn first when present (in this order); the other metrics follow alphabetically.
-PRIORITY = ("critic/score/mean", "reward/acc/mean", "val/*", "response_length/mean", "actor/entropy")
+#: Safe RLHF runs add lambda, the mean episode cost and the cost critic's values and loss.
+PRIORITY = ("critic/score/mean", "reward/acc/mean", "safe/lambda", "safe/episode_cost/mean", "safe/cost_values/mean",
+            "cost_critic/vf_loss", "val/*", "response_length/mean", "actor/entropy")
 
 
 def _priority(key: str) -> tuple[int, str]:

@@ -24,6 +24,7 @@ pool as ``world_size / (tp * pp * cp)`` (:func:`megaflow.topology.sizes.role_par
 """
 from __future__ import annotations
 
+import math
 import re
 import shutil
 from collections.abc import Mapping
@@ -193,13 +194,16 @@ class RolloutCorrectionConfig(Section):
     seq_sum_k1|k2|k3, seq_mean_k1|k2|k3, seq_max_k2|k3 (k1 = log(pi_rollout / pi_old) per token,
     k2 = delta^2 / 2, k3 = exp(delta) - 1 - delta; megaflow.algorithms.off_policy). Needs
     rs_threshold; excludes rejection."""
-    rs_threshold: str | None = None
-    """verl's rollout_rs_threshold: one value for every rs option or one per option
-    (comma-separated); a k1 entry is 'lower_upper' (ratios) or u meaning [1/u, u], a k2/k3 entry
-    an upper bound. A string: quote a single number in YAML ('0.01')."""
+    rs_threshold: Any = None
+    """verl's rollout_rs_threshold (a string or a number, as verl's str | float): one value for
+    every rs option or one per option (comma-separated); a k1 entry is 'lower_upper' (ratios,
+    e.g. '0.5_2.0') or u meaning [1/u, u], a k2/k3 entry an upper bound. A number is read as
+    its text (2 -> '2'), as verl does; stored as that string."""
     is_batch_normalize: bool = False
     """Divide the truncated weights by their batch mean (token: over valid tokens; sequence,
-    geometric: over the rows with valid tokens), verl's rollout_is_batch_normalize."""
+    geometric: over the rows with valid tokens), verl's rollout_is_batch_normalize. The batch is
+    the step's batch, or in bypass mode each micro-batch: verl's bypass loss recomputes (and
+    normalises) the weights inside the loss, per micro-batch, and so does megaflow's."""
     icepop_lower: float | None = None
     """IcePop weight band (with icepop_upper; needs is_level): importance ratios outside
     [icepop_lower, icepop_upper] get weight 0 before truncation; unlike rejection the tokens
@@ -233,6 +237,13 @@ class RolloutCorrectionConfig(Section):
     refused). Sequence IS with rejection takes verl's is_weight_tokens=valid."""
 
     def __post_init__(self) -> None:
+        threshold = self.rs_threshold
+        if isinstance(threshold, (int, float)) and not isinstance(threshold, bool):  # verl: str(threshold)
+            check(math.isfinite(threshold), "rs_threshold", f"must be a finite number, got {threshold!r}")
+            object.__setattr__(self, "rs_threshold", str(threshold))
+        check(self.rs_threshold is None or isinstance(self.rs_threshold, str), "rs_threshold",
+              f"expected a string ('lower_upper', 'u' or comma-separated) or a number, got "
+              f"{type(threshold).__name__} {threshold!r}")
         if self.preset is not None:
             check(self.preset in ROLLOUT_CORRECTION_PRESETS, "preset",
                   f"unknown preset {self.preset!r}; valid: {', '.join(ROLLOUT_CORRECTION_PRESETS)}")
@@ -323,6 +334,59 @@ class FilterGroupsConfig(Section):
         check(self.metric.isidentifier(), "metric", f"must be 'score' or a reward field name, got {self.metric!r}")
 
 
+#: Built-in rule cost functions (megaflow.rewards.cost) -> the range of their episode cost,
+#: against which algorithm.safe_rlhf.cost_limit is checked at load.
+COST_FUNCTION_RANGES: dict[str, tuple[float, float]] = {"contains_digit": (0.0, 1.0)}
+
+
+@dataclass(frozen=True)
+class SafeRLHFConfig(Section):
+    """Safe RLHF's PPO-Lagrangian (Dai et al. 2023; megaflow.algorithms.safe_rlhf): a rule
+    cost per response, a cost critic (a second critic group with the critic section's
+    settings) with its own GAE, and a Lagrange multiplier lambda updated by dual ascent on
+    (mean episode cost - cost_limit); the actor's advantage is (A_r - lambda A_c) / (1 + lambda)."""
+
+    enable: bool = False
+    """Turn Safe RLHF on (needs adv_estimator=gae: the reward critic and the cost critic)."""
+    cost_function: str = "contains_digit"
+    """The rule cost: a built-in name (contains_digit: 1 if the response's text contains
+    cost_kwargs.digit, else 0) or 'package.module:function' with the reward scorers'
+    signature, returning the cost as 'score'."""
+    cost_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the cost function (contains_digit: {digit: 0-9})."""
+    cost_limit: float = 0.0
+    """d: the mean episode cost the policy must stay at or below (safe-rlhf's threshold);
+    within the cost's range for a built-in cost."""
+    lambda_init: float = 1.0
+    """Initial lambda (> 0)."""
+    lambda_lr: float = 0.1
+    """Learning rate of the ascent step on log lambda (> 0): log lambda += lr x lambda x (J_C - d)."""
+    lambda_max: float | None = None
+    """Upper bound of lambda (> 0); null: none."""
+
+    def validate(self) -> None:
+        check_positive(self, "lambda_init", "lambda_lr", "lambda_max")
+        if self.enable:
+            self._validate_cost()
+
+    def _validate_cost(self) -> None:
+        """The cost function's name, the limit within its range, contains_digit's digit."""
+        module, sep, name = self.cost_function.partition(":")
+        check(self.cost_function in COST_FUNCTION_RANGES or (bool(sep) and bool(module) and name.isidentifier()),
+              "cost_function", f"expected one of {', '.join(COST_FUNCTION_RANGES)} or 'package.module:function', "
+                               f"got {self.cost_function!r}")
+        low, high = COST_FUNCTION_RANGES.get(self.cost_function, (-math.inf, math.inf))
+        check(low <= self.cost_limit <= high and math.isfinite(self.cost_limit), "cost_limit",
+              f"must lie in the episode-cost range [{low}, {high}] of {{0}}={self.cost_function!r}, "
+              f"got {self.cost_limit}", "cost_function")
+        if self.cost_function == "contains_digit":
+            digit = self.cost_kwargs.get("digit")
+            check(isinstance(digit, int) and not isinstance(digit, bool) and 0 <= digit <= 9, "cost_kwargs.digit",
+                  f"contains_digit needs an integer digit in 0-9, got {digit!r}")
+        unknown = sorted(set(self.cost_kwargs) - {"digit"}) if self.cost_function == "contains_digit" else []
+        check(not unknown, "cost_kwargs", f"contains_digit takes only 'digit', got {unknown}")
+
+
 @dataclass(frozen=True)
 class AlgorithmConfig(Section):
     """Advantage estimation and KL regularisation (megaflow.algorithms)."""
@@ -351,11 +415,16 @@ class AlgorithmConfig(Section):
     """Importance weights / rejection for the rollout-vs-trainer log-prob gap, bypass mode."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """Dynamic sampling: train only on prompt groups whose rewards vary (DAPO)."""
+    safe_rlhf: SafeRLHFConfig = field(default_factory=SafeRLHFConfig)
+    """Safe RLHF (PPO-Lagrangian): rule cost, cost critic, Lagrange multiplier."""
 
     def validate(self) -> None:
         check(0.0 <= self.gamma <= 1.0, "gamma", f"must lie in [0, 1], got {self.gamma}")
         check(0.0 <= self.lam <= 1.0, "lam", f"must lie in [0, 1], got {self.lam}")
         check_positive(self, "kl_loss_coef", allow_zero=True)
+        check(not self.safe_rlhf.enable or self.adv_estimator == "gae", "safe_rlhf.enable",
+              f"needs {{0}}=gae (a reward critic and a cost critic, each with its GAE), got "
+              f"{self.adv_estimator!r}", "adv_estimator")
 
     @property
     def uses_ref(self) -> bool:
@@ -1002,7 +1071,7 @@ class Config(Section):
 
 __all__ = [
     "Config", "ModelConfig", "DataConfig", "KLControlConfig", "RolloutCorrectionConfig", "AlgorithmConfig",
-    "OptimConfig", "ParallelConfig", "TrainedRoleConfig", "ActorConfig", "RolloutConfig", "RefConfig",
+    "SafeRLHFConfig", "OptimConfig", "ParallelConfig", "TrainedRoleConfig", "ActorConfig", "RolloutConfig", "RefConfig",
     "CriticConfig", "RewardModelConfig", "RewardConfig", "TrainerConfig", "PoolConfig", "PlacementConfig",
     "ResourcesConfig", "RayConfig", "ConfigError",
     "ADV_ESTIMATORS", "GROUP_ESTIMATORS", "KL_ESTIMATORS", "KL_LOSS_TYPES", "LOGGERS", "LOSS_AGG_MODES",

@@ -12,7 +12,7 @@ error. ``format_plan`` (:mod:`megaflow.dryrun.report`) prints it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megaflow.config.schema import Config
 from megaflow.config.typed import ConfigError
@@ -259,7 +259,7 @@ def _phases(roles: dict[str, RolePlan], pool_roles: tuple[str, ...], rollout: Ro
             phases.append(PhaseMemory("weight sync", sum(b for _, b in sync), tuple(sync)))
     for role in pool_roles:
         mem = roles[role].memory
-        kind = "update" if role in TRAINED_ROLES else "forward"
+        kind = "update" if role in TRAINED_ROLES or role == "cost_critic" else "forward"
         parts = [(f"{role} params", mem.params), (f"{role} grads", mem.grads), (f"{role} optimizer", mem.optimizer),
                  (f"{role} activations", mem.activations)]
         parts = [p for p in parts if p[1] > 0] + others(role)
@@ -427,6 +427,8 @@ def build_plan(cfg: Config) -> Plan:
         ConfigError: only for inconsistencies a validated config cannot have.
     """
     roles = {role: _role_plan(cfg, role) for role in enabled_roles(cfg)}
+    if cfg.algorithm.safe_rlhf.enable:  # Safe RLHF's cost critic: the critic's plan, a second copy on its pool
+        roles["cost_critic"] = replace(roles["critic"], role="cost_critic")
     rollout = _rollout_plan(cfg, roles["actor"])
     placements = pack_pools(cfg.resources)
     pools, idle = [], []

@@ -171,21 +171,22 @@ class RuleRewardManager:
 
 
 def reward_metrics(scored: DataProto, data_sources: np.ndarray | None = None, *,
-                   prefix: str = "reward") -> dict[str, float]:
+                   prefix: str = "reward", field_prefix: str = REWARD_FIELD_PREFIX) -> dict[str, float]:
     """Means of the manager's per-sample fields, overall and per data source.
 
     ``{f"{prefix}/{key}/mean": ..., f"{prefix}/{key}/{data_source}": ...}`` for every
     ``reward_<key>`` field of ``scored`` (NaN entries ignored; all-NaN keys omitted).
-    ``data_sources`` defaults to ``scored``'s own ``data_source`` field when present.
+    ``data_sources`` defaults to ``scored``'s own ``data_source`` field when present;
+    ``field_prefix``: the per-sample fields read (``cost_`` for the rule cost's).
     """
     nt = scored.non_tensor_batch
     if data_sources is None:
         data_sources = nt.get("data_source")
     metrics = {}
     for field, values in nt.items():
-        if not field.startswith(REWARD_FIELD_PREFIX):
+        if not field.startswith(field_prefix):
             continue
-        key = field[len(REWARD_FIELD_PREFIX):]
+        key = field[len(field_prefix):]
         vals = np.asarray(values, dtype=np.float64)
         if np.isnan(vals).all():
             continue

@@ -68,7 +68,10 @@ class _OwnSection(Generic[S]):
 
 
 #: config section -> model head of megaflow.megatron.model.build_gpt_model and the engine
-ROLE_HEADS = {"actor": "lm", "ref": "lm", "critic": "value", "reward_model": "reward"}
+ROLE_HEADS = {"actor": "lm", "ref": "lm", "critic": "value", "reward_model": "reward", "cost_critic": "value"}
+#: Roles without a config section of their own -> the section they read (Safe RLHF's cost
+#: critic is a second critic group with the critic's settings and pool).
+SECTION_OF = {"cost_critic": "critic"}
 
 
 @dataclass(frozen=True)
@@ -95,15 +98,21 @@ class RoleSpec:
         return (_rebuild, (self.config.to_dict(), self.role, self.training_steps))
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"RoleSpec.role must be one of {ROLES}, got {self.role!r}")
+        if self.role not in ROLES and self.role not in SECTION_OF:
+            raise ValueError(f"RoleSpec.role must be one of {ROLES + tuple(SECTION_OF)}, got {self.role!r}")
         if self.training_steps < 1:
             raise ValueError(f"RoleSpec.training_steps must be >= 1, got {self.training_steps}")
 
     @property
+    def section_role(self) -> str:
+        """The config section (and placement) the role reads: its own name, or
+        :data:`SECTION_OF`'s (``cost_critic`` -> ``critic``)."""
+        return SECTION_OF.get(self.role, self.role)
+
+    @property
     def section(self) -> RoleSection:
         """The role's config section (``config.actor``, ``config.critic``, ...)."""
-        return getattr(self.config, self.role)
+        return getattr(self.config, self.section_role)
 
     @property
     def trained_section(self) -> TrainedRoleConfig | None:
@@ -126,17 +135,17 @@ class RoleSpec:
     @property
     def trains(self) -> bool:
         """Whether the role has an optimizer (actor, critic)."""
-        return self.role in TRAINED_ROLES
+        return self.section_role in TRAINED_ROLES
 
     @property
     def parallel(self) -> RoleParallel:
         """The role's Megatron mesh (tp, pp, cp, vpp; dp derived from its pool)."""
-        return role_parallel(self.config, self.role)
+        return role_parallel(self.config, self.section_role)
 
     @property
     def micro_batches(self) -> MicroBatchSizes:
         """Micro-batch sizes and token budgets of the role's engine."""
-        return micro_batch_sizes(self.config, self.role)
+        return micro_batch_sizes(self.config, self.section_role)
 
     @property
     def mini_batch_size_per_dp_rank(self) -> int:
@@ -146,21 +155,21 @@ class RoleSpec:
             ValueError: the role does not train.
         """
         self._require_training("mini_batch_size_per_dp_rank")
-        return train_batch_sizes(self.config, self.role).mini_batch_size_per_dp_rank
+        return train_batch_sizes(self.config, self.section_role).mini_batch_size_per_dp_rank
 
     @property
     def lr_decay_steps(self) -> int:
         """Optimizer step at which the LR decay reaches ``min_lr`` (trained roles only;
         :func:`~megaflow.topology.sizes.lr_schedule_steps` over ``training_steps``)."""
         self._require_training("lr_decay_steps")
-        return lr_schedule_steps(self.config, self.role, self.training_steps)
+        return lr_schedule_steps(self.config, self.section_role, self.training_steps)
 
     @property
     def distributed_optimizer(self) -> bool:
         """Megatron's distributed optimizer or the plain one
         (:func:`~megaflow.topology.sizes.uses_distributed_optimizer`; trained roles only)."""
         self._require_training("distributed_optimizer")
-        return uses_distributed_optimizer(self.config, self.role)
+        return uses_distributed_optimizer(self.config, self.section_role)
 
     @property
     def shuffle(self) -> bool:
@@ -171,7 +180,7 @@ class RoleSpec:
     @property
     def model_source(self) -> ModelSource:
         """The model path or inline HF config of the role (:func:`~megaflow.topology.sizes.model_source`)."""
-        return model_source(self.config, self.role)
+        return model_source(self.config, self.section_role)
 
     def hf_config(self) -> dict[str, Any]:
         """A fresh plain dict of the role's HF config (config.json of the path, or the inline one).
@@ -179,7 +188,7 @@ class RoleSpec:
         Raises:
             ConfigError: the path has no readable config.json.
         """
-        return role_hf_config(self.config, self.role)
+        return role_hf_config(self.config, self.section_role)
 
     @property
     def offload(self) -> dict[str, bool]:
@@ -216,4 +225,4 @@ def _rebuild(tree: dict[str, Any], role: str, training_steps: int) -> RoleSpec:
     return RoleSpec(run_from_dict(tree), role, training_steps)
 
 
-__all__ = ["RoleSpec", "RoleSection", "ROLE_HEADS"]
+__all__ = ["RoleSpec", "RoleSection", "ROLE_HEADS", "SECTION_OF"]

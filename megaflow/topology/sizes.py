@@ -38,6 +38,8 @@ def pools_in_use(cfg: Config) -> dict[str, tuple[str, ...]]:
     placement, by_pool = cfg.resources.placement, dict[str, list[str]]()
     for role in enabled_roles(cfg):
         by_pool.setdefault(getattr(placement, role), []).append(role)
+    if cfg.algorithm.safe_rlhf.enable:  # Safe RLHF's cost critic: a second critic group on the critic's pool
+        by_pool.setdefault(placement.critic, []).append("cost_critic")
     split = split_rollout_pool(cfg)
     if split is not None:
         by_pool.setdefault(split, []).append("rollout")

@@ -268,13 +268,15 @@ def train(cfg, inputs=None, *, watchdog=None) -> dict[str, float]:
 @dataclass
 class Prepared:
     """What the checks before the first step built, for the run to use: the prompt loaders,
-    the number of steps, the checkpoint to resume from (or None) and the reward function."""
+    the number of steps, the checkpoint to resume from (or None), the reward function and
+    Safe RLHF's cost and multiplier (None unless algorithm.safe_rlhf.enable)."""
 
     train_loader: Any
     val_loader: Any
     total_steps: int
     resume_point: Any
     reward_fn: Any
+    safe_rlhf: Any = None
 
 
 def prepare_run(cfg, inputs) -> Prepared:
@@ -296,7 +298,12 @@ def prepare_run(cfg, inputs) -> Prepared:
         if role == "actor" or cfg.critic.enabled:
             lr_schedule_steps(cfg, role, total_steps)
     reward_fn = build_reward_fn(cfg, inputs.tokenizer, inputs.reward_functions)
-    return Prepared(train_loader, val_loader, total_steps, resume_point, reward_fn)
+    safe = None
+    if cfg.algorithm.safe_rlhf.enable:  # the cost function is imported before Ray starts
+        from megaflow.trainer.safe_rlhf import SafeRLHF
+
+        safe = SafeRLHF(cfg, inputs.tokenizer)
+    return Prepared(train_loader, val_loader, total_steps, resume_point, reward_fn, safe)
 
 
 def _say_where_it_starts(cfg, prepared: Prepared) -> None:
@@ -381,7 +388,8 @@ def _train_locked(cfg, inputs, prepared: Prepared, watchdog) -> dict[str, float]
                       console_every=cfg.trainer.console_every) as tracker:
             trainer = RayPPOTrainer(cfg, groups, prepared.reward_fn, prepared.train_loader, prepared.val_loader,
                                     tracker, checkpoints, config_yaml=dump_config(cfg),
-                                    decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+                                    decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+                                    safe_rlhf=prepared.safe_rlhf)
             metrics = _fit_naming_lost_workers(trainer, groups, total_steps)
             if cfg.trainer.export_hf:
                 groups.actor.export_hf(str(run_dir / "hf"))

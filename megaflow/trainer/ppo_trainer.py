@@ -50,6 +50,7 @@ from megaflow.trainer.stages import (
 
 if TYPE_CHECKING:
     from megaflow.config import Config
+    from megaflow.trainer.safe_rlhf import SafeRLHF
 
 
 @contextmanager
@@ -151,12 +152,14 @@ class RayPPOTrainer:
         config_yaml: the resolved config as YAML, written into every checkpoint.
         decode: token ids -> text (the tokenizer's ``decode``), for the sample generations
             (``trainer.generations_*``); None: none are logged.
+        safe_rlhf: Safe RLHF's cost and multiplier (:class:`megaflow.trainer.safe_rlhf.SafeRLHF`)
+            with ``algorithm.safe_rlhf.enable``; needs the ``cost_critic`` group.
     """
 
     def __init__(self, cfg: Config, groups: WorkerGroups, reward_fn: Callable[[DataProto], DataProto],
                  train_loader: Any, val_loader: Any = None, tracker: Any = None,
                  checkpoints: CheckpointManager | None = None, config_yaml: str | None = None,
-                 decode: Callable[[list[int]], str] | None = None) -> None:
+                 decode: Callable[[list[int]], str] | None = None, safe_rlhf: SafeRLHF | None = None) -> None:
         self.cfg = cfg
         self.groups = groups
         self.reward_fn = reward_fn
@@ -166,6 +169,9 @@ class RayPPOTrainer:
         self.checkpoints = checkpoints
         self.config_yaml = config_yaml
         self.decode = decode
+        self.safe = safe_rlhf
+        if (safe_rlhf is None) != (groups.cost_critic is None):
+            raise ValueError("Safe RLHF needs both its cost/multiplier (safe_rlhf) and the cost_critic group")
         self.generations: list[dict[str, Any]] = []  # the last step's samples (trainer.generations_*)
         algo = cfg.algorithm
         from megaflow.algorithms import build_kl_controller
@@ -199,6 +205,8 @@ class RayPPOTrainer:
         if not algo.filter_groups.enable:  # dynamic sampling scored every round already
             with _timer("reward", t):
                 batch = self.score(batch)
+        if self.safe is not None:  # Safe RLHF: the rule cost of every response
+            batch = self.safe.add_costs(batch)
         balance_metrics: dict[str, float] = {}
         if self.cfg.trainer.balance_batch:  # equal token totals per actor DP rank for every later phase
             batch, balance_metrics = balance_batch(batch, g.actor.mesh_info("actor").dp_size)
@@ -215,6 +223,9 @@ class RayPPOTrainer:
         if g.critic is not None:
             with _timer("values", t):
                 batch = batch.union(g.critic.compute_values(batch))
+        if self.safe is not None and g.cost_critic is not None:
+            with _timer("cost_values", t):
+                batch = self.safe.add_cost_values(batch, g.cost_critic)
         correction = self.rollouts.correction()
         if correction.reject_scope == "batch":  # verl: rejected tokens leave advantages, critic and KL too
             batch, correction_metrics = rollout_correction(batch, correction, step=self.global_step)
@@ -222,9 +233,15 @@ class RayPPOTrainer:
             batch, metrics = KL_STAGES[bool(algo.use_kl_in_reward)](self, batch)
             batch = add_advantages(batch, algo.adv_estimator, gamma=algo.gamma, lam=algo.lam,
                                    norm_adv_by_std=algo.norm_adv_by_std)
+            if self.safe is not None:  # cost GAE, lambda's dual ascent, (A_r - lambda A_c) / (1 + lambda)
+                batch, safe_metrics = self.safe.lagrangian_step(batch)
+                metrics.update(safe_metrics)
         if g.critic is not None:
             with _timer("update_critic", t):
                 metrics.update(_update_metrics(g.critic.update_critic(batch)))
+        if self.safe is not None and g.cost_critic is not None:
+            with _timer("update_cost_critic", t):
+                metrics.update(self.safe.update_cost_critic(batch, g.cost_critic))
         if correction.reject_scope == "actor":  # megaflow: only the actor's update batch loses them
             actor_batch, correction_metrics = rollout_correction(batch, correction, step=self.global_step)
         else:
@@ -354,6 +371,8 @@ class RayPPOTrainer:
         roles: dict[str, object] = {"actor": self.cfg.actor}
         if self.groups.critic is not None:
             roles["critic"] = self.cfg.critic
+        if self.groups.cost_critic is not None:
+            roles["cost_critic"] = self.cfg.critic
         return {name: float(getattr(getattr(section, "optim", None), "clip_grad", 0.0) or 0.0)
                 for name, section in roles.items()}
 
@@ -410,9 +429,14 @@ class RayPPOTrainer:
         if self.groups.critic is not None:
             self.groups.critic.save_checkpoint(str(pending.path / "critic"))
             parts.append("critic")
+        if self.groups.cost_critic is not None:
+            self.groups.cost_critic.save_checkpoint(str(pending.path / "cost_critic"))
+            parts.append("cost_critic")
         rng, rng_tensors = capture_rng_state()
         state = {"global_step": self.global_step, "kl_ctrl": self.kl_ctrl.state_dict(),
                  "train_loader": self.rollouts.loader_state(), "rng": rng}
+        if self.safe is not None:
+            state["safe_rlhf"] = self.safe.state_dict()
         write_trainer_state(pending.path, state, rng_tensors)
         if self.config_yaml is not None:
             (pending.path / "config.yaml").write_text(self.config_yaml)
@@ -439,8 +463,12 @@ class RayPPOTrainer:
         self.groups.actor.load_checkpoint(str(path / "actor"))
         if self.groups.critic is not None:
             self.groups.critic.load_checkpoint(str(path / "critic"))
+        if self.groups.cost_critic is not None:
+            self.groups.cost_critic.load_checkpoint(str(path / "cost_critic"))
         self.global_step = state["global_step"]
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if self.safe is not None:
+            self.safe.load_state_dict(state["safe_rlhf"])
         self.rollouts.load_loader_state(state["train_loader"])
         restore_rng_state(state["rng"], tensors)
         _say(self, f"[megaflow] resumed from {path} at step {self.global_step}")

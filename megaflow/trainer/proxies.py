@@ -365,6 +365,12 @@ class CriticProxy(MegatronProxy):
         return self._run(CriticProxy.update_critic, data)
 
 
+class CostCriticProxy(CriticProxy):
+    """Safe RLHF's cost value model (:class:`~megaflow.workers.megatron_workers.CostCriticWorker`):
+    ``compute_values`` and ``update_critic`` on the ``cost_critic`` mesh, with the cost's values
+    and returns under the critic's field names."""
+
+
 class RewardModelProxy(MegatronProxy):
     """A scalar-head reward model (:class:`~megaflow.workers.megatron_workers.RewardModelWorker`)."""
 
@@ -396,13 +402,15 @@ class WorkerGroups:
     reward_model: RewardModelProxy | None = None
     resource_pools: list[ResourcePool] = field(default_factory=list)
     rollout: RolloutProxy | None = None
+    cost_critic: CostCriticProxy | None = None
 
     def named(self) -> dict[str, Any]:
         """``{role: group}`` of the configured groups (actor, rollout, ref, critic,
         reward_model), for shutdown and for naming a dead rank."""
-        return {name: group for name in ("actor", "rollout", "ref", "critic", "reward_model")
+        return {name: group for name in ("actor", "rollout", "ref", "critic", "cost_critic", "reward_model")
                 if (group := getattr(self, name)) is not None}
 
-__all__ = ["WorkerGroups", "ActorProxy", "RolloutProxy", "RefProxy", "CriticProxy", "RewardModelProxy", "MegatronProxy",
+__all__ = ["WorkerGroups", "ActorProxy", "RolloutProxy", "RefProxy", "CriticProxy", "CostCriticProxy",
+           "RewardModelProxy", "MegatronProxy",
            "RoleProxy", "WorkerGroupLike", "Reads", "reads", "declared_reads", "inputs_for", "FORWARD_KEYS",
            "PROMPT_KEYS", "SAMPLING_META", "GROUP_MEMBERS"]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from megaflow.topology.role_spec import RoleSpec
 from megaflow.trainer.proxies import (
     ActorProxy,
+    CostCriticProxy,
     CriticProxy,
     MegatronProxy,
     RefProxy,
@@ -28,7 +29,7 @@ from megaflow.trainer.proxies import (
     WorkerGroups,
 )
 from megaflow.workers.actor_rollout import ActorRolloutWorker
-from megaflow.workers.megatron_workers import CriticWorker, RefWorker, RewardModelWorker
+from megaflow.workers.megatron_workers import CostCriticWorker, CriticWorker, RefWorker, RewardModelWorker
 
 if TYPE_CHECKING:
     from megaflow.config import Config
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 
 #: config section -> worker class
 ROLE_CLASSES = {"actor": ActorRolloutWorker, "ref": RefWorker, "critic": CriticWorker,
-                "reward_model": RewardModelWorker}
+                "reward_model": RewardModelWorker, "cost_critic": CostCriticWorker}
 _P = TypeVar("_P", bound=RoleProxy)
 
 
@@ -121,9 +122,10 @@ def build_worker_groups(cfg: Config, tokenizer: Any, total_steps: int | None = N
     groups = WorkerGroups(actor=ActorProxy(views["actor"]), ref=_proxy(views, "ref", RefProxy),
                           critic=_proxy(views, "critic", CriticProxy),
                           reward_model=_proxy(views, "reward_model", RewardModelProxy), resource_pools=pools,
-                          rollout=_proxy(views, "rollout", RolloutProxy))
+                          rollout=_proxy(views, "rollout", RolloutProxy),
+                          cost_critic=_proxy(views, "cost_critic", CostCriticProxy))
     starting: list[MegatronProxy | RolloutProxy | None] = [groups.actor, groups.rollout, groups.ref, groups.critic,
-                                                           groups.reward_model]
+                                                           groups.cost_critic, groups.reward_model]
     pending = [proxy.init_model_async() for proxy in starting if proxy is not None]
     for future in pending:
         future.get()

@@ -128,7 +128,7 @@ def mean_metrics(steps: list[dict], role: str) -> dict[str, float]:
     ``grad_norm``/``lr``/``loss`` get the role prefix (``actor/grad_norm``...); other keys
     are already prefixed by the loss adapters.
     """
-    prefix = "critic" if role == "critic" else "actor"
+    prefix = "critic" if role in ("critic", "cost_critic") else "actor"
     totals: dict[str, float] = {}
     for step in steps:
         for key, value in step.items():

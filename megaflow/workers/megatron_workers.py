@@ -273,6 +273,26 @@ class CriticWorker(MegatronWorker):
         return self._update(data, losses.critic_loss_fn(self.config))
 
 
+class CostCriticWorker(CriticWorker):
+    """Safe RLHF's cost value model on the ``cost_critic`` mesh: the critic's class and
+    settings (the ``critic`` section), fitted to the cost's GAE returns
+    (:mod:`megaflow.algorithms.safe_rlhf`). The controller sends the cost's values and returns
+    under the critic's field names (``values``, ``returns``)."""
+
+    config_role, default_mesh = "cost_critic", "cost_critic"
+
+    @register(nd_compute("cost_critic"))
+    def compute_values(self, data: DataProto) -> DataProto | None:
+        """``values`` ``[B, R]``: the expected cost-to-go before each response token."""
+        return CriticWorker.compute_values(self, data)
+
+    @register(nd_compute("cost_critic"))
+    def update_critic(self, data: DataProto) -> dict[str, float]:
+        """Clipped value regression on the cost's ``returns`` (metrics ``critic/...``, which the
+        controller renames ``cost_critic/...``); needs ``values``, ``returns``, ``response_mask``."""
+        return CriticWorker.update_critic(self, data)
+
+
 class RewardModelWorker(MegatronWorker):
     """A scalar-head reward model on the ``reward_model`` mesh (no optimizer)."""
 
@@ -290,4 +310,4 @@ class RewardModelWorker(MegatronWorker):
         return DataProto.from_dict({"rm_scores": out["scores"] * last})
 
 
-__all__ = ["MegatronWorker", "ActorWorker", "RefWorker", "CriticWorker", "RewardModelWorker"]
+__all__ = ["MegatronWorker", "ActorWorker", "RefWorker", "CriticWorker", "CostCriticWorker", "RewardModelWorker"]

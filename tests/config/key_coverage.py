@@ -58,6 +58,7 @@ E2E_TINY = "tests/trainer/test_e2e_tiny.py::"
 WORKER_KNOBS = "tests/megatron/test_worker_knobs.py::"
 SCALE = "tests/megatron/test_scale_knobs.py::"
 MAIN_ERR = "tests/trainer/test_main_errors.py::"
+SAFE = "tests/config/test_safe_rlhf_config.py::"
 ARS = "tests/workers/test_actor_rollout_settings.py::test_the_engine_is_built_from_the_config_sections"
 TRUNC = "tests/rollout/test_vllm_truncated_log_probs.py::"
 
@@ -155,6 +156,14 @@ KEYS: dict[str, Consumed | Refused] = {
     "algorithm.use_kl_loss": consumed(E2E_ALGO + "test_rloo_with_kl_loss"),
     "algorithm.kl_loss_coef": consumed(E2E_ALGO + "test_rloo_with_kl_loss", KE + "test_actor_loss_keys_change_the_worker_loss"),
     "algorithm.kl_loss_type": consumed(KE + "test_actor_loss_keys_change_the_worker_loss"),
+    # Safe RLHF (tests/config/test_safe_rlhf_config.py; the run: tests/trainer/test_e2e_safe_rlhf.py)
+    "algorithm.safe_rlhf.enable": consumed(SAFE + "test_enable_adds_the_cost_critic_on_the_critics_pool_with_its_settings"),
+    "algorithm.safe_rlhf.cost_function": consumed(SAFE + "test_cost_function_and_cost_kwargs_choose_the_cost"),
+    "algorithm.safe_rlhf.cost_kwargs": consumed(SAFE + "test_cost_function_and_cost_kwargs_choose_the_cost"),
+    "algorithm.safe_rlhf.cost_limit": consumed(SAFE + "test_lambda_keys_drive_the_dual_ascent_by_hand"),
+    "algorithm.safe_rlhf.lambda_init": consumed(SAFE + "test_lambda_keys_drive_the_dual_ascent_by_hand"),
+    "algorithm.safe_rlhf.lambda_lr": consumed(SAFE + "test_lambda_keys_drive_the_dual_ascent_by_hand"),
+    "algorithm.safe_rlhf.lambda_max": consumed(SAFE + "test_lambda_keys_drive_the_dual_ascent_by_hand"),
     "algorithm.filter_groups.enable": consumed(
         "tests/trainer/test_ppo_trainer_fake.py::test_filter_groups_trains_on_the_informative_groups_of_extra_rounds",
         "tests/trainer/test_dynamic_sampling.py::test_filter_groups_settings_that_cannot_work_are_refused_at_load"),

@@ -182,3 +182,20 @@ def test_cispo_with_dual_clip_is_refused(tiny):
     assert err.value.key == "actor.clip_ratio_c" and "cispo" in str(err.value)
     cfg = run_from_dict(tiny(actor={"policy_loss": "cispo", "clip_ratio_c": None}))
     assert cfg.actor.policy_loss == "cispo"
+
+
+def test_rs_threshold_takes_verls_string_or_number(tiny):
+    """verl 0.9.1 types rollout_rs_threshold as str | float and reads a number as str(number):
+    a k1 'lower_upper' pair, a single k1 u meaning [1/u, u], a k2/k3 upper bound."""
+    from megaflow.algorithms.off_policy import RejectionBand, parse_rejection
+
+    assert _rc(tiny, rs="token_k3", rs_threshold=0.01).rs_threshold == "0.01"
+    rc = _rc(tiny, rs="token_k1", rs_threshold=2)
+    assert rc.rs_threshold == "2" and parse_rejection(rc.rs, rc.rs_threshold) == [RejectionBand("token_k1", 2.0, 0.5)]
+    rc = _rc(tiny, rs="seq_sum_k1,seq_max_k2", rs_threshold="0.5_2.0,0.3")
+    assert parse_rejection(rc.rs, rc.rs_threshold) == [RejectionBand("seq_sum_k1", 2.0, 0.5),
+                                                       RejectionBand("seq_max_k2", 0.3)]
+    for bad in (True, [0.5, 2.0]):
+        with pytest.raises(ConfigError) as err:
+            _rc(tiny, rs="token_k1", rs_threshold=bad)
+        assert err.value.key == "algorithm.rollout_correction.rs_threshold" and "or a number" in str(err.value)

@@ -559,6 +559,7 @@ def test_ppo_epochs_repeat_the_mini_batch_steps_of_an_update(tiny, role):
                                  _before_phase=lambda *parts: None, _after_phase=lambda: None)
         worker._mini_batch_order = lambda rows, per_rank, epoch: MegatronWorker._mini_batch_order(
             worker, rows, per_rank, epoch)
+        worker._trained_section = lambda: MegatronWorker._trained_section(worker)
         MegatronWorker._update(worker, DataProto.from_dict({"row": torch.arange(64)}), loss_fn=None)
         return minis
 
@@ -697,7 +698,7 @@ def _advantages_of_a_step(cfg, seq_scores, values=None):
         compute_values=lambda data: DataProto.from_dict({"values": torch.tensor(values)}),
         update_critic=update_critic)
     trainer = SimpleNamespace(
-        cfg=cfg, groups=SimpleNamespace(actor=actor, ref=None, critic=critic), global_step=0,
+        cfg=cfg, groups=SimpleNamespace(actor=actor, ref=None, critic=critic, cost_critic=None), global_step=0, safe=None,
         rollouts=SimpleNamespace(sync=lambda: SyncReport(0, {}), next_batch=lambda step: (batch, {}),
                                  correction=lambda: cfg.algorithm.rollout_correction),
         score=lambda data: data.union(DataProto.from_dict({"token_level_scores": scores})))

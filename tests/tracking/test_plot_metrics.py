@@ -36,6 +36,13 @@ def test_select_keys(run_dir):
         plot_metrics.select_keys(records, ["c/*"], 24)
 
 
+def test_safe_rlhf_curves_come_right_after_the_score():
+    records = [{"step": 1, "critic/score/mean": 0.1, "a/x": 1.0, "safe/lambda": 1.2, "safe/episode_cost/mean": 0.3,
+                "safe/cost_values/mean": 0.2, "cost_critic/vf_loss": 0.05, "safe/log_lambda": 0.18}]
+    assert plot_metrics.select_keys(records, None, 5) == [
+        "critic/score/mean", "safe/lambda", "safe/episode_cost/mean", "safe/cost_values/mean", "cost_critic/vf_loss"]
+
+
 def test_cli_errors(tmp_path, capsys, monkeypatch):
     assert plot_metrics.main(["--run", str(tmp_path / "none")]) == 1
     assert "no metrics file at" in capsys.readouterr().err
