@@ -9,8 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from megaflow.models.hf_mapping import (ModelSpec, ShardLayout, find_mapping, hf_names, hf_to_megatron_shard,
-                                        megatron_shards_to_hf)
+from megaflow.models.hf_mapping import (
+    ModelSpec,
+    ShardLayout,
+    find_mapping,
+    hf_names,
+    hf_to_megatron_shard,
+    megatron_shards_to_hf,
+)
 
 ALL_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 _PARENT = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "linear_fc1": "mlp", "linear_fc2": "mlp"}

@@ -234,7 +234,8 @@ def _fused_a(module: str, names: Sequence[str], parts: Mapping[str, tuple]) -> t
     return first
 
 
-def peft_to_megatron(adapter: PeftAdapter, spec: ModelSpec, layout: ShardLayout | None = None) -> dict[str, torch.Tensor]:
+def peft_to_megatron(adapter: PeftAdapter, spec: ModelSpec,
+                     layout: ShardLayout | None = None) -> dict[str, torch.Tensor]:
     """Convert PEFT tensors into Megatron adapter tensors (the full dict, or one TP rank's piece).
 
     Args:
@@ -303,7 +304,8 @@ def write_peft_adapter(adapter: PeftAdapter, out_dir: str | os.PathLike, *, base
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, lora_dropout=dropout,
+    alpha: Any = int(adapter.alpha) if float(adapter.alpha).is_integer() else adapter.alpha  # peft types it int
+    config = LoraConfig(r=adapter.rank, lora_alpha=alpha, lora_dropout=dropout,
                         target_modules=list(adapter.target_modules), bias="none", task_type="CAUSAL_LM",
                         base_model_name_or_path=str(base_model))
     tensors = {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous()
@@ -354,7 +356,7 @@ def read_peft_adapter(adapter_dir: str | os.PathLike) -> PeftAdapter:
     if not isinstance(rank, int) or rank <= 0 or not isinstance(alpha, (int, float)):
         raise AdapterError(f"{config_path}: r={rank!r} and lora_alpha={alpha!r} must be a positive int and a number")
     tensors = load_file(str(weights_path))
-    targets = sorted({_PEFT_KEY.match(k).group("module").rsplit(".", 1)[-1] for k in tensors if _PEFT_KEY.match(k)})
+    targets = sorted({m.group("module").rsplit(".", 1)[-1] for k in tensors if (m := _PEFT_KEY.match(k))})
     return PeftAdapter(tensors, rank, float(alpha), targets)
 
 

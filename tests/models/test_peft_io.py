@@ -11,12 +11,19 @@ import json
 
 import pytest
 import torch
-
 from hf_tiny import hf_logits, tiny_model
 from lora_testlib import ALL_TARGETS, merged_hf_state_dict, random_adapter, spec_of
+
 from megaflow.models.hf_mapping import ShardLayout
-from megaflow.models.peft_io import (AdapterError, PeftAdapter, megatron_target_modules, megatron_to_peft,
-                                     peft_to_megatron, read_peft_adapter, write_peft_adapter)
+from megaflow.models.peft_io import (
+    AdapterError,
+    PeftAdapter,
+    megatron_target_modules,
+    megatron_to_peft,
+    peft_to_megatron,
+    read_peft_adapter,
+    write_peft_adapter,
+)
 from megaflow.models.transforms import kv_replication_factor
 
 RANK, ALPHA = 4, 8.0
