@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -360,6 +361,79 @@ def read_peft_adapter(adapter_dir: str | os.PathLike) -> PeftAdapter:
     return PeftAdapter(tensors, rank, float(alpha), targets)
 
 
+# ----------------------------------------------------------------------------------------------- merge
+def merge_adapter_into_hf_dir(hf_dir: str | os.PathLike, adapter_dir: str | os.PathLike,
+                              out_dir: str | os.PathLike, *, overwrite: bool = False,
+                              max_shard_bytes: int = 2 * 1024**3) -> Path:
+    """Write a full HF checkpoint with a PEFT LoRA adapter merged in: ``W + (lora_alpha / r) B A`` per adapted linear.
+
+    The delta is computed as peft's ``LoraLayer.merge`` computes it (``(B @ A) * scale`` in float32, added to the
+    weight in float32, cast back to the checkpoint's dtype). Tensors are read and written one at a time
+    (safetensors shards of at most ``max_shard_bytes``); ``config.json`` and the tokenizer/generation files are
+    copied; the directory appears atomically (nothing is left behind on an error).
+
+    Args:
+        hf_dir: the base model (an HF directory megaflow can read: llama, qwen2, qwen3 dense).
+        adapter_dir: the PEFT adapter (:func:`read_peft_adapter`).
+        out_dir: the merged checkpoint directory.
+        overwrite: replace an existing ``out_dir``.
+
+    Returns:
+        ``out_dir`` (absolute).
+
+    Raises:
+        CheckpointError: the base directory is missing, incomplete or mis-shaped (from :func:`check_hf_dir`).
+        AdapterError: the adapter is not a supported LoRA adapter, or names a module the base lacks, or its A / B
+            do not fit the base weight (module named).
+        FileExistsError: ``out_dir`` exists without ``overwrite``.
+    """
+    from megaflow.models.convert import check_hf_dir
+    from megaflow.models.hf_io import HFShardWriter, HFWeights, copy_tokenizer_files
+    from megaflow.utils.atomic_dir import atomic_directory
+
+    check_hf_dir(hf_dir)
+    adapter = read_peft_adapter(adapter_dir)
+    base = HFWeights(hf_dir)
+    deltas = _adapter_modules(adapter, base)
+    with atomic_directory(out_dir, overwrite=overwrite) as work:
+        writer = HFShardWriter(work, max_shard_bytes)
+        for name in base.keys():
+            weight = base.get(name)
+            if name in deltas:
+                a, b = deltas[name]
+                weight = (weight.float() + (b.float() @ a.float()) * adapter.scale).to(weight.dtype)
+            writer.add(name, weight)
+        writer.close()
+        shutil.copy2(Path(hf_dir) / "config.json", work / "config.json")
+        copy_tokenizer_files(hf_dir, work)
+    return Path(out_dir).absolute()
+
+
+def _adapter_modules(adapter: PeftAdapter, base: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """HF weight name -> (A, B) of every adapted linear, checked against the base checkpoint's shapes."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in adapter.tensors.items():
+        match = _PEFT_KEY.match(key)
+        if match is None:
+            raise AdapterError(f"PEFT tensor {key!r} is not a LoRA A/B weight of a linear module")
+        pairs.setdefault(match.group("module") + ".weight", {})[match.group("ab")] = tensor
+    out = {}
+    for name, ab in pairs.items():
+        module = name.removesuffix(".weight")
+        if name not in base:
+            raise AdapterError(f"PEFT adapter module {module} is not a linear of the base checkpoint")
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"PEFT adapter module {module} has lora_{''.join(ab)} only")
+        out_features, in_features = base.shape(name)
+        a, b = ab["A"], ab["B"]
+        if a.shape != (adapter.rank, in_features) or b.shape != (out_features, adapter.rank):
+            raise AdapterError(f"PEFT adapter module {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do "
+                               f"not fit rank {adapter.rank} and the base weight [{out_features}, {in_features}]")
+        out[name] = (a, b)
+    return out
+
+
 __all__ = ["AdapterError", "PeftAdapter", "MEGATRON_TO_HF_MODULES", "HF_TO_MEGATRON_MODULE", "PEFT_PREFIX",
            "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "megatron_to_peft", "peft_to_megatron", "megatron_target_modules",
-           "write_peft_adapter", "read_peft_adapter"]
+           "write_peft_adapter", "read_peft_adapter",
+           "merge_adapter_into_hf_dir"]
