@@ -6,23 +6,26 @@ Per sync (:meth:`AdapterSync.sync`, every rank of a generation TP group in locks
 1. the Megatron adapter (the full dict, or the TP ranks' pieces) becomes PEFT tensors
    (:func:`megaflow.models.peft_io.megatron_to_peft`) and is written as ``adapter_config.json`` +
    ``adapter_model.safetensors`` into ``<run dir>/v<version>``; the run directory is private to the run (created
-   with ``mkdtemp``, mode 0700) on memory-backed storage (``/dev/shm`` where it exists), and removed at
-   :meth:`AdapterSync.close`, at interpreter exit and, for one version, when its load fails;
+   with ``mkdtemp``, mode 0700) on memory-backed storage (``/dev/shm`` where it exists). The version's files are
+   removed as soon as vLLM has loaded and the contract check passed (vLLM 0.32 reads them once, in ``add_lora``,
+   and keeps the tensors in memory), and also when the load fails, so a crash leaves at most the one adapter being
+   loaded; the run directory goes at :meth:`AdapterSync.close` and at interpreter exit;
 2. vLLM loads it as ``LoRARequest("megaflow-v<version>", version + 1, path)``. A version synced a second time (a
    retried step) is reloaded *in place* under its id (``load_inplace=True``; vLLM 0.32 loads the new tensors first
-   and replaces the old ones only when that succeeded);
+   and replaces the old ones only when that succeeded). Generation uses a request without ``load_inplace``: vLLM
+   re-reads an in-place request's directory at every engine step that uses it;
 3. the contract check (:func:`check_loaded_adapter`) compares what vLLM holds with what was exported, module by
    module: every exported HF module must sit in the packed vLLM module it belongs to (``q/k/v_proj`` ->
    ``qkv_proj``, ``gate/up_proj`` -> ``gate_up_proj``) at its slot, with A equal and B equal to ``(alpha / r) B``
    (vLLM folds the scale into B), and vLLM must hold nothing for a module the model lacks (vLLM 0.32 only checks a
    module's *leaf* name, so an adapter for layer 7 of a 2-layer model loads and is silently ignored). Any
    difference raises :class:`AdapterSyncError` naming the module;
-4. generation switches to the new version, and versions older than ``version - staleness`` are unloaded and their
-   directories removed: with a staleness bound ``k`` (rollouts may come from a policy up to ``k`` syncs old) the
-   engine keeps ``k + 1`` versions. Its LRU capacity (``VLLMRolloutConfig.max_lora_versions``, vLLM's
-   ``max_cpu_loras``) must be at least ``k + 2``: vLLM 0.32 loads a new adapter before anything is unloaded and,
-   when full, evicts its least recently used one on its own, so with ``k + 1`` slots a sync that then fails would
-   already have lost a version still inside the bound.
+4. generation switches to the new version, and versions older than ``version - staleness`` are unloaded: with a
+   staleness bound ``k`` (rollouts may come from a policy up to ``k`` syncs old) the engine keeps ``k + 1``
+   versions. Its LRU capacity (``VLLMRolloutConfig.max_lora_versions``, vLLM's ``max_cpu_loras``) must be at least
+   ``k + 2``: vLLM 0.32 loads a new adapter before anything is unloaded and, when full, evicts its least recently
+   used one on its own, so with ``k + 1`` slots a sync that then fails would already have lost a version still
+   inside the bound.
 
 vLLM internals relied on (vLLM 0.32; listed in :mod:`megaflow.rollout.vllm_compat`): ``LoRARequest(lora_name,
 lora_int_id, lora_path, load_inplace)``; ``LLMEngine.add_lora / remove_lora / list_loras``; ``LLM.generate(...,
@@ -128,14 +131,16 @@ class AdapterSync:
             raise ValueError(f"adapter rank {adapter.rank} exceeds the engine's VLLMRolloutConfig.max_lora_rank="
                              f"{self.rollout.config.max_lora_rank}")
         path = write_peft_adapter(adapter, self.directory / f"v{version}", base_model=self.base_model)
-        request = LoRARequest(f"megaflow-v{version}", version + 1, str(path), load_inplace=version in self._requests)
+        name, lora_id = f"megaflow-v{version}", version + 1
         try:
-            self._load(request, adapter)
+            self._load(LoRARequest(name, lora_id, str(path), load_inplace=version in self._requests), adapter)
         except BaseException:
             self._requests.pop(version, None)
-            self.rollout.remove_lora(request.lora_int_id)
-            shutil.rmtree(path, ignore_errors=True)
+            self.rollout.remove_lora(lora_id)
             raise
+        finally:
+            shutil.rmtree(path, ignore_errors=True)  # loaded into memory, or failed: the files are not read again
+        request = LoRARequest(name, lora_id, str(path))
         self._requests[version] = request
         self.rollout.set_lora_request(request)
         self._evict(version)
@@ -151,9 +156,7 @@ class AdapterSync:
 
     def _evict(self, newest: int) -> None:
         for version in [v for v in self._requests if v < newest - self.staleness]:
-            request = self._requests.pop(version)
-            self.rollout.remove_lora(request.lora_int_id)
-            shutil.rmtree(request.lora_path, ignore_errors=True)
+            self.rollout.remove_lora(self._requests.pop(version).lora_int_id)
 
     # ------------------------------------------------------------------ queries, lifetime
     @property
