@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -49,6 +50,8 @@ import torch
 from megaflow.models.hf_mapping import ModelSpec
 from megaflow.models.peft_io import PEFT_PREFIX, PeftAdapter, megatron_to_peft, write_peft_adapter
 
+_LORA_PARAM = re.compile(r"\.lora_[ab]\.weight$")
+_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 #: Memory-backed storage for the adapter files (falls back to the temp dir where it does not exist).
 SHM_ROOT = "/dev/shm"
 
@@ -187,6 +190,57 @@ class AdapterSync:
         self.close()
 
 
+# ---------------------------------------------------------------------- the trainer's side
+def local_adapter_tensors(model_chunks: Any) -> dict[str, torch.Tensor]:
+    """This rank's LoRA adapter parameters under the contract's names with *global* layer numbers.
+
+    Args:
+        model_chunks: this rank's GPTModel or list of (virtual pipeline) chunks, possibly DDP-wrapped.
+
+    Returns:
+        ``{decoder.layers.<global i>.<...>.lora_a.weight: [rank, in_local], ...lora_b.weight: [out_local, rank]}``
+        (detached, on the CPU): this TP rank's pieces of this pipeline stage's layers.
+    """
+    from megaflow.models.weights import unwrap_model_chunks
+
+    out = {}
+    for chunk in unwrap_model_chunks(model_chunks):
+        global_layer = [layer.layer_number - 1 for layer in chunk.decoder.layers]
+        for name, param in chunk.named_parameters():
+            if not _LORA_PARAM.search(name):
+                continue
+            match = _LOCAL_LAYER.match(name)
+            if match is not None:
+                name = f"decoder.layers.{global_layer[int(match.group(1))]}.{name[match.end():]}"
+            out[name] = param.detach().cpu()
+    return out
+
+
+def gather_adapter_pieces(local: Mapping[str, torch.Tensor], *, tp_group: Any,
+                          pp_group: Any) -> list[dict[str, torch.Tensor]]:
+    """Collective over the actor's TP and PP groups: every rank gets the whole adapter as one dict per TP rank.
+
+    The stages' layers are joined over ``pp_group`` first, then the TP ranks' pieces are gathered over
+    ``tp_group``: the list :func:`megaflow.models.peft_io.megatron_to_peft` (and :meth:`AdapterSync.sync`) take.
+    Adapters are small (``rank * (in + out)`` per linear), so they travel as pickled objects.
+
+    Args:
+        local: :func:`local_adapter_tensors` of this rank.
+        tp_group, pp_group: the training process groups (``ParallelInfo.tp_group`` / ``pp_group``).
+
+    Returns:
+        ``[piece of TP rank 0, piece of TP rank 1, ...]``, each with every layer's adapters.
+    """
+    import torch.distributed as dist
+
+    stages: list[Any] = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(stages, {k: v.detach().cpu() for k, v in local.items()}, group=pp_group)
+    joined = {k: v for stage in stages for k, v in stage.items()}
+    pieces: list[Any] = [None] * dist.get_world_size(tp_group)
+    dist.all_gather_object(pieces, joined, group=tp_group)
+    return pieces
+
+
 # ---------------------------------------------------------------------- the contract check
 def loaded_lora_modules(worker: Any, lora_int_id: int) -> dict[str, Any]:
     """Runs on the vLLM worker: what the engine holds for adapter ``lora_int_id``.
@@ -265,4 +319,4 @@ def check_loaded_adapter(held: Mapping[str, Any], adapter: PeftAdapter, atol: fl
 
 
 __all__ = ["AdapterSync", "AdapterSyncError", "SHM_ROOT", "check_loaded_adapter", "expected_vllm_slots",
-           "loaded_lora_modules"]
+           "gather_adapter_pieces", "loaded_lora_modules", "local_adapter_tensors"]
