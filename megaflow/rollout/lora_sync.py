@@ -205,7 +205,8 @@ def local_adapter_tensors(model_chunks: Any) -> dict[str, torch.Tensor]:
 
     out = {}
     for chunk in unwrap_model_chunks(model_chunks):
-        global_layer = [layer.layer_number - 1 for layer in chunk.decoder.layers]
+        decoder: Any = chunk.decoder
+        global_layer = [layer.layer_number - 1 for layer in decoder.layers]
         for name, param in chunk.named_parameters():
             if not _LORA_PARAM.search(name):
                 continue

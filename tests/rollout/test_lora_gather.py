@@ -22,7 +22,7 @@ class _Stage(torch.nn.Module):
         super().__init__()
         self.decoder = torch.nn.Module()
         self.decoder.layers = torch.nn.ModuleList()
-        for local, layer in enumerate(global_layers):
+        for layer in global_layers:
             block = torch.nn.Module()
             block.layer_number = layer + 1
             self.decoder.layers.append(block)
