@@ -43,7 +43,8 @@ def test_swapped_slots_are_named(adapter):
     a, b = held["loaded"]["model.layers.1.self_attn.qkv_proj"]
     held["loaded"]["model.layers.1.self_attn.qkv_proj"] = (a, [b[1], b[0], b[2]])  # q and k rows swapped
     with pytest.raises(AdapterSyncError, match=r"adapter module model\.layers\.1\.self_attn\.q_proj: vLLM's "
-                                               r"model\.layers\.1\.self_attn\.qkv_proj slot 0 holds a different lora_B"):
+                                               r"model\.layers\.1\.self_attn\.qkv_proj slot 0 holds a different "
+                                               r"lora_B"):
         check_loaded_adapter(held, adapter)
 
 
