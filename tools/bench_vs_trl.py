@@ -9,6 +9,10 @@ The workload is built in process from fixed numbers and a seed (nothing from a h
 * data: prompts "A+B=" with A, B in [0, 99]; reward 1.0 iff the completion starts with A+B;
 * step: 8 prompts x 4 samples, up to 32 response tokens (exactly 32 with ``--fixed-length``), one
   optimizer step (lr 1e-5 constant, no KL, clip 0.2, grad clip 1.0).
+* LoRA (``--lora-rank R``): the LoRA row: both frameworks train rank-R adapters (alpha ``--lora-alpha``, no dropout)
+  on every attention and MLP linear of the frozen base: TRL through ``peft`` (``GRPOTrainer(peft_config=...)``),
+  megaflow through ``actor.lora`` (adapter-only sync to vLLM with ``--lora-sync adapter``). Rows are named
+  ``<size>-lora<R>``.
 
 Every run is a fresh process; TRL and megaflow alternate (``--repeats`` runs each). megaflow runs
 through its own trainer (``megaflow.trainer.main.train``) with ``algorithm.rollout_correction.bypass``
@@ -21,6 +25,7 @@ start to the first step's start), peak memory (RSS summed over the run's process
     python tools/bench_vs_trl.py                     # 3 repeats, sizes 3m,15m
     python tools/bench_vs_trl.py --quick             # 1 repeat, 3 steps (1 warm-up), 3m only
     python tools/bench_vs_trl.py --busy 1            # a loaded machine: one busy-loop process beside every run
+    python tools/bench_vs_trl.py --lora-rank 8       # the LoRA row (TRL with peft, megaflow actor.lora)
 """
 from __future__ import annotations
 
@@ -50,7 +55,10 @@ PROMPTS_PER_STEP, NUM_GENERATIONS, RESPONSE_LENGTH, LR, MAX_OPERAND, NUM_PROMPTS
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 BASIC = [str(d) for d in range(10)] + ["+", "=", " "]
 DATA_SOURCE = "bench_sum"
-TRL_PACKAGES = ["trl", "transformers", "datasets", "accelerate"]
+TRL_PACKAGES = ["trl", "transformers", "datasets", "accelerate", "peft"]
+#: LoRA targets: megaflow's Megatron module names and the HF modules they cover (megaflow.models.peft_io).
+LORA_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+LORA_HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _LEADING_INT = re.compile(r"\d+")
 
 
@@ -193,8 +201,14 @@ def run_trl(args) -> dict:
         data_seed=args.seed, logging_strategy="no", save_strategy="no", eval_strategy="no", report_to="none",
         disable_tqdm=True, log_completions=False, dataloader_num_workers=0,
         generation_kwargs={"min_new_tokens": RESPONSE_LENGTH} if args.fixed_length else None)
+    peft_config = None
+    if getattr(args, "lora_rank", 0):
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                                 target_modules=LORA_HF_TARGETS, bias="none", task_type="CAUSAL_LM")
     trainer = Trainer(model=model, reward_funcs=[reward], args=conf, train_dataset=data, processing_class=tok,
-                      callbacks=[Timer()])
+                      callbacks=[Timer()], peft_config=peft_config)
     trainer.train()
     return {"framework": f"trl {_version('trl')}", "steps": steps,
             "peak_mb": mem.stop() if mem else _self_peak_mb(), "torch_threads": torch.get_num_threads()}
@@ -240,6 +254,9 @@ def megaflow_config(args, work: str):
         "resources": {"nodes": 1, "procs_per_node": args.procs, "num_cpus_per_proc": args.cpus_per_proc,
                       "use_gpu": False},
     }
+    if getattr(args, "lora_rank", 0):
+        tree["actor"]["lora"] = {"rank": args.lora_rank, "alpha": args.lora_alpha, "dropout": 0.0,
+                                 "target_modules": LORA_TARGETS, "sync": args.lora_sync}
     return run_from_dict(tree)
 
 
@@ -338,7 +355,8 @@ def child(args, framework: str, size: str, out: str) -> subprocess.CompletedProc
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed),
            "--tp", str(args.tp), "--gen-tp", str(args.gen_tp), "--procs", str(args.procs),
            "--cpus-per-proc", str(args.cpus_per_proc),
-           "--kv-cache-gib", str(args.kv_cache_gib)]
+           "--kv-cache-gib", str(args.kv_cache_gib), "--lora-rank", str(args.lora_rank),
+           "--lora-alpha", str(args.lora_alpha), "--lora-sync", args.lora_sync]
     if args.fixed_length:
         cmd.append("--fixed-length")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE])) if framework == "megaflow" else None
@@ -379,6 +397,11 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=900, help="seconds per run before it is killed")
     p.add_argument("--busy", type=int, default=0,
                    help="busy-loop processes (normal priority) running beside every run: a loaded machine")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="the LoRA row: rank-R adapters in both frameworks (TRL with peft); 0 (default): full training")
+    p.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha (scale alpha / rank; default 16)")
+    p.add_argument("--lora-sync", choices=["merged", "adapter"], default="adapter",
+                   help="megaflow actor.lora.sync with --lora-rank (default adapter)")
     p.add_argument("--json", help="write the summaries here")
     p.add_argument("--_child", choices=["trl", "megaflow"], help=argparse.SUPPRESS)
     p.add_argument("--_size", help=argparse.SUPPRESS)
@@ -402,6 +425,8 @@ def main(argv=None) -> int:
         p.error(f"--sizes: unknown {bad or sizes}; choose from {sorted(SIZES)}")
     if args.repeats < 1 or args.steps < 1 or args.warmup < 0 or args.kv_cache_gib < 0 or args.busy < 0:
         p.error("--repeats and --steps must be >= 1, --warmup, --kv-cache-gib and --busy >= 0")
+    if args.lora_rank < 0 or (args.lora_rank and not args.lora_alpha > 0):
+        p.error(f"--lora-rank must be >= 0 and --lora-alpha > 0, got {args.lora_rank} and {args.lora_alpha}")
     sys.path.insert(0, ROOT)
     from megaflow.config.typed import ConfigError
 
@@ -422,6 +447,7 @@ def main(argv=None) -> int:
           + (f"; {args.busy} busy-loop process(es) beside every run" if args.busy else ""))
     print(f"{'size':<5} {'framework':<9} {'step_s':>7} {'startup_s':>9} {'peak_MB':>8}  phases (s)")
     for size, res in results.items():
+        size = f"{size}-lora{args.lora_rank}" if args.lora_rank else size
         for fw in ("trl", "megaflow"):
             s = res[fw]
             ph = ", ".join(f"{k} {v:.3f}" for k, v in s["phases"].items())

@@ -47,6 +47,8 @@ _GROUPS = "megaflow.rollout.vllm_groups"
 _ROLLOUT = "megaflow.rollout.vllm_rollout"
 _SHM = "megaflow.rollout.vllm_shm"
 _WEIGHTS = "megaflow.rollout.vllm_weights"
+_LORA = "megaflow.rollout.lora_sync"
+_LORA_CHECK = f"{_LORA} (the contract check, on the worker)"
 
 INTERNALS: tuple[Internal, ...] = (
     Internal("vllm", "LLM", _ROLLOUT),
@@ -89,6 +91,22 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("vllm.distributed.device_communicators.shm_broadcast", "ShmRingBuffer.shared_memory", _SHM),
     Internal("vllm.distributed.device_communicators.cpu_communicator", "_CPUSHMDistributed.make_group_name",
              f"{_SHM} (per-run segment names)", cpu_only=True),
+    # LoRA adapters (adapter-only sync): engine arguments, loading, and what the contract check reads.
+    Internal("vllm.engine.arg_utils", "EngineArgs", f"{_ROLLOUT} (LoRA engine)",
+             ("enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank")),
+    Internal("vllm.config.lora", "MaxLoRARanks", f"{_ROLLOUT} (VLLM_LORA_RANKS)"),
+    Internal("vllm.entrypoints.llm", "LLM.generate", _ROLLOUT, ("lora_request",)),
+    Internal("vllm.lora.request", "LoRARequest", _LORA, ("lora_name", "lora_int_id", "lora_path", "load_inplace")),
+    *(Internal("vllm.v1.engine.llm_engine", f"LLMEngine.{name}", _ROLLOUT)
+      for name in ("add_lora", "remove_lora", "list_loras")),
+    Internal("vllm.v1.worker.lora_model_runner_mixin", "LoRAModelRunnerMixin.lora_manager", _LORA_CHECK),
+    Internal("vllm.lora.worker_manager", "WorkerLoRAManager._adapter_manager", _LORA_CHECK),
+    *(Internal("vllm.lora.model_manager", f"LoRAModelManager.{name}", _LORA_CHECK)
+      for name in ("get_adapter", "modules", "packed_modules_mapping")),
+    Internal("vllm.lora.lora_model", "LoRAModel.loras", _LORA_CHECK),
+    *(Internal("vllm.lora.lora_weights", name, f"{_LORA_CHECK}: B holds (alpha / r) B after optimize")
+      for name in ("LoRALayerWeights.lora_a", "LoRALayerWeights.lora_b", "LoRALayerWeights.optimize",
+                   "PackedLoRALayerWeights.optimize")),
 )
 
 

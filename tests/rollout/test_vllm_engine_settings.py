@@ -52,3 +52,18 @@ def test_no_sleep_on_cpu(tmp_path):
     engine = _engine(tmp_path, on_cpu=True, sleep_level=2)
     engine.sleep()
     assert engine._llm.calls == [] and engine.weights_valid
+
+
+@pytest.mark.parametrize("rank, vllm_rank", [(1, 1), (4, 8), (8, 8), (9, 16), (300, 320)])
+def test_lora_engine_rounds_the_rank_up_to_one_vllm_accepts(tmp_path, rank, vllm_rank):
+    kwargs = _engine(tmp_path, on_cpu=True, max_lora_rank=rank, max_lora_versions=3)._engine_kwargs("uni")
+    assert (kwargs["enable_lora"], kwargs["max_lora_rank"], kwargs["max_loras"], kwargs["max_cpu_loras"]) == (
+        True, vllm_rank, 1, 3)
+
+
+def test_no_lora_by_default_and_bad_lora_settings_are_named(tmp_path):
+    assert "enable_lora" not in _engine(tmp_path, on_cpu=True)._engine_kwargs("uni")
+    with pytest.raises(ValueError, match=r"VLLMRolloutConfig.max_lora_rank must be in \[0, 512\], got 513"):
+        _engine(tmp_path, on_cpu=True, max_lora_rank=513)
+    with pytest.raises(ValueError, match="VLLMRolloutConfig.max_lora_versions must be >= 1, got 0"):
+        _engine(tmp_path, on_cpu=True, max_lora_rank=8, max_lora_versions=0)

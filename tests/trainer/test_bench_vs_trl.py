@@ -99,3 +99,26 @@ def test_busy_processes_spin_during_the_block_and_end_with_it():
         assert len(spinning) == 2 and all(p.nice() == me.nice() for p in spinning)  # the same priority as us
         assert all(p.cmdline()[-1] == "while True: pass" for p in spinning)
     assert not [p for p in spinning if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_lora_row_configures_both_frameworks(tmp_path):
+    """--lora-rank: megaflow's actor.lora (lora-core's keys) and the peft targets TRL gets cover the same linears."""
+    import argparse
+
+    from megaflow.models.peft_io import MEGATRON_TO_HF_MODULES
+
+    assert sorted(h for m in bench.LORA_TARGETS for h in MEGATRON_TO_HF_MODULES[m]) == sorted(bench.LORA_HF_TARGETS)
+    assert "peft" in bench.TRL_PACKAGES
+    args = argparse.Namespace(size="3m", seed=0, tp=1, gen_tp=1, procs=1, warmup=1, steps=2, fixed_length=True,
+                              kv_cache_gib=0, cpus_per_proc=1, lora_rank=8, lora_alpha=16.0, lora_sync="adapter")
+    from megaflow.config.typed import ConfigError
+
+    try:
+        cfg = bench.megaflow_config(args, str(tmp_path))
+    except ConfigError as exc:  # the keys are lora-core's (issue 35); this branch predates their merge
+        if "actor.lora: unknown key" in str(exc):
+            pytest.skip("actor.lora is not in this branch's config schema yet")
+        raise
+    lora = cfg.actor.lora
+    assert (lora.rank, lora.alpha, lora.dropout, list(lora.target_modules), lora.sync) == (
+        8, 16.0, 0.0, bench.LORA_TARGETS, "adapter")
