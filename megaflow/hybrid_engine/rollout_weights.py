@@ -157,7 +157,9 @@ def exchange_vocab_rows(shard: torch.Tensor, vllm_rows: int, vocab_size: int,
         rows_in, rows_out = shard[src_row:src_row + count], out[dst_row:dst_row + count]
         if src == rank == dst:
             rows_out.copy_(rows_in)
-        elif src == rank:
+            continue
+        assert group is not None  # (without a group the one rank keeps every row, above)
+        if src == rank:
             ops.append(dist.P2POp(dist.isend, rows_in.contiguous(), dist.get_global_rank(group, dst), group))
         elif dst == rank:
             ops.append(dist.P2POp(dist.irecv, rows_out, dist.get_global_rank(group, src), group))

@@ -16,17 +16,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from megaflow.config.schema import ActorConfig, CriticConfig, RefConfig
 from megaflow.megatron import cpu_compat
 from megaflow.megatron.batch import LeftAlignedBatch, left_align_batch, token_budget_groups
 from megaflow.megatron.denominators import GlobalDenominators
 from megaflow.megatron.logprobs import chunked_vocab_parallel_log_probs, vocab_parallel_log_probs
 from megaflow.megatron.parallel import ParallelInfo
 from megaflow.topology.role_spec import RoleSpec
+
+if TYPE_CHECKING:  # megatron-core has no type information: these read as Any
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 #: ``loss_fn(outputs, micro_batch, denominators) -> (loss share, metric shares)``.
 #: ``outputs``: ``log_probs`` (and ``entropy`` when requested) ``[mb, R]`` for an actor, or
@@ -51,7 +57,7 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def _output_layer_returns_hidden(model: torch.nn.Module) -> None:
+def _output_layer_returns_hidden(model: GPTModel) -> None:
     """Make ``model.output_layer`` return its input (hidden states in the TP region) instead
     of logits, so the engine projects onto the vocabulary in chunks
     (:func:`~megaflow.megatron.logprobs.chunked_vocab_parallel_log_probs`).
@@ -98,15 +104,17 @@ class MegatronEngine:
         NotImplementedError: context parallelism (cp > 1) or virtual pipeline stages.
     """
 
-    def __init__(self, model: torch.nn.Module, info: ParallelInfo, spec: RoleSpec, *, vocab_size: int) -> None:
+    def __init__(self, model: GPTModel, info: ParallelInfo, spec: RoleSpec, *, vocab_size: int) -> None:
         if info.cp_size > 1 or info.vpp_size is not None:
             raise NotImplementedError("MegatronEngine supports cp=1 and no virtual pipeline")
         self.info, self.spec, self.head = info, spec, spec.head
         self.sizes = spec.micro_batches
-        self.logits_chunk_tokens = spec.section.logits_chunk_tokens if spec.head == "lm" else None
+        section = spec.section  # the LM-head roles (actor, ref) have logits_chunk_tokens
+        self.logits_chunk_tokens = section.logits_chunk_tokens if isinstance(section, ActorConfig | RefConfig) else None
         self.vocab_size = vocab_size
         self.model = model
-        self.optimizer = self.scheduler = None
+        self.optimizer: MegatronOptimizer | None = None
+        self.scheduler: OptimizerParamScheduler | None = None
         self.device = next(model.parameters()).device
         self._offloaded: set[str] = set()
         if self.logits_chunk_tokens is not None and info.is_last_pp_stage:
@@ -124,7 +132,9 @@ class MegatronEngine:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        optim, tc = self.spec.section.optim, self.model.config
+        section = self.spec.section
+        assert isinstance(section, ActorConfig | CriticConfig)  # (called for the trained roles only: spec.trains)
+        optim, tc = section.optim, self.model.config
         distributed = self.spec.distributed_optimizer
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -146,7 +156,7 @@ class MegatronEngine:
         tc.finalize_model_grads_func = finalize_model_grads
 
     @property
-    def module(self) -> torch.nn.Module:
+    def module(self) -> GPTModel:
         """The unwrapped GPTModel (parameter names as documented in megaflow.megatron.model)."""
         return getattr(self.model, "module", self.model)
 
@@ -343,10 +353,11 @@ class MegatronEngine:
             RuntimeError: the role does not train (ref, reward model) or the engine is offloaded.
             ValueError: invalid batch.
         """
-        if self.optimizer is None:
+        if self.optimizer is None or self.scheduler is None:
             raise RuntimeError(f"train_step: role {self.spec.role!r} has no optimizer (only actor and critic train)")
         self._require_loaded("params", "grads", "optimizer")
         mbs = micro_batch_size or self.sizes.update_micro_batch_size
+        assert mbs is not None  # (a role with an optimizer has an update micro-batch size)
         aligned = batch if isinstance(batch, LeftAlignedBatch) else self.left_align(batch)
         denominators = self.global_denominators(aligned.fields)
         budget = None if micro_batch_size else self.sizes.update_max_tokens
@@ -362,7 +373,7 @@ class MegatronEngine:
         update_successful, grad_norm, _ = self.optimizer.step()
         metrics = self._reduce_metrics(store)
         metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-                       lr=self.lr, update_successful=float(bool(update_successful)))
+                       lr=self.optimizer.param_groups[0]["lr"], update_successful=float(bool(update_successful)))
         return metrics
 
     def _loss_head(self, loss_fn, denominators, scale, sampling, with_entropy, mb, output):

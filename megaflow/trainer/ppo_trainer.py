@@ -182,7 +182,8 @@ class RayPPOTrainer:
     def train_step(self) -> dict[str, float]:
         """One PPO/GRPO step (step ``global_step``) on the rollout source's next batch;
         returns the step's metrics."""
-        g, algo, t = self.groups, self.cfg.algorithm, {}
+        g, algo = self.groups, self.cfg.algorithm
+        t: dict[str, float] = {}
         with _timer("sync", t):  # the actor's weights -> the rollout engines; versions checked on every rank
             sync_metrics = self.rollouts.sync().metrics
         with _timer("gen", t):  # one step off: the batch already in flight; filter_groups: rounds and rewards
@@ -198,7 +199,7 @@ class RayPPOTrainer:
         if not algo.filter_groups.enable:  # dynamic sampling scored every round already
             with _timer("reward", t):
                 batch = self.score(batch)
-        balance_metrics = {}
+        balance_metrics: dict[str, float] = {}
         if self.cfg.trainer.balance_batch:  # equal token totals per actor DP rank for every later phase
             batch, balance_metrics = balance_batch(batch, g.actor.mesh_info("actor").dp_size)
         if algo.rollout_correction.bypass:  # pi_old = pi_rollout: no old-log-prob forward
@@ -237,7 +238,7 @@ class RayPPOTrainer:
         metrics.update(rollout_metrics)
         metrics.update(balance_metrics)
         metrics.update(t)
-        num_tokens = int(batch.batch["attention_mask"].sum())
+        num_tokens = int(batch.tensors["attention_mask"].sum())
         metrics["perf/total_num_tokens"] = num_tokens
         metrics["perf/throughput_tokens_per_s"] = num_tokens / max(sum(t.values()), 1e-9)
         return metrics
@@ -287,7 +288,7 @@ class RayPPOTrainer:
         (``baseline_rewards`` ``[B]``, the batch's prompts decoded greedily and scored)."""
         n = self.cfg.rollout.n
         greedy = self.score(self.rollout(prompts_of(batch, n), 1, greedy=True))
-        baseline = greedy.batch["token_level_scores"].sum(-1).repeat_interleave(n)
+        baseline = greedy.tensors["token_level_scores"].sum(-1).repeat_interleave(n)
         return batch.union(DataProto.from_dict({"baseline_rewards": baseline}))
 
     def score(self, batch: DataProto, keep_reward_fields: bool = True) -> DataProto:
@@ -300,7 +301,7 @@ class RayPPOTrainer:
         extra = [k for k in scored.non_tensor_batch if k.startswith("reward_")] if keep_reward_fields else []
         if self.groups.reward_model is not None:
             rm = self.groups.reward_model.compute_rm_score(batch)
-            scored.batch["token_level_scores"] = scored.batch["token_level_scores"] + rm.batch["rm_scores"]
+            scored.tensors["token_level_scores"] = scored.tensors["token_level_scores"] + rm.tensors["rm_scores"]
         return batch.union(scored.select(batch_keys=["token_level_scores"], non_tensor_keys=extra))
 
     # ------------------------------------------------------------------ the loop
@@ -309,9 +310,14 @@ class RayPPOTrainer:
         checkpointing on the cadence of ``trainer.test_freq`` / ``trainer.save_freq``.
 
         Returns the last step's metrics.
+
+        Raises:
+            ValueError: no ``total_steps`` while ``trainer.total_steps`` is null.
         """
         tr = self.cfg.trainer
         total = total_steps if total_steps is not None else tr.total_steps
+        if total is None:
+            raise ValueError("fit needs total_steps (the run's training steps) when trainer.total_steps is null")
         self.resume()
         last: dict[str, float] = {}
         eta = EtaClock(tr.test_freq if self.val_loader is not None else -1, total)
@@ -345,7 +351,7 @@ class RayPPOTrainer:
 
     def _clip_grads(self) -> dict[str, float]:
         """``{role: optim.clip_grad}`` of the roles that train (actor, critic when present)."""
-        roles = {"actor": self.cfg.actor}
+        roles: dict[str, object] = {"actor": self.cfg.actor}
         if self.groups.critic is not None:
             roles["critic"] = self.cfg.critic
         return {name: float(getattr(getattr(section, "optim", None), "clip_grad", 0.0) or 0.0)
@@ -370,7 +376,7 @@ class RayPPOTrainer:
         if not scored:
             return {}
         batch = DataProto.concat(scored)
-        scores = batch.batch["token_level_scores"].sum(-1).float()
+        scores = batch.tensors["token_level_scores"].sum(-1).float()
         sources = batch.non_tensor_batch.get("data_source", np.array(["val"] * len(batch), dtype=object))
         acc = batch.non_tensor_batch.get("reward_acc")
         metrics = {"val/score/mean": scores.mean().item()}
@@ -391,7 +397,13 @@ class RayPPOTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
-        """Save every stateful part into one atomic checkpoint directory."""
+        """Save every stateful part into one atomic checkpoint directory.
+
+        Raises:
+            RuntimeError: the trainer has no checkpoint manager (saving disabled).
+        """
+        if self.checkpoints is None:
+            raise RuntimeError("save_checkpoint: this trainer was built without a CheckpointManager (saving disabled)")
         pending = self.checkpoints.begin(self.global_step)
         parts = [TRAINER_STATE_FILE, "actor"]
         self.groups.actor.save_checkpoint(str(pending.path / "actor"))

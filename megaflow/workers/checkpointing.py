@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -122,9 +123,9 @@ def _materialize_adam_state(optimizer) -> None:
                                     "exp_avg_sq": torch.zeros_like(p)}
 
 
-def _saved_steps(state) -> set:
+def _saved_steps(state: Any) -> set[Any]:
     """The ``step`` values megatron-core stored in the optimizer part's ``param_groups``."""
-    found = set()
+    found: set[Any] = set()
     if isinstance(state, dict):
         for key, value in state.items():
             if key == "param_groups" and isinstance(value, list):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,7 +50,7 @@ def engine_model_dir(hf_config: Any, rank: int) -> str:
     return path
 
 
-def build_engine(cfg: Config, hf_config: Any, *, rank: int, tp_group_ranks: list[list[int]],
+def build_engine(cfg: Config, hf_config: Any, *, rank: int, tp_group_ranks: Sequence[Sequence[int]],
                  eos_token_ids: tuple[int, ...], pad_token_id: int) -> VLLMRollout:
     """The vLLM engine shard of one rank, with dummy weights.
 
@@ -70,7 +71,8 @@ def build_engine(cfg: Config, hf_config: Any, *, rank: int, tp_group_ranks: list
     from megaflow.topology.sizes import max_seq_len, rollout_sleep_level
 
     engine_cfg = VLLMRolloutConfig(
-        model_path=engine_model_dir(hf_config, rank), tp_size=cfg.rollout.tp, tp_group_ranks=tp_group_ranks,
+        model_path=engine_model_dir(hf_config, rank), tp_size=cfg.rollout.tp,
+        tp_group_ranks=tuple(tuple(g) for g in tp_group_ranks),
         dtype=cfg.model.dtype, load_format="dummy", max_model_len=max_seq_len(cfg),
         kv_cache_bytes=None if cfg.resources.use_gpu else cpu_kv_cache_bytes(cfg),
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.trainer.seed,
@@ -96,8 +98,9 @@ class RolloutHost:
         pad_token_id: the tokenizer's padding id.
     """
 
-    def __init__(self, cfg: Config, hf_config: Any, spec: ModelSpec, *, rank: int, tp_group_ranks: list[list[int]],
-                 gen_replica: int, eos_token_ids: tuple[int, ...], pad_token_id: int) -> None:
+    def __init__(self, cfg: Config, hf_config: Any, spec: ModelSpec, *, rank: int,
+                 tp_group_ranks: Sequence[Sequence[int]], gen_replica: int, eos_token_ids: tuple[int, ...],
+                 pad_token_id: int) -> None:
         self.cfg, self.spec, self.gen_replica, self.pad_token_id = cfg, spec, gen_replica, int(pad_token_id)
         self.engine = build_engine(cfg, hf_config, rank=rank, tp_group_ranks=tp_group_ranks,
                                    eos_token_ids=stop_token_ids(cfg, eos_token_ids), pad_token_id=self.pad_token_id)
