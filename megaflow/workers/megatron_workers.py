@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from megaflow.config.schema import ActorConfig, CriticConfig
 from megaflow.megatron.engine import MegatronEngine
 from megaflow.megatron.parallel import ParallelInfo, initialize_parallel, nd_dispatch_info
 from megaflow.protocol import DataProto
@@ -32,7 +33,8 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 
 def _tensors(data: DataProto) -> dict[str, torch.Tensor]:
-    return {k: data.batch[k] for k in data.batch.keys()}
+    batch = data.tensors
+    return {k: batch[k] for k in batch.keys() if isinstance(k, str)}  # (fields are never nested)
 
 
 class MegatronWorker(Worker):
@@ -52,6 +54,8 @@ class MegatronWorker(Worker):
 
     config_role = "actor"  # the config section this class serves
     default_mesh = "actor"
+    engine: MegatronEngine  # set by init_model, like info
+    info: ParallelInfo
 
     def __init__(self, spec: RoleSpec, mesh: str | None = None) -> None:
         super().__init__()
@@ -62,8 +66,6 @@ class MegatronWorker(Worker):
                              f"{spec.role!r}")
         self.role_spec, self.config = spec, spec.config
         self.mesh = mesh or self.default_mesh
-        self.engine: MegatronEngine | None = None
-        self.info: ParallelInfo | None = None
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -149,7 +151,7 @@ class MegatronWorker(Worker):
         self._before_phase()
         try:
             aligned = self.engine.left_align(_tensors(data))
-            for epoch in range(self.role_spec.section.ppo_epochs):
+            for epoch in range(self._trained_section().ppo_epochs):
                 order = self._mini_batch_order(rows, per_rank, epoch)
                 for start in range(0, rows, per_rank):
                     index = torch.arange(start, min(start + per_rank, rows)) if order is None \
@@ -158,6 +160,13 @@ class MegatronWorker(Worker):
         finally:
             self._after_phase()
         return losses.mean_metrics(steps, self.role_spec.role)
+
+    def _trained_section(self) -> ActorConfig | CriticConfig:
+        """The role's section, for the roles that train (the update's callers)."""
+        section = self.role_spec.section
+        if not isinstance(section, ActorConfig | CriticConfig):
+            raise RuntimeError(f"role {self.role_spec.role!r} does not train")
+        return section
 
     def _mini_batch_order(self, rows: int, per_rank: int, epoch: int) -> torch.Tensor | None:
         """Row order of one PPO epoch ``[rows]`` (int64) with ``actor.shuffle``; None: in order.
@@ -170,7 +179,10 @@ class MegatronWorker(Worker):
         """
         if not self.role_spec.shuffle or rows <= per_rank:
             return None
-        steps = int(self.engine.scheduler.num_steps)
+        scheduler = self.engine.scheduler
+        if scheduler is None:  # (the trained roles have one)
+            raise RuntimeError(f"role {self.role_spec.role!r} has no LR schedule to seed its mini-batch order from")
+        steps = int(scheduler.num_steps)
         seed = ((self.config.trainer.seed * 1_000_003 + steps) * 1_009 + epoch) * 1_013 + self.info.dp_rank
         generator = torch.Generator().manual_seed(seed % 2**63)
         return torch.randperm(rows, generator=generator)
@@ -272,8 +284,8 @@ class RewardModelWorker(MegatronWorker):
         out = self._forward(data)
         if out is None:
             return None
-        resp_len = data.batch["responses"].shape[1]
-        real = data.batch["attention_mask"][:, -resp_len:].cpu() != 0
+        resp_len = data.tensors["responses"].shape[1]
+        real = data.tensors["attention_mask"][:, -resp_len:].cpu() != 0
         last = (real.cumsum(-1) == real.sum(-1, keepdim=True)) & real
         return DataProto.from_dict({"rm_scores": out["scores"] * last})
 
