@@ -34,7 +34,9 @@ from megaflow.workers.rollout_host import RolloutHost, stop_token_ids
 from megaflow.workers.weight_sync import WeightSync
 
 if TYPE_CHECKING:
-    from megaflow.hybrid_engine.transport import WeightTransport
+    from megaflow.hybrid_engine.reshard import MicroDPResharder, ReshardStats
+    from megaflow.hybrid_engine.transport import TransportStats, WeightTransport
+    from megaflow.rollout.vllm_rollout import VLLMRollout
 
 #: Default of ``bucket_mb`` (``rollout.weight_sync_bucket_mb``): a 70B model's generation
 #: shard at t_g = 8 (about 17 GB in bf16) streams in about 35 buckets, and its largest
@@ -56,20 +58,21 @@ class ActorRolloutWorker(ActorWorker):
         pad_token_id: the tokenizer's padding id (right-padding of responses, left-padding of prompts).
     """
 
+    resharder: MicroDPResharder  # set by init_model
+
     def __init__(self, spec: RoleSpec, eos_token_ids: tuple[int, ...], pad_token_id: int) -> None:
         super().__init__(spec)
         self.eos_token_ids = tuple(eos_token_ids)
         self.pad_token_id = int(pad_token_id)
         self.host: RolloutHost | None = None
-        self.rollout = None  # the host's engine
-        self.resharder = None
+        self.rollout: VLLMRollout | None = None  # the host's engine
         self.transport: WeightTransport | None = None  # set with the engine (or the split transport)
-        self._vllm_shapes: dict | None = None  # the engine shard's vLLM name -> shape
+        self._vllm_shapes: dict[str, tuple[int, ...]] | None = None  # the engine shard's vLLM name -> shape
         self._actor_version = 0
         self._synced_version = -1
         self._num_sends = 0
-        self.last_reshard_stats = None
-        self.last_transport_stats = None
+        self.last_reshard_stats: ReshardStats | None = None
+        self.last_transport_stats: TransportStats | None = None
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -103,6 +106,16 @@ class ActorRolloutWorker(ActorWorker):
         return RolloutHost(self.config, hf_config, self.spec, rank=self.rank, tp_group_ranks=self.layout.gen_tp_groups,
                            gen_replica=gen_replica, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id)
 
+    def _engine_host(self) -> RolloutHost:
+        """This rank's engine host (the colocated actor always has one).
+
+        Raises:
+            RuntimeError: this rank has no engine (split placement's actor).
+        """
+        if self.host is None:
+            raise RuntimeError(f"rank {self.rank} holds no rollout engine (split placement)")
+        return self.host
+
     # ------------------------------------------------------------------ weight sync
     def _sync_rollout_weights(self, bucket_bytes: int) -> None:
         """train -> generate -> train: stream the actor's current weights through this rank's
@@ -126,6 +139,9 @@ class ActorRolloutWorker(ActorWorker):
             if self.transport is not None:
                 self.transport.send_unchanged(self._actor_version)
             return
+        if self._vllm_shapes is None:
+            raise RuntimeError("weight sync before the engine's shard shapes are known (init_model, or under "
+                               "split placement init_weight_transport)")
         self._before_phase(("params",))  # the sync reads parameters only: grads/optimizer stay offloaded
         try:
             # streamed: the colocated transport's load_buckets wakes the engine's weights before it pulls
@@ -199,11 +215,12 @@ class ActorRolloutWorker(ActorWorker):
                 (:func:`~megaflow.rollout.verify_sync.verify_sync_tolerance`; on every rank),
                 naming the rank with the largest difference and listing every rank's.
         """
-        out = self.host.probe_rollout()
+        host = self._engine_host()
+        out = host.probe_rollout()
         keys = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask")
         world = dist.get_world_size()
         outputs: list = [None] * world
-        dist.all_gather_object(outputs, {k: out.batch[k] for k in keys + ("rollout_log_probs",)})
+        dist.all_gather_object(outputs, {k: out.tensors[k] for k in keys + ("rollout_log_probs",)})
         every = {k: torch.cat([o[k] for o in outputs]) for k in keys + ("rollout_log_probs",)}
         trainer = self._forward(DataProto.from_dict({k: every[k] for k in keys}), temperature=1.0)
         mine = None  # only the last pipeline stage has the trainer's log-probs
@@ -217,7 +234,7 @@ class ActorRolloutWorker(ActorWorker):
         worst = max(range(world), key=lambda r: diffs[r])
         tolerance = verify_sync_tolerance(self.config.model.dtype)
         if diffs[worst] > tolerance:
-            raise RuntimeError(f"rollout.verify_sync: after weight sync {self.rollout.weight_version} the engine's "
+            raise RuntimeError(f"rollout.verify_sync: after weight sync {host.engine.weight_version} the engine's "
                                f"log-probs of the probe differ from the actor's by up to {diffs[worst]:.3g} on rank "
                                f"{worst} (tolerance {tolerance:g} for {self.config.model.dtype}); per rank: {diffs}")
         return float(diffs[worst])
@@ -226,9 +243,11 @@ class ActorRolloutWorker(ActorWorker):
         """What the last sync that moved weights moved: the reshard's figures, and the
         engine's bucket counts (colocated) or the transport's figures (a split source rank)."""
         s, t = self.last_reshard_stats, self.last_transport_stats
+        if s is None:  # no sync has moved weights yet
+            return {}
         figures = {"timing_s/reshard": s.seconds, "reshard/bytes_received": float(s.bytes_received),
                    "reshard/bytes_sent": float(s.bytes_sent)}
-        if self.rollout is not None:
+        if self.rollout is not None and t is not None:
             figures.update({"rollout/weight_sync_buckets": float(t.num_buckets),
                             "rollout/weight_sync_bucket_bytes": float(t.largest_bucket)})
         elif t is not None:
@@ -253,12 +272,13 @@ class ActorRolloutWorker(ActorWorker):
                 comparison of two counters, so it is always on (with or without
                 ``rollout.verify_sync``): stale weights are never sampled.
         """
+        host = self._engine_host()
         if self._synced_version != self._actor_version:
             raise RuntimeError(f"generate_sequences on rank {self.rank}: the engine serves actor version "
-                               f"{self._synced_version} (engine weight version {self.rollout.weight_version}) but "
+                               f"{self._synced_version} (engine weight version {host.engine.weight_version}) but "
                                f"the actor is at version {self._actor_version}; call sync_rollout_weights() first")
-        out = self.host.generate(prompts)
-        return ProtoResult(out, {"rollout/weight_version": float(self.rollout.weight_version)})
+        out = host.generate(prompts)
+        return ProtoResult(out, {"rollout/weight_version": float(host.engine.weight_version)})
 
     @register(nd_compute("actor"))
     def update_actor(self, data: DataProto) -> dict[str, float]:
@@ -276,7 +296,7 @@ class ActorRolloutWorker(ActorWorker):
     @register(Dispatch.ONE_TO_ALL)
     def rollout_weight_version(self) -> int:
         """Number of weight syncs the engine has received."""
-        return self.rollout.weight_version
+        return self._engine_host().engine.weight_version
 
 
 def check_synced(per_rank: list[WeightSync]) -> dict[str, float]:

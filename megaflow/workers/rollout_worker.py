@@ -35,7 +35,8 @@ from megaflow.workers.rollout_host import RolloutHost
 from megaflow.workers.weight_sync import WeightSync
 
 if TYPE_CHECKING:
-    from megaflow.hybrid_engine.transport import TransportPlan
+    from megaflow.hybrid_engine.transport import BroadcastTransport, TransportPlan, TransportStats
+    from megaflow.rollout.vllm_rollout import VLLMRollout
 
 #: Seconds a transport collective may wait (rendezvous included).
 TRANSPORT_TIMEOUT_S = 1800.0
@@ -61,16 +62,17 @@ class RolloutWorker(Worker):
         pad_token_id: the tokenizer's padding id.
     """
 
+    host: RolloutHost  # set by init_model, like rollout (the host's engine)
+    rollout: VLLMRollout
+    transport: BroadcastTransport  # set by init_weight_transport
+
     def __init__(self, spec: RoleSpec, eos_token_ids: tuple[int, ...], pad_token_id: int) -> None:
         super().__init__()
         self.role_spec, self.config = spec, spec.config
         self.eos_token_ids = tuple(eos_token_ids)
         self.pad_token_id = int(pad_token_id)
-        self.host: RolloutHost | None = None
-        self.rollout = None  # the host's engine
-        self.transport = None
         self._synced_actor_version = -1
-        self.last_transport_stats = None
+        self.last_transport_stats: TransportStats | None = None
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -112,8 +114,11 @@ class RolloutWorker(Worker):
         from megaflow.hybrid_engine.transport import BroadcastTransport, stateless_process_group
 
         group = plan.group_of_rollout(self.rank)
+        rank_in_group = group.rank_of_rollout(self.rank)
+        if rank_in_group is None:  # (group_of_rollout found the group by this rank)
+            raise RuntimeError(f"rollout rank {self.rank} is no receiver of its transport group {group}")
         store = _open_store(host, port, is_master=False)
-        pg = stateless_process_group(store, group.rank_of_rollout(self.rank), 1 + len(group.receivers),
+        pg = stateless_process_group(store, rank_in_group, 1 + len(group.receivers),
                                      backend=backend, prefix=f"tp{group.gen_tp_rank}",
                                      timeout_s=TRANSPORT_TIMEOUT_S)
         self._store, self.transport = store, BroadcastTransport(pg, backend)
@@ -151,7 +156,7 @@ class RolloutWorker(Worker):
             raise RuntimeError("rollout worker: generate_sequences before the first weight sync")
         start = time.time()
         out = self.host.generate(prompts)
-        out.batch["weight_version"] = torch.full((len(out),), self._synced_actor_version, dtype=torch.int64)
+        out.tensors["weight_version"] = torch.full((len(out),), self._synced_actor_version, dtype=torch.int64)
         return ProtoResult(out, {"rollout/weight_version": float(self.rollout.weight_version),
                                  "timeline/gen_start_unix": start, "timeline/gen_end_unix": time.time()})
 
