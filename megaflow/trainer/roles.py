@@ -132,7 +132,8 @@ def build_worker_groups(cfg: Config, tokenizer: Any, total_steps: int | None = N
     for view in views.values():
         view.end_startup()
     return WorkerGroups(actor=proxies["actor"], ref=proxies.get("ref"), critic=proxies.get("critic"),
-                        reward_model=proxies.get("reward_model"), resource_pools=pools, rollout=proxies.get("rollout"))
+                        reward_model=proxies.get("reward_model"), resource_pools=pools, rollout=proxies.get("rollout"),
+                        actor_is_reference=cfg.actor.lora.rank > 0 and cfg.algorithm.uses_ref)
 
 
 def shutdown_worker_groups(groups: WorkerGroups) -> None:

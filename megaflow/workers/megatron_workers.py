@@ -222,6 +222,24 @@ class ActorWorker(MegatronWorker):
         return DataProto.from_dict({"old_log_probs": out["log_probs"], "entropys": out["entropy"]})
 
     @register(nd_compute("actor"))
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto | None:
+        """``ref_log_probs`` ``[B, R]`` at the rollout temperature from the actor's frozen base
+        (``actor.lora.rank > 0``: adapters disabled, :func:`megaflow.megatron.lora.adapters_disabled`),
+        the reference policy without a reference group.
+
+        Raises:
+            RuntimeError: the actor has no LoRA adapters (its weights are not the reference's).
+        """
+        from megaflow.megatron.lora import adapters_disabled, has_lora
+
+        if not has_lora(self.engine.module):
+            raise RuntimeError("compute_ref_log_prob on the actor needs actor.lora.rank > 0 (its frozen base is "
+                               "the reference); without LoRA the reference group computes them")
+        with adapters_disabled(self.engine.module):
+            out = self._forward(data, **self._sampling(data))
+        return None if out is None else DataProto.from_dict({"ref_log_probs": out["log_probs"]})
+
+    @register(nd_compute("actor"))
     def update_actor(self, data: DataProto) -> dict[str, float]:
         """PPO epochs over mini-batches (returns the update's metrics); needs ``old_log_probs``, ``advantages``,
         ``response_mask`` (+ ``ref_log_probs`` with ``use_kl_loss``; no ``old_log_probs`` with
