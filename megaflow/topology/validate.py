@@ -163,8 +163,9 @@ def _check_lora(cfg: Config) -> None:
               "LoRA adapters do not support sequence parallelism yet: set it false or {0}=0", f"{role}.lora.rank")
     lora_roles = [r for r in ("actor", "critic") if r in enabled_roles(cfg) and getattr(cfg, r).lora.rank > 0]
     if lora_roles:
-        check(cfg.trainer.save_freq == 0, "trainer.save_freq",
-              "checkpoints of LoRA adapters are not available yet: set it 0 or {0}=0", f"{lora_roles[0]}.lora.rank")
+        check(cfg.trainer.save_freq == -1, "trainer.save_freq",
+              "checkpoints of LoRA adapters are not available yet: set it -1 (never) or {0}=0",
+              f"{lora_roles[0]}.lora.rank")
     if cfg.actor.lora.rank == 0:
         return
     check(cfg.actor.lora.sync == "merged", "actor.lora.sync",

@@ -46,7 +46,7 @@ def _spec(role, cfg, tp, pp, world, *extra):
 
     return role_spec(role, [f"actor.tp={tp}", f"actor.pp={pp}", f"resources.procs_per_node={world}",
                             *seq_len_overrides(32), "actor.ppo_micro_batch_size_per_gpu=2",
-                            f"actor.optim.lr={LR}", "actor.optim.weight_decay=0.0", "trainer.save_freq=0", *extra],
+                            f"actor.optim.lr={LR}", "actor.optim.weight_decay=0.0", "trainer.save_freq=-1", *extra],
                      hf_config=cfg)
 
 
@@ -258,6 +258,8 @@ def test_zero_b_is_bit_identical_to_the_base_model(single):
 
 
 def test_only_adapters_train_and_the_base_is_unchanged(single):
+    """actor.lora.rank > 0: only the adapters require gradients, own a gradient buffer and optimizer
+    state; three updates leave every base parameter bit-unchanged."""
     names = single["all_names"]
     adapters = sorted(n for n in names if n.endswith(("lora_a.weight", "lora_b.weight")))
     # 4 layers x 4 targets x (A, B)
@@ -277,6 +279,7 @@ def test_disabled_adapters_give_the_reference_log_probs(single):
 
 
 def test_nonzero_b_forward_equals_merged_weights(single):
+    """actor.lora.alpha / actor.lora.rank scale B A: the adapted model equals W + (alpha / rank) B A."""
     assert single["merged_weight_ok"]
     diff = (single["rand_b"]["log_probs"] - single["merged"]["log_probs"]).abs().max()
     assert diff < 1e-5, diff
