@@ -26,4 +26,16 @@ def lora_adapter_numel(spec: ModelSpec, rank: int, target_modules: Sequence[str]
     return spec.num_layers * sum(rank * sum(dims[t]) for t in target_modules)
 
 
-__all__ = ["lora_layer_dims", "lora_adapter_numel"]
+def lora_rank_adapter_numel(spec: ModelSpec, rank: int, target_modules: Sequence[str], *, tp: int, pp: int) -> int:
+    """Adapter parameters on one rank of a ``tp`` x ``pp`` mesh (a stage of ``num_layers / pp``
+    layers): column-parallel targets hold ``A`` ``[r, in]`` (replicated) and ``B`` ``[out / tp, r]``,
+    row-parallel ones ``A`` ``[r, in / tp]`` and ``B`` ``[out, r]`` (replicated)."""
+    dims, per_layer = lora_layer_dims(spec), 0
+    for target in target_modules:
+        in_f, out_f = dims[target]
+        per_layer += rank * (in_f + out_f // tp) if target in ("linear_qkv", "linear_fc1") \
+            else rank * (in_f // tp + out_f)
+    return -(-spec.num_layers // pp) * per_layer
+
+
+__all__ = ["lora_layer_dims", "lora_adapter_numel", "lora_rank_adapter_numel"]

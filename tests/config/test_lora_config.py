@@ -68,3 +68,25 @@ def test_kl_with_lora_needs_no_reference_group():
     assert cfg.actor.lora.rank == 8 and not cfg.ref.enabled
     err = _refused("algorithm.use_kl_loss=true")
     assert err.key == "ref.enabled"
+
+
+def test_planner_counts_adapter_gradients_and_optimizer_state_only_and_no_reference():
+    """The dry run with actor.lora.rank=8 on the default recipe (t=2, a 2-layer model of hidden 128,
+    4 heads of 32, 2 KV heads, ffn 384): per rank, qkv A [8, 128] + B [256 / 2, 8], proj A [8, 128 / 2]
+    + B [128, 8], fc1 A [8, 128] + B [768 / 2, 8], fc2 A [8, 384 / 2] + B [128, 8] per layer; fp32
+    gradients (4 bytes) and Adam's two fp32 moments (8 bytes) for those only; no reference role."""
+    from megaflow.dryrun import build_plan
+
+    per_layer = 8 * ((128 + 128) + (64 + 128) + (128 + 384) + (192 + 128))
+    adapters = 2 * per_layer
+    full = build_plan(load_run(RECIPE, [*BASE, "algorithm.use_kl_loss=true", "ref.enabled=true", "ref.tp=2"]))
+    lora = build_plan(load_run(RECIPE, [*BASE, *ON, "algorithm.use_kl_loss=true"]))
+
+    def roles(plan):
+        return {r.role: r for r in plan.roles}
+
+    actor, base = roles(lora)["actor"].memory, roles(full)["actor"].memory
+    assert actor.grads == adapters * 4 and actor.optimizer == adapters * 8
+    assert actor.params == base.params + adapters * 4
+    assert base.grads == base.params  # full training: fp32 gradient per parameter
+    assert "ref" in roles(full) and "ref" not in roles(lora)
