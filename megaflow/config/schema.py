@@ -460,7 +460,7 @@ class TrainedRoleConfig(ParallelConfig):
 
 
 LoRATarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
-LORA_TARGETS: tuple[str, ...] = get_args(LoRATarget)
+LORA_TARGETS: tuple[LoRATarget, ...] = get_args(LoRATarget)
 
 
 @dataclass(frozen=True)

@@ -196,13 +196,13 @@ def _layer_kind(path: str, layer: torch.nn.Module) -> str:
                               f"{LORA_TARGETS}, got {type(layer).__name__}")
 
 
-def global_module_path(model: torch.nn.Module, path: str) -> str:
+def global_module_path(model: Any, path: str) -> str:
     """``decoder.layers.{i}.X`` (stage-local ``i``) -> the global layer number's path (megatron's
     ``layer_number`` is 1-based and global); other paths unchanged."""
     match = _LAYER_PATH.match(path)
     if not match:
         return path
-    layer = model.decoder.layers[int(match.group(1))]  # type: ignore[union-attr,index]
+    layer = model.decoder.layers[int(match.group(1))]
     return f"decoder.layers.{layer.layer_number - 1}.{match.group(2)}"
 
 
@@ -225,11 +225,11 @@ def _adapter(weight: torch.Tensor, *, parallel: bool, dim: int) -> torch.nn.Line
     return linear
 
 
-def _attach(layer: torch.nn.Module, kind: str, settings: LoRASettings, global_path: str) -> None:
+def _attach(layer: Any, kind: str, settings: LoRASettings, global_path: str) -> None:
     """Add ``lora_a``/``lora_b`` to ``layer`` (this rank's shards) and swap its class."""
-    weight = layer.weight  # type: ignore[attr-defined]
+    weight = layer.weight
     out_local, in_local = weight.shape
-    tp, tp_rank = layer.tp_group.size(), layer.tp_group.rank()  # type: ignore[attr-defined]
+    tp, tp_rank = layer.tp_group.size(), layer.tp_group.rank()
     in_full = in_local * tp if kind == "row" else in_local
     full_a = _kaiming_uniform_a(settings.rank, in_full, settings.seed, global_path)
     if kind == "row":
@@ -310,7 +310,8 @@ def adapter_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if is_adapter_name(name)}
 
 
-def weight_sync_sources(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Callable[[], torch.Tensor]]]:
+def weight_sync_sources(model: torch.nn.Module
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, Callable[[], torch.Tensor]]]:
     """What the merged weight sync reads from ``model``: ``(base parameters, merged)``.
 
     ``base parameters``: ``{name: parameter}`` without the adapters (the names an LoRA-free
@@ -318,7 +319,7 @@ def weight_sync_sources(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor]
     rank's ``W + s * B A`` shard (:meth:`LoRALayerMixin.merged_weight`), computed when called,
     one tensor at a time. ``merged`` is empty for a model without adapters.
     """
-    base = {name: p for name, p in model.named_parameters() if not is_adapter_name(name)}
+    base: dict[str, torch.Tensor] = {name: p for name, p in model.named_parameters() if not is_adapter_name(name)}
     merged = {f"{path}.weight": layer.merged_weight for path, layer in lora_layers(model)}
     return base, merged
 

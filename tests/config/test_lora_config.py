@@ -49,9 +49,9 @@ def test_bad_lora_values_are_refused_naming_the_key(overrides, key, says):
 
 
 def test_lora_on_a_mixture_of_experts_model_is_refused_naming_the_rank():
-    moe = ("model.hf_config.model_type=qwen3_moe", "model.hf_config.architectures=[Qwen3MoeForCausalLM]", "model.hf_config.num_experts=4",
-           "model.hf_config.num_experts_per_tok=2", "model.hf_config.moe_intermediate_size=64",
-           "model.hf_config.head_dim=32")
+    moe = ("model.hf_config.model_type=qwen3_moe", "model.hf_config.architectures=[Qwen3MoeForCausalLM]",
+           "model.hf_config.num_experts=4", "model.hf_config.num_experts_per_tok=2",
+           "model.hf_config.moe_intermediate_size=64", "model.hf_config.head_dim=32")
     err = _refused(*ON, *moe)
     assert err.key == "actor.lora.rank" and "mixture-of-experts" in str(err), str(err)
 

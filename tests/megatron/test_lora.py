@@ -18,9 +18,9 @@ import zlib
 
 import pytest
 import torch
+from megatron_testlib import VOCAB, hf_causal_lm, hf_to_megatron_shard, load_shard, make_batch, tiny_llama_config
 
 from megaflow.utils.launch import run_distributed
-from megatron_testlib import VOCAB, hf_causal_lm, hf_to_megatron_shard, load_shard, make_batch, tiny_llama_config
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ import torch
 from megaflow.protocol import DataProto
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rollout"))
-from rollout_testlib import widen_logits  # noqa: E402 - the rollout tests' tiny-model helper
+from rollout_testlib import widen_logits
 
 pytestmark = pytest.mark.slow
 
@@ -49,11 +49,11 @@ def _forward(group, out: DataProto, method: str, key: str) -> torch.Tensor:
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
 def lora_group(request, ray_session, tmp_path_factory):
+    from role_testlib import role_spec
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from megaflow.single_controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool
     from megaflow.workers.actor_rollout import ActorRolloutWorker
-    from role_testlib import role_spec
 
     tied = request.param
     torch.manual_seed(0)
