@@ -119,7 +119,8 @@ class LoRALayerMixin:
     """The adapter half of a LoRA layer; combined with the base layer's class by
     :func:`apply_lora` (``LoRA<Base>``). Attributes: ``lora_a``, ``lora_b`` (``nn.Linear``
     without bias), ``lora_dropout``, ``lora_scale`` (``alpha / rank``), ``lora_kind``
-    (``"column"`` or ``"row"``) and ``lora_enabled`` (False: the base layer alone)."""
+    (``"column"`` or ``"row"``), ``lora_enabled`` (False: the base layer alone) and
+    ``lora_swiglu`` (a gated fc1: B's rows are ``[gate_i; up_i]`` per TP shard)."""
 
     lora_a: torch.nn.Linear
     lora_b: torch.nn.Linear
@@ -127,6 +128,7 @@ class LoRALayerMixin:
     lora_scale: float
     lora_kind: str
     lora_enabled: bool
+    lora_swiglu: bool
 
     def forward(self, input_: torch.Tensor, *args: Any, **kwargs: Any):
         output, bias = super().forward(input_, *args, **kwargs)  # type: ignore[misc]
@@ -161,13 +163,19 @@ class LoRALayerMixin:
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """The base layer's checkpoint shards plus the adapters, sharded as their TP attributes say."""
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
         axes = {"weight": 0, "bias": 0, "lora_b.weight": 0} if self.lora_kind == "column" \
             else {"weight": 1, "lora_a.weight": 1}
-        return make_sharded_tensors_for_checkpoint(
+        sharded = make_sharded_tensors_for_checkpoint(
             self.state_dict(prefix="", keep_vars=True), prefix, axes, sharded_offsets,  # type: ignore[attr-defined]
             tp_group=self.tp_group, dp_cp_group=(metadata or {})["dp_cp_group"])  # type: ignore[attr-defined]
+        if self.lora_swiglu:  # B's rows are [gate_i; up_i] per TP shard, like fc1's weight (megatron-core's MLP)
+            key = f"{prefix}lora_b.weight"
+            sharded[key] = apply_swiglu_sharded_factory(sharded[key], sharded_offsets,
+                                                        (metadata or {}).get("singleton_local_shards", False))
+        return sharded
 
 
 _LORA_CLASSES: dict[type, type] = {}
@@ -240,6 +248,7 @@ def _attach(layer: Any, kind: str, settings: LoRASettings, global_path: str) -> 
     layer.lora_b = _adapter(b, parallel=kind == "column", dim=0)
     layer.lora_dropout = torch.nn.Dropout(settings.dropout) if settings.dropout > 0 else torch.nn.Identity()
     layer.lora_scale, layer.lora_kind, layer.lora_enabled = settings.scale, kind, True
+    layer.lora_swiglu = global_path.endswith("linear_fc1") and bool(layer.config.gated_linear_unit)
     layer.__class__ = _lora_class(type(layer))
 
 

@@ -92,7 +92,9 @@ class MegatronWorker(Worker):
                                f"{par.pool!r} gives dp={par.dp} ({par.world_size} ranks / tp*pp*cp)")
         hf_config = spec.hf_config()
         model_parallel_manual_seed(seed)
+        lora = getattr(spec.section, "lora", None)  # LoRA wraps the local spec's linears
         model = build_gpt_model(hf_config, head=spec.head, dtype=TORCH_DTYPES[self.config.model.dtype],
+                                transformer_engine=False if lora is not None and lora.rank > 0 else None,
                                 **spec.model_overrides)
         self._load_weights(model, hf_config)
         self.engine = MegatronEngine(model, self.info, spec, vocab_size=model_spec(hf_config).vocab_size)
