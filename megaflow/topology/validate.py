@@ -199,7 +199,8 @@ def validate_config(cfg: Config) -> None:
     every enabled role placed on a known pool; for every enabled role: world size = tp*pp*cp*dp on its pool, tp dividing
     the heads, KV heads and FFN size, pp (x vpp) dividing the layers; the rollout's t_g | t and p_g | p (hence
     t_g dividing the heads too); ep > 1 only for a mixture-of-experts model, dividing its experts and
-    dp*cp; no mixture-of-experts model in a run yet; roles colocated on one pool with equal tp/pp/cp/vpp;
+    dp*cp; no mixture-of-experts model in a run yet; LoRA (``<role>.lora``) within the model's layer sizes and
+    without the features it cannot take yet; roles colocated on one pool with equal tp/pp/cp/vpp;
     batch sizes divisible by mini-batches, DP and micro-batches.
 
     Raises:
