@@ -528,12 +528,56 @@ class TrainedRoleConfig(ParallelConfig):
                       f"{self.recompute_granularity!r}", "recompute_granularity")
 
 
+LoRATarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+LORA_TARGETS: tuple[LoRATarget, ...] = get_args(LoRATarget)
+
+
+@dataclass(frozen=True)
+class CriticLoRAConfig(Section):
+    """LoRA adapters (Hu et al. 2021) on the role's Megatron linears (``megaflow.megatron.lora``):
+    each targeted layer computes ``W x + (alpha / rank) * B A dropout(x)``, only ``A`` and ``B``
+    train (the base is frozen: no gradient, no optimizer state); a critic's value head stays
+    trained in full (it starts from a random initialisation)."""
+
+    rank: int = 0
+    """Adapter rank r; 0 turns LoRA off (full-parameter training). At most the smaller of a
+    targeted layer's input and output sizes."""
+    alpha: float = 16.0
+    """Scale numerator: the adapter's output is multiplied by alpha / rank (> 0)."""
+    dropout: float = 0.0
+    """Dropout probability on the adapter's input, in [0, 1) (training passes only)."""
+    target_modules: tuple[LoRATarget, ...] = LORA_TARGETS
+    """Megatron linears that get adapters: linear_qkv (fused QKV), linear_proj (attention
+    output), linear_fc1 (fused gate/up), linear_fc2 (down)."""
+
+    def validate(self) -> None:
+        check(self.rank >= 0, "rank", f"must be >= 0 (0 = LoRA off), got {self.rank}")
+        check_positive(self, "alpha")
+        check(0.0 <= self.dropout < 1.0, "dropout", f"must lie in [0, 1), got {self.dropout}")
+        check(self.rank == 0 or bool(self.target_modules), "target_modules",
+              f"is empty but {{0}}={self.rank} > 0: name at least one of {', '.join(LORA_TARGETS)}", "rank")
+        check(len(set(self.target_modules)) == len(self.target_modules), "target_modules",
+              f"lists a module twice: {list(self.target_modules)}")
+
+
+@dataclass(frozen=True)
+class LoRAConfig(CriticLoRAConfig):
+    """The actor's LoRA adapters (see the critic's), and how the rollout engine gets them."""
+
+    sync: Literal["merged", "adapter"] = "merged"
+    """Weight sync to the rollout engine: merged (the engine receives W + (alpha / rank) * B A for
+    every adapted weight, merged shard by shard during the reshard) or adapter (the adapters
+    alone, loaded by the engine as a LoRA adapter)."""
+
+
 @dataclass(frozen=True)
 class ActorConfig(TrainedRoleConfig):
     """The policy being trained (its weights also serve generation, see ``rollout``)."""
 
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and LR schedule."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters instead of full-parameter training (rank 0: off)."""
     use_distributed_optimizer: bool | None = None
     """Shard the optimizer state across DP ranks (megatron distributed optimizer); null: exactly
     when the actor's dp > 1 (at dp = 1 there is nothing to shard, and its flat buffers only add
@@ -760,6 +804,8 @@ class CriticConfig(TrainedRoleConfig):
     """HF checkpoint to initialise the backbone from; None: model.path (same architecture)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Optimizer and LR schedule."""
+    lora: CriticLoRAConfig = field(default_factory=CriticLoRAConfig)
+    """LoRA adapters on the critic's backbone (rank 0: off); its value head trains in full."""
     use_distributed_optimizer: bool | None = None
     """Shard the optimizer state across DP ranks; null: exactly when the critic's dp > 1."""
     ppo_mini_batch_size: int = 16

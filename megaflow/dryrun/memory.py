@@ -156,17 +156,24 @@ class ParallelShape:
 
 def role_memory(role: str, spec: ModelSpec, shape: ParallelShape, *, dtype: str, trained: bool,
                 distributed_optimizer: bool, fused_attention: bool, head: str,
-                offload: tuple[bool, bool, bool] = (False, False, False)) -> RoleMemory:
+                offload: tuple[bool, bool, bool] = (False, False, False),
+                adapter_params: int | None = None) -> RoleMemory:
     """Per-rank memory of ``role`` (the maximum over its pipeline stages).
 
     Args:
         trained: the role has gradients and an optimizer (actor, critic).
         head: ``"lm"`` (vocabulary logits) or ``"value"`` (scalar head).
         offload: (param, grad, optimizer) offload flags of the role.
+        adapter_params: LoRA (``<role>.lora.rank > 0``): the adapter parameters of one rank
+            (:func:`~megaflow.topology.lora.lora_rank_adapter_numel`); they add to the parameters
+            and are, with a value head's ``hidden`` weights, the only ones with gradients and
+            optimizer state (the frozen base has neither). None: full-parameter training.
     """
     per_stage = stage_parameters(spec, shape.tp, shape.pp, head=head)
-    stage_params = [n * DTYPE_BYTES[dtype] for n in per_stage]
-    n_params = max(per_stage)
+    extra = adapter_params or 0
+    stage_params = [(n + extra) * DTYPE_BYTES[dtype] for n in per_stage]
+    n_params = max(per_stage) if adapter_params is None else \
+        adapter_params + (spec.hidden_size if head == "value" else 0)
     seq = -(-shape.seq // shape.cp)
     layer_act = activation_bytes_per_layer(
         seq=seq, micro_batch=shape.micro_batch, hidden=spec.hidden_size, heads=spec.num_attention_heads,

@@ -31,6 +31,7 @@ from megaflow.dryrun.memory import (
     runtime_headroom_bytes,
 )
 from megaflow.topology.hybrid_layout import HybridLayout, ReshardCost, reshard_cost
+from megaflow.topology.lora import lora_rank_adapter_numel
 from megaflow.topology.model_spec import ModelSpec, count_parameters
 from megaflow.topology.placement import MeshGroups, PoolPlacement, generation_layout, megatron_groups, pack_pools
 from megaflow.topology.sizes import (
@@ -204,10 +205,13 @@ def _role_plan(cfg: Config, role: str) -> RolePlan:
     param, grad, optimizer = (getattr(section, f"{kind}_offload", False) for kind in ("param", "grad", "optimizer"))
     offload: tuple[bool, bool, bool] = (param, grad, optimizer)
     distributed = trained and uses_distributed_optimizer(cfg, role)
+    lora = getattr(section, "lora", None)
+    adapters = lora_rank_adapter_numel(spec, lora.rank, lora.target_modules, tp=par.tp, pp=par.pp) \
+        if trained and lora is not None and lora.rank > 0 else None
     memory = role_memory(role, spec, shape, dtype=cfg.model.dtype, trained=trained,
                          distributed_optimizer=distributed,
                          fused_attention=bool(cfg.resources.use_gpu) and transformer_engine_usable(need_cuda=False),
-                         head="lm" if role in ("actor", "ref") else "value", offload=offload)
+                         head="lm" if role in ("actor", "ref") else "value", offload=offload, adapter_params=adapters)
     return RolePlan(role=role, model=spec, parallel=par, groups=megatron_groups(par.tp, par.pp, par.dp, par.cp),
                     batch=batch, forward_micro_batch=forward_mb, memory=memory,
                     distributed_optimizer=distributed, update_micro_batches=num_micro if trained else None)

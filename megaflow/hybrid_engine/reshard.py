@@ -208,6 +208,10 @@ class MicroDPResharder:
             tensors carry no megatron attributes.
         share_embeddings_and_output_weights: tied embeddings; with p_g == 1 the
             last stage's ``output_layer.weight`` copy is not part of the generation shard.
+        merged: ``{name in named_params: fn}`` for weights the generation layout takes from
+            ``fn()`` instead of the parameter (this rank's shard, same shape; LoRA's merged
+            ``W + s B A``, :func:`megaflow.megatron.lora.weight_sync_sources`), computed one
+            tensor at a time when that weight is gathered; the parameter is never aliased.
 
     Raises:
         ValueError: inconsistent parameter lists within a gather group or per stage,
@@ -216,8 +220,13 @@ class MicroDPResharder:
 
     def __init__(self, groups: ReshardGroups, named_params: Mapping[str, torch.Tensor], *,
                  gated_linear_unit: bool = True,
-                 share_embeddings_and_output_weights: bool = False):
+                 share_embeddings_and_output_weights: bool = False,
+                 merged: Mapping[str, Callable[[], torch.Tensor]] | None = None):
         self.groups = groups
+        self._merged = dict(merged or {})
+        unknown = sorted(set(self._merged) - set(named_params))
+        if unknown:
+            raise ValueError(f"merged weights {unknown[:4]} are not among the named parameters")
         self.layout = layout = groups.layout
         self.placement = me = layout.ranks[groups.rank]
         self._params = dict(named_params)
@@ -314,16 +323,16 @@ class MicroDPResharder:
         m, micro = self.layout.tp_ratio, self.placement.tp_rank % self.layout.tp_ratio
         works, num_aliased = [], 0
         for meta in self._stage_params[self.placement.pp_rank]:
-            param = self._params[meta.local_name]
+            param, merged = self._params[meta.local_name], meta.local_name in self._merged
             if meta.partition_dim is None or m == 1:
-                entries[meta.name] = _GenEntry(meta, _flat_view(param.data, acc), 1)
+                entries[meta.name] = _GenEntry(meta, _flat_view(self._source(meta), acc), 1)
                 continue
             n, nbytes = meta.shard_numel, meta.shard_nbytes
             buffer = torch.empty(m * n, dtype=param.dtype, device=param.device)
             acc.alloc(m * nbytes)
             slot = buffer[micro * n:(micro + 1) * n]
-            slot.copy_(param.data.reshape(-1))
-            if _owns_storage(param.data):
+            slot.copy_(self._source(meta).reshape(-1))
+            if not merged and _owns_storage(param.data):
                 param.data = slot.view(meta.shard_shape)
                 self._aliased.append(param)
                 acc.release(nbytes)
@@ -440,6 +449,17 @@ class MicroDPResharder:
             num_aliased=0, num_copied=sum(p.partition_dim is not None and self.layout.tp_ratio > 1 for p in own),
             num_collectives=acc.collectives, seconds=time.perf_counter() - start)
 
+    def _source(self, meta: LocalParam) -> torch.Tensor:
+        """This rank's training shard of ``meta``: the parameter, or its merged weight."""
+        merge = self._merged.get(meta.local_name)
+        if merge is None:
+            return self._params[meta.local_name].data
+        tensor = merge()
+        if tuple(tensor.shape) != meta.shard_shape or tensor.dtype != meta.dtype:
+            raise ValueError(f"{meta.local_name}: the merged weight is {tuple(tensor.shape)} {tensor.dtype}, the "
+                             f"parameter {meta.shard_shape} {meta.dtype}")
+        return tensor
+
     def _generation_shape(self, meta: LocalParam) -> tuple[int, ...]:
         shape = list(meta.shard_shape)
         if meta.partition_dim is not None:
@@ -456,9 +476,9 @@ class MicroDPResharder:
         slots = layout.tp_ratio if meta.partition_dim is not None else 1
         nbytes = slots * meta.shard_nbytes
         if stage == me.pp_rank:
-            param = self._params[meta.local_name].data
+            param = self._source(meta)
             if slots == 1:
-                allocated = 0 if param.is_contiguous() else nbytes
+                allocated = 0 if param.is_contiguous() and meta.local_name not in self._merged else nbytes
                 buffer = _flat_view(param, acc)
             else:
                 buffer = torch.empty(slots * meta.shard_numel, dtype=param.dtype, device=param.device)

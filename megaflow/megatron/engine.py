@@ -89,8 +89,9 @@ class MegatronEngine:
 
     What it reads from the role's config: the micro-batch sizes and token budgets
     (:attr:`RoleSpec.micro_batches`), ``<role>.logits_chunk_tokens`` (actor and ref), and for
-    the trained roles (actor, critic) ``<role>.optim``, ``<role>.use_distributed_optimizer``
-    and the LR decay horizon (:attr:`RoleSpec.lr_decay_steps`).
+    the trained roles (actor, critic) ``<role>.optim``, ``<role>.use_distributed_optimizer``,
+    ``<role>.lora`` (adapters, :mod:`megaflow.megatron.lora`) and the LR decay horizon
+    (:attr:`RoleSpec.lr_decay_steps`).
 
     Args:
         model: this rank's ``GPTModel`` from :func:`megaflow.megatron.model.build_gpt_model`.
@@ -120,9 +121,24 @@ class MegatronEngine:
         if self.logits_chunk_tokens is not None and info.is_last_pp_stage:
             _output_layer_returns_hidden(self.module)
         if spec.trains:
+            self._apply_lora()
             self._setup_training()
 
     # ------------------------------------------------------------------ set-up
+    def _apply_lora(self) -> None:
+        """``<role>.lora.rank > 0``: adapters on the targeted linears, the base frozen (before
+        DDP and the optimizer, so both cover the adapters only; a critic's value head stays trained)."""
+        from megaflow.megatron.lora import LoRASettings, apply_lora
+
+        section = self.spec.section
+        if not isinstance(section, ActorConfig | CriticConfig):  # only the trained roles have a lora section
+            return
+        settings = LoRASettings.from_config(section.lora, self.spec.config.trainer.seed)
+        if settings is None:
+            return
+        value_head = self.head == "value" and self.info.is_last_pp_stage
+        apply_lora(self.model, settings, keep_trainable=("output_layer.weight",) if value_head else ())
+
     def _setup_training(self) -> None:
         from megatron.core.distributed import (
             DistributedDataParallel,

@@ -166,7 +166,7 @@ class ScalarHead(torch.nn.Module):
 
 def build_gpt_model(hf_config: Any, *, head: str = "lm", dtype: torch.dtype = torch.float32,
                     max_sequence_length: int | None = None, head_seed: int = 0,
-                    **config_overrides: Any):
+                    transformer_engine: bool | None = None, **config_overrides: Any):
     """Build this rank's TP shard and PP stage of a megatron-core ``GPTModel``.
 
     Needs :func:`megaflow.megatron.parallel.initialize_parallel` first. Uses the Transformer
@@ -183,6 +183,9 @@ def build_gpt_model(hf_config: Any, *, head: str = "lm", dtype: torch.dtype = to
         dtype: parameter dtype.
         max_sequence_length: RoPE table length; default HF ``max_position_embeddings``.
         head_seed: seed of the scalar head's initialisation (same on every rank).
+        transformer_engine: False: megatron-core's local layer spec even where Transformer Engine
+            is usable (LoRA adapters, :mod:`megaflow.megatron.lora`, need the local spec's
+            unfused norm + linear); None: TE where usable.
         **config_overrides: extra ``TransformerConfig`` fields.
 
     Raises:
@@ -206,11 +209,15 @@ def build_gpt_model(hf_config: Any, *, head: str = "lm", dtype: torch.dtype = to
         raise NotImplementedError("context parallelism (cp > 1) is not supported by "
                                   "megaflow's models yet")
     arch = model_spec(hf_config)
+    if transformer_engine is False:  # the local spec: off the fusions only TE provides
+        without_te = gpu_fusions(False)
+        config_overrides = {"masked_softmax_fusion": without_te["masked_softmax_fusion"],
+                            "apply_rope_fusion": without_te["apply_rope_fusion"], **config_overrides}
     config = transformer_config_from_hf(
         hf_config, dtype=dtype, tensor_model_parallel_size=info.tp_size,
         pipeline_model_parallel_size=info.pp_size, expert_model_parallel_size=info.ep_size,
         **config_overrides)
-    use_te = transformer_engine_usable()
+    use_te = transformer_engine_usable() and transformer_engine is not False
     if config.sequence_parallel and not use_te:
         raise ValueError("sequence_parallel needs Transformer Engine's layer spec (CUDA + transformer_engine): "
                          "megatron-core's local spec builds its norms with WrappedTorchNorm, which refuses "

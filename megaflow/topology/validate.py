@@ -59,7 +59,7 @@ def _check_roles(cfg: Config) -> None:
     else:
         check(not cfg.critic.enabled, "critic.enabled",
               f"a critic is only used by adv_estimator 'gae', not {algo.adv_estimator!r}: set it false")
-    if algo.uses_ref:
+    if algo.uses_ref and cfg.actor.lora.rank == 0:  # with LoRA the actor's frozen base is the reference
         which = "use_kl_in_reward" if algo.use_kl_in_reward else "use_kl_loss"
         check(cfg.ref.enabled, "ref.enabled", f"algorithm.{which}=true needs reference log-probs: set {{0}}=true",
               "ref.enabled")
@@ -132,6 +132,51 @@ def _check_moe_runnable(spec: ModelSpec) -> None:
           "expert weight sync are not wired into the workers); use a dense model")
 
 
+def _check_lora(cfg: Config) -> None:
+    """``<role>.lora`` (actor, critic) against the model and the features LoRA cannot take yet.
+
+    rank at most the smaller size of every targeted linear; no mixture-of-experts model (the
+    experts' linears get no adapters); no sequence parallelism (megaflow.megatron.lora); the
+    actor's ``sync`` merged (the adapter-only route is not wired in yet); with the actor's LoRA
+    the reference log-probs come from the actor with adapters disabled, so ``ref.enabled`` is
+    false; no HF export and no checkpoints yet (their adapter-aware versions are not wired in).
+
+    Raises:
+        ConfigError: naming the key to change.
+    """
+    from megaflow.topology.lora import lora_layer_dims
+
+    for role in ("actor", "critic"):
+        lora = getattr(cfg, role).lora
+        if lora.rank == 0 or role not in enabled_roles(cfg):
+            continue
+        spec = role_model_spec(cfg, role)
+        check(not spec.is_moe, f"{role}.lora.rank", f"LoRA on a mixture-of-experts model ({spec.model_type}) is not "
+                                                    f"supported: the experts get no adapters; set it 0", spec.source)
+        dims = lora_layer_dims(spec)
+        for target in lora.target_modules:
+            size = min(dims[target])
+            check(lora.rank <= size, f"{role}.lora.rank",
+                  f"{lora.rank} exceeds {target}'s smaller dimension {size} (in, out = {dims[target]}): a rank above "
+                  "it adds parameters but no expressiveness")
+        check(not getattr(cfg, role).sequence_parallel, f"{role}.sequence_parallel",
+              "LoRA adapters do not support sequence parallelism yet: set it false or {0}=0", f"{role}.lora.rank")
+    lora_roles = [r for r in ("actor", "critic") if r in enabled_roles(cfg) and getattr(cfg, r).lora.rank > 0]
+    if lora_roles:
+        check(cfg.trainer.save_freq == -1, "trainer.save_freq",
+              "checkpoints of LoRA adapters are not available yet: set it -1 (never) or {0}=0",
+              f"{lora_roles[0]}.lora.rank")
+    if cfg.actor.lora.rank == 0:
+        return
+    check(cfg.actor.lora.sync == "merged", "actor.lora.sync",
+          "'adapter' (the engine loading the adapters alone) is not available yet: use 'merged'")
+    check(not cfg.ref.enabled, "ref.enabled",
+          "must be false with {0} > 0: the reference log-probs come from the actor with its adapters disabled "
+          "(the frozen base is the initial policy), no reference group is needed", "actor.lora.rank")
+    check(not cfg.trainer.export_hf, "trainer.export_hf",
+          "exporting a LoRA-trained actor is not available yet: set it false or {0}=0", "actor.lora.rank")
+
+
 def _check_colocated_meshes(cfg: Config) -> None:
     """Roles on one pool share one process per rank, hence Megatron's one (process-global)
     parallel state: their tp, pp, cp, ep and vpp must be equal."""
@@ -154,7 +199,8 @@ def validate_config(cfg: Config) -> None:
     every enabled role placed on a known pool; for every enabled role: world size = tp*pp*cp*dp on its pool, tp dividing
     the heads, KV heads and FFN size, pp (x vpp) dividing the layers; the rollout's t_g | t and p_g | p (hence
     t_g dividing the heads too); ep > 1 only for a mixture-of-experts model, dividing its experts and
-    dp*cp; no mixture-of-experts model in a run yet; roles colocated on one pool with equal tp/pp/cp/vpp;
+    dp*cp; no mixture-of-experts model in a run yet; LoRA (``<role>.lora``) within the model's layer sizes and
+    without the features it cannot take yet; roles colocated on one pool with equal tp/pp/cp/vpp;
     batch sizes divisible by mini-batches, DP and micro-batches.
 
     Raises:
@@ -164,6 +210,7 @@ def validate_config(cfg: Config) -> None:
     _check_inputs(cfg)
     _check_roles(cfg)
     _check_placement(cfg)
+    _check_lora(cfg)  # before the mixture-of-experts refusal: LoRA's own reason comes first
     for role in enabled_roles(cfg):
         _check_expert_parallel(role_model_spec(cfg, role), role, role_parallel(cfg, role))
         _check_moe_runnable(role_model_spec(cfg, role))

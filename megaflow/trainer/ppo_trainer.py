@@ -217,9 +217,9 @@ class RayPPOTrainer:
         else:
             with _timer("old_log_prob", t):
                 batch = batch.union(g.actor.compute_log_prob(batch))
-        if g.ref is not None:
+        if g.reference is not None:  # the reference group, or the actor's base with LoRA
             with _timer("ref", t):
-                batch = batch.union(g.ref.compute_ref_log_prob(batch))
+                batch = batch.union(g.reference.compute_ref_log_prob(batch))
         if g.critic is not None:
             with _timer("values", t):
                 batch = batch.union(g.critic.compute_values(batch))

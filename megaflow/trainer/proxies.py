@@ -248,6 +248,12 @@ class ActorProxy(MegatronProxy):
         ``entropys`` ``[B, R]`` (float32) at the rollout temperature."""
         return self._run(ActorProxy.compute_log_prob, data)
 
+    @reads(FORWARD_KEYS, meta=("temperature",))
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """``ActorWorker.compute_ref_log_prob`` on the ``actor`` mesh (``actor.lora.rank > 0``):
+        ``ref_log_probs`` ``[B, R]`` of the actor's frozen base, adapters disabled."""
+        return self._run(ActorProxy.compute_ref_log_prob, data)
+
     @reads(FORWARD_KEYS + ("response_mask", "advantages"),
            optional=("old_log_probs", "ref_log_probs", "rollout_is_weights", "rollout_log_probs"),
            meta=("temperature",))
@@ -393,7 +399,8 @@ class WorkerGroups:
 
     ``resource_pools`` are released when the groups shut down. ``rollout``: the standalone
     rollout group of split placement (:class:`~megaflow.workers.rollout_worker.RolloutWorker`;
-    None: the engines live in the actor's processes).
+    None: the engines live in the actor's processes). ``actor_is_reference``: the actor's
+    frozen base (LoRA, adapters disabled) computes the reference log-probs (:attr:`reference`).
     """
 
     actor: ActorProxy
@@ -403,6 +410,14 @@ class WorkerGroups:
     resource_pools: list[ResourcePool] = field(default_factory=list)
     rollout: RolloutProxy | None = None
     cost_critic: CostCriticProxy | None = None
+    actor_is_reference: bool = False
+
+    @property
+    def reference(self) -> RefProxy | ActorProxy | None:
+        """Where the reference log-probs come from: the reference group, or with LoRA (no
+        reference group) the actor with its adapters disabled (``actor_is_reference``); None
+        when the run uses no reference."""
+        return self.ref if self.ref is not None else (self.actor if self.actor_is_reference else None)
 
     def named(self) -> dict[str, Any]:
         """``{role: group}`` of the configured groups (actor, rollout, ref, critic,

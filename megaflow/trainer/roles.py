@@ -142,6 +142,7 @@ def build_worker_groups(cfg: Config, tokenizer: Any, total_steps: int | None = N
     # (a no-op call on the second view of colocated roles).
     for view in views.values():
         view.end_startup()
+    groups.actor_is_reference = cfg.actor.lora.rank > 0 and cfg.algorithm.uses_ref
     return groups
 
 

@@ -78,6 +78,7 @@ class ActorRolloutWorker(ActorWorker):
     def init_model(self) -> None:
         """Build the Megatron actor, the reshard groups and the vLLM engine (collective)."""
         from megaflow.hybrid_engine import MicroDPResharder, build_reshard_groups, plan_hybrid_layout
+        from megaflow.megatron.lora import weight_sync_sources
         from megaflow.models.hf_mapping import ModelSpec
 
         super().init_model()
@@ -88,7 +89,9 @@ class ActorRolloutWorker(ActorWorker):
                                          num_attention_heads=self.spec.num_heads,
                                          num_query_groups=self.spec.num_kv_heads)
         self.reshard_groups = build_reshard_groups(self.layout)
-        self.resharder = MicroDPResharder(self.reshard_groups, dict(self.engine.module.named_parameters()),
+        # LoRA (merged sync): the adapted weights go out as W + (alpha / r) B A, merged shard by shard
+        base, merged = weight_sync_sources(self.engine.module)
+        self.resharder = MicroDPResharder(self.reshard_groups, base, merged=merged,
                                           share_embeddings_and_output_weights=self.spec.tie_word_embeddings)
         placement = self.layout.ranks[self.rank]
         self.register_dp_info("rollout", dp_rank=placement.gen_dp_rank, is_collect=placement.is_collect)

@@ -94,7 +94,9 @@ class MegatronWorker(Worker):
                                f"{par.pool!r} gives dp={par.dp} ({par.world_size} ranks / tp*pp*cp)")
         hf_config = spec.hf_config()
         model_parallel_manual_seed(seed)
+        lora = getattr(spec.section, "lora", None)  # LoRA wraps the local spec's linears
         model = build_gpt_model(hf_config, head=spec.head, dtype=TORCH_DTYPES[self.config.model.dtype],
+                                transformer_engine=False if lora is not None and lora.rank > 0 else None,
                                 **spec.model_overrides)
         self._load_weights(model, hf_config)
         self.engine = MegatronEngine(model, self.info, spec, vocab_size=model_spec(hf_config).vocab_size)
@@ -232,6 +234,24 @@ class ActorWorker(MegatronWorker):
         if out is None:
             return None
         return DataProto.from_dict({"old_log_probs": out["log_probs"], "entropys": out["entropy"]})
+
+    @register(nd_compute("actor"))
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto | None:
+        """``ref_log_probs`` ``[B, R]`` at the rollout temperature from the actor's frozen base
+        (``actor.lora.rank > 0``: adapters disabled, :func:`megaflow.megatron.lora.adapters_disabled`),
+        the reference policy without a reference group.
+
+        Raises:
+            RuntimeError: the actor has no LoRA adapters (its weights are not the reference's).
+        """
+        from megaflow.megatron.lora import adapters_disabled, has_lora
+
+        if not has_lora(self.engine.module):
+            raise RuntimeError("compute_ref_log_prob on the actor needs actor.lora.rank > 0 (its frozen base is "
+                               "the reference); without LoRA the reference group computes them")
+        with adapters_disabled(self.engine.module):
+            out = self._forward(data, **self._sampling(data))
+        return None if out is None else DataProto.from_dict({"ref_log_probs": out["log_probs"]})
 
     @register(nd_compute("actor"))
     def update_actor(self, data: DataProto) -> dict[str, float]:

@@ -698,7 +698,8 @@ def _advantages_of_a_step(cfg, seq_scores, values=None):
         compute_values=lambda data: DataProto.from_dict({"values": torch.tensor(values)}),
         update_critic=update_critic)
     trainer = SimpleNamespace(
-        cfg=cfg, groups=SimpleNamespace(actor=actor, ref=None, critic=critic, cost_critic=None), global_step=0, safe=None,
+        cfg=cfg, groups=SimpleNamespace(actor=actor, ref=None, reference=None, critic=critic, cost_critic=None),
+        global_step=0, safe=None,
         rollouts=SimpleNamespace(sync=lambda: SyncReport(0, {}), next_batch=lambda step: (batch, {}),
                                  correction=lambda: cfg.algorithm.rollout_correction),
         score=lambda data: data.union(DataProto.from_dict({"token_level_scores": scores})))

@@ -1,0 +1,92 @@
+"""The LoRA knobs (``actor.lora.*``, ``critic.lora.*``) at load: bad values are refused naming
+the key before any process starts; a valid LoRA run needs no reference group; the planner
+counts optimizer and gradient memory for the adapters only and no reference copy."""
+from __future__ import annotations
+
+import pytest
+
+from megaflow.config import ConfigError
+from megaflow.topology import load_run
+
+RECIPE = "tiny_arith_grpo"
+BASE = ("resources.use_gpu=false", "trainer.save_freq=-1")
+ON = ("actor.lora.rank=8",)
+PPO = ("algorithm.adv_estimator=gae", "critic.enabled=true", "critic.tp=2", "critic.lora.rank=4")
+
+
+def _refused(*overrides: str) -> ConfigError:
+    with pytest.raises(ConfigError) as err:
+        load_run(RECIPE, [*BASE, *overrides])
+    return err.value
+
+
+@pytest.mark.parametrize("overrides, key, says", [
+    (("actor.lora.rank=-1",), "actor.lora.rank", "must be >= 0"),
+    (("actor.lora.rank=200",), "actor.lora.rank", "exceeds linear_qkv's smaller dimension 128"),
+    (("actor.lora.rank=8", "actor.lora.target_modules=[linear_fc2]", "actor.lora.rank=129"), "actor.lora.rank",
+     "exceeds linear_fc2's smaller dimension 128"),
+    (("actor.lora.target_modules=[linear_qkv,q_proj]",), "actor.lora.target_modules[1]", "linear_qkv"),
+    (("actor.lora.rank=8", "actor.lora.target_modules=[]"), "actor.lora.target_modules", "is empty"),
+    (("actor.lora.target_modules=[linear_qkv,linear_qkv]",), "actor.lora.target_modules", "twice"),
+    (("actor.lora.alpha=0",), "actor.lora.alpha", "> 0"),
+    (("actor.lora.dropout=1.0",), "actor.lora.dropout", "[0, 1)"),
+    (("actor.lora.dropout=-0.1",), "actor.lora.dropout", "[0, 1)"),
+    ((*ON, "actor.lora.sync=adapter"), "actor.lora.sync", "not available yet"),
+    ((*ON, "algorithm.use_kl_loss=true", "ref.enabled=true"), "ref.enabled", "adapters disabled"),
+    ((*ON, "trainer.export_hf=true"), "trainer.export_hf", "not available yet"),
+    ((*ON, "trainer.save_freq=5"), "trainer.save_freq", "not available yet"),
+    ((*PPO, "trainer.save_freq=5"), "trainer.save_freq", "critic.lora.rank"),
+    ((*PPO, "critic.lora.rank=129"), "critic.lora.rank", "exceeds"),
+    (("critic.lora.alpha=-1",), "critic.lora.alpha", "> 0"),
+    (("critic.lora.dropout=2",), "critic.lora.dropout", "[0, 1)"),
+    (("critic.lora.target_modules=[fc1]",), "critic.lora.target_modules[0]", "linear_fc1"),
+    (("critic.lora.rank=2", "critic.lora.target_modules=[]"), "critic.lora.target_modules", "is empty"),
+])
+def test_bad_lora_values_are_refused_naming_the_key(overrides, key, says):
+    err = _refused(*overrides)
+    assert err.key == key, str(err)
+    assert says in str(err), str(err)
+
+
+def test_lora_on_a_mixture_of_experts_model_is_refused_naming_the_rank():
+    moe = ("model.hf_config.model_type=qwen3_moe", "model.hf_config.architectures=[Qwen3MoeForCausalLM]",
+           "model.hf_config.num_experts=4", "model.hf_config.num_experts_per_tok=2",
+           "model.hf_config.moe_intermediate_size=64", "model.hf_config.head_dim=32")
+    err = _refused(*ON, *moe)
+    assert err.key == "actor.lora.rank" and "mixture-of-experts" in str(err), str(err)
+
+
+def test_lora_with_sequence_parallelism_is_refused():
+    err = _refused(*ON, "actor.sequence_parallel=true")
+    assert err.key == "actor.sequence_parallel" and "LoRA" in str(err), str(err)
+
+
+def test_kl_with_lora_needs_no_reference_group():
+    """actor.lora.rank > 0: algorithm.use_kl_loss runs without ref.enabled (the actor's base
+    is the reference); without LoRA the same config is refused."""
+    cfg = load_run(RECIPE, [*BASE, *ON, "algorithm.use_kl_loss=true"])
+    assert cfg.actor.lora.rank == 8 and not cfg.ref.enabled
+    err = _refused("algorithm.use_kl_loss=true")
+    assert err.key == "ref.enabled"
+
+
+def test_planner_counts_adapter_gradients_and_optimizer_state_only_and_no_reference():
+    """The dry run with actor.lora.rank=8 on the default recipe (t=2, a 2-layer model of hidden 128,
+    4 heads of 32, 2 KV heads, ffn 384): per rank, qkv A [8, 128] + B [256 / 2, 8], proj A [8, 128 / 2]
+    + B [128, 8], fc1 A [8, 128] + B [768 / 2, 8], fc2 A [8, 384 / 2] + B [128, 8] per layer; fp32
+    gradients (4 bytes) and Adam's two fp32 moments (8 bytes) for those only; no reference role."""
+    from megaflow.dryrun import build_plan
+
+    per_layer = 8 * ((128 + 128) + (64 + 128) + (128 + 384) + (192 + 128))
+    adapters = 2 * per_layer
+    full = build_plan(load_run(RECIPE, [*BASE, "algorithm.use_kl_loss=true", "ref.enabled=true", "ref.tp=2"]))
+    lora = build_plan(load_run(RECIPE, [*BASE, *ON, "algorithm.use_kl_loss=true"]))
+
+    def roles(plan):
+        return {r.role: r for r in plan.roles}
+
+    actor, base = roles(lora)["actor"].memory, roles(full)["actor"].memory
+    assert actor.grads == adapters * 4 and actor.optimizer == adapters * 8
+    assert actor.params == base.params + adapters * 4
+    assert base.grads == base.params  # full training: fp32 gradient per parameter
+    assert "ref" in roles(full) and "ref" not in roles(lora)
