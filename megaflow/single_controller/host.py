@@ -105,6 +105,8 @@ class WorkerHost:
         """
         if method != "init_model":
             startup_gc.resume()  # a no-op after start-up
+        # the process title names the phase (ps, top, tools/measure_run_memory.py); Ray resets it after the call
+        ray._raylet.setproctitle(f"ray::WorkerHost.execute {role}.{method}")
         try:
             fn: Callable[..., Any] = getattr(self._roles[role], method)
             args, kwargs, report = resolve_arguments(args, kwargs)
