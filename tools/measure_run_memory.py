@@ -96,15 +96,20 @@ def descendants(root: int) -> list[int]:
     return out
 
 
+#: Ray's own Python processes that carry a ``ray::`` title.
+_RAY_AGENTS = ("DashboardAgent", "RuntimeEnvAgent")
 _RAY_METHOD = re.compile(r"^ray::([\w.]+)(?: ([\w.]+))?")
 
 
 def classify(pid: int, root: int, title: str) -> tuple[str, str | None]:
     """(kind, phase): kind ``controller`` (the root), ``worker`` (a Ray actor or task process;
-    phase = the method its title names, ``IDLE`` between tasks) or ``ray`` (Ray's helpers)."""
+    phase = the method its title names, ``IDLE`` between tasks) or ``ray`` (Ray's helpers and
+    agents)."""
     if pid == root:
         return "controller", None
     match = _RAY_METHOD.match(title)
+    if match and match.group(1) in _RAY_AGENTS:
+        return "ray", None
     if match:
         name = match.group(2) or match.group(1)  # megaflow's host appends "role.method"
         return "worker", name.split(".", 1)[1] if "." in name and not match.group(2) else name

