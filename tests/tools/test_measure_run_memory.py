@@ -30,15 +30,15 @@ def test_process_titles_name_kind_and_phase():
 def test_sampler_counts_a_child_once_and_skips_unexeced_forks():
     tool = load_tool("measure_run_memory")
     # a child that allocates 200 MiB and a fork of this test process (same title, shared pages)
-    child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(200 << 20); time.sleep(30)"])
+    code = "import time; b = b'x' * (200 << 20); print('ready', flush=True); time.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     pid = os.fork()
     if pid == 0:  # the fork: sleeps with this process's pages (not exec'd)
         import time
-        time.sleep(30)
+        time.sleep(60)
         os._exit(0)
     try:
-        import time
-        time.sleep(1.0)
+        assert child.stdout.readline().strip() == "ready"  # its 200 MiB are written
         sampler = tool.TreeSampler(os.getpid())
         sampler.sample()
         seen = set(sampler.processes)
