@@ -161,6 +161,8 @@ class ParallelShape:
     """Response tokens per row (the log-prob head's rows); None: ``seq``."""
     entropy_grad: bool = False
     """The update's loss has an entropy term (its gradient runs through the head)."""
+    sampling_units: float = 0.0
+    """What the log-probs' temperature and top-k/top-p add to the head (:func:`log_prob_sampling_units`)."""
 
 
 def role_memory(role: str, spec: ModelSpec, shape: ParallelShape, *, dtype: str, trained: bool,
@@ -185,7 +187,7 @@ def role_memory(role: str, spec: ModelSpec, shape: ParallelShape, *, dtype: str,
     if head == "lm":
         logits = lm_head_bytes(micro_batch=shape.micro_batch, seq=seq, response=min(shape.response or seq, seq),
                                vocab=padded_vocab_size(spec.vocab_size, shape.tp), tp=shape.tp, backward=trained,
-                               entropy_grad=shape.entropy_grad)
+                               entropy_grad=shape.entropy_grad, sampling_units=shape.sampling_units)
     else:
         logits = logits_bytes(seq=seq, micro_batch=shape.micro_batch, vocab=1, tp=1, backward=trained)
     if trained:  # the last stage's final norm keeps its tensors for backward
@@ -420,8 +422,24 @@ def pipeline_bubble(pp: int, micro_batches: int, vpp: int | None = None) -> floa
 # The log-prob head's working set, and the host memory of a CPU run (issue 36 item 7)
 # ---------------------------------------------------------------------------------------------
 
+#: Response-token units (fp32 ``[R, V/t]``) that the log-prob function's truncation mask adds
+#: to its forward peak (:func:`~megaflow.megatron.logprobs.truncation_mask`), measured with
+#: ``VmHWM`` at ``R = 512``, ``V = 49152`` (``tests/config/test_plan_cpu_memory.py``): top-p sorts
+#: each row (fp32 values and int64 order), then holds its probabilities, their cumulative sums
+#: and the mask: 7.25; top-k alone: 1.5.
+TOP_P_UNITS, TOP_K_UNITS = 7.25, 1.5
+
+
+def log_prob_sampling_units(*, temperature: float, top_p: float, top_k: int) -> float:
+    """Response-token units the actor's sampling settings add to the log-prob head: the
+    tempered copy ``logits / temperature`` (1 unless the temperature is 1) and the truncation
+    mask's work (:data:`TOP_P_UNITS` with top-p, else :data:`TOP_K_UNITS` with top-k)."""
+    truncation = TOP_P_UNITS if top_p < 1.0 else TOP_K_UNITS if top_k > 0 else 0.0
+    return (0.0 if temperature == 1.0 else 1.0) + truncation
+
+
 def lm_head_bytes(*, micro_batch: int, seq: int, response: int, vocab: int, tp: int, backward: bool,
-                  entropy_grad: bool = False) -> float:
+                  entropy_grad: bool = False, sampling_units: float = 0.0) -> float:
     """Peak bytes of the log-prob head of one micro-batch on one TP rank (fp32 logits).
 
     With ``T = b*s`` tokens, ``R = b*r`` response tokens and ``V = vocab / t`` columns, the
@@ -439,17 +457,19 @@ def lm_head_bytes(*, micro_batch: int, seq: int, response: int, vocab: int, tp: 
       temporary (``3R``; ``5R`` when the entropy's gradient runs too), then the gather's
       ``[b, s, V]`` gradient and the output layer's contiguous copy of it (``2T``).
 
-    So forward only ``max(2T, T + 3R)``, training ``max(2T, T + 3R, 3R or 5R)``, times
-    ``4 * V`` bytes.
+    So forward only ``max(2T, T + (3 + u)R)``, training ``max(2T, T + (3 + u)R, 3R or 5R)``,
+    times ``4 * V`` bytes, where ``u`` is ``sampling_units``
+    (:func:`log_prob_sampling_units`: the tempered copy, the top-k/top-p mask's work).
 
     Args:
         micro_batch: rows ``b``. seq: tokens per row ``s``. response: response tokens per row
             ``r <= s``. vocab: the padded vocabulary. tp: tensor-parallel size ``t``.
         backward: training (the update) rather than a forward-only pass.
         entropy_grad: the loss has an entropy term.
+        sampling_units: ``u`` above.
     """
     t, r = micro_batch * seq, micro_batch * min(response, seq)
-    units = max(2 * t, t + 3 * r)
+    units = max(2 * t, t + (3 + sampling_units) * r)
     if backward:
         units = max(units, (5 if entropy_grad else 3) * r)
     return 4.0 * units * vocab / tp

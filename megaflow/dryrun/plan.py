@@ -28,6 +28,7 @@ from megaflow.dryrun.memory import (
     cpu_kv_cache_bytes,
     cpu_node_bytes,
     host_copies,
+    log_prob_sampling_units,
     pipeline_bubble,
     role_memory,
     rollout_memory,
@@ -207,7 +208,7 @@ def _role_plan(cfg: Config, role: str) -> RolePlan:
         tp=par.tp, pp=par.pp, cp=par.cp, dp=par.dp, vpp=par.vpp, sequence_parallel=section.sequence_parallel,
         recompute=getattr(section, "recompute_granularity", "none"),
         micro_batch=micro, num_micro_batches=num_micro, seq=max_seq_len(cfg), response=cfg.rollout.response_length,
-        entropy_grad=trained and getattr(section, "entropy_coeff", 0.0) > 0)
+        entropy_grad=trained and getattr(section, "entropy_coeff", 0.0) > 0, sampling_units=_sampling_units(cfg))
     param, grad, optimizer = (getattr(section, f"{kind}_offload", False) for kind in ("param", "grad", "optimizer"))
     offload: tuple[bool, bool, bool] = (param, grad, optimizer)
     distributed = trained and uses_distributed_optimizer(cfg, role)
@@ -218,6 +219,14 @@ def _role_plan(cfg: Config, role: str) -> RolePlan:
     return RolePlan(role=role, model=spec, parallel=par, groups=megatron_groups(par.tp, par.pp, par.dp, par.cp),
                     batch=batch, forward_micro_batch=forward_mb, memory=memory,
                     distributed_optimizer=distributed, update_micro_batches=num_micro if trained else None)
+
+
+def _sampling_units(cfg: Config) -> float:
+    """The log-probs' temperature and truncation: the rollout's, without truncation for raw
+    log-probs (as the Megatron workers' ``_sampling`` reads them)."""
+    r, processed = cfg.rollout, cfg.rollout.logprobs_mode == "processed"
+    return log_prob_sampling_units(temperature=r.temperature, top_p=r.top_p if processed else 1.0,
+                                   top_k=r.top_k if processed else -1)
 
 
 def _rollout_plan(cfg: Config, actor: RolePlan) -> RolloutPlan:

@@ -13,6 +13,7 @@ from megaflow.dryrun.memory import (
     CPU_WORKER_RUNTIME_BYTES,
     RAY_NODE_BYTES,
     lm_head_bytes,
+    log_prob_sampling_units,
     logits_bytes,
 )
 from megaflow.megatron.logprobs import vocab_parallel_log_probs
@@ -60,6 +61,35 @@ def test_log_prob_function_working_set_is_measured(backward, entropy):
     head = lm_head_bytes(micro_batch=1, seq=rows, response=rows, vocab=vocab, tp=1, backward=backward,
                          entropy_grad=entropy)
     assert head == 4 * max(2 * rows, rows + 3 * rows, (5 if entropy else 3) * rows if backward else 0) * vocab
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.7), dict(top_p=0.9), dict(top_k=50),
+                                      dict(temperature=0.7, top_p=0.9, top_k=50)])
+def test_sampling_settings_add_their_measured_units(sampling):
+    # forward only: 3R (input included) + log_prob_sampling_units: the tempered copy, the mask's work
+    rows, vocab = 512, 49152
+    labels = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(0))
+
+    def run():
+        vocab_parallel_log_probs(torch.randn(rows, vocab), labels, tp_group=None, with_entropy=True, **sampling)
+
+    _peak_above_now(run)
+    measured = _peak_above_now(run) / (4 * rows * vocab)
+    units = log_prob_sampling_units(temperature=sampling.get("temperature", 1.0), top_p=sampling.get("top_p", 1.0),
+                                    top_k=sampling.get("top_k", -1))
+    assert measured == pytest.approx(3 + units, rel=0.08), (measured, 3 + units)
+
+
+def test_plan_reads_the_rollouts_sampling_for_the_head():
+    base = build_plan(load_run("smollm2_gsm8k_grpo", ["resources.use_gpu=false"]))
+    nucleus = build_plan(load_run("smollm2_gsm8k_grpo", ["resources.use_gpu=false", "rollout.top_p=0.9"]))
+    raw = build_plan(load_run("smollm2_gsm8k_grpo", ["resources.use_gpu=false", "rollout.top_p=0.9",
+                                                       "rollout.logprobs_mode=raw"]))
+    # ref forward micro-batch 8 x (256 + 256), 8 x 256 response tokens: T + (3 + 7.25) R over T + 3R
+    r_unit = 4 * 8 * 256 * 49152
+    assert nucleus.role("ref").memory.activations - base.role("ref").memory.activations == \
+        pytest.approx(7.25 * r_unit)
+    assert raw.role("ref").memory.activations == base.role("ref").memory.activations
 
 
 def test_head_by_hand_and_above_the_old_logits_term():
