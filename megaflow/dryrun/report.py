@@ -1,7 +1,7 @@
 """``format_plan``: the dry run's human-readable report of a :class:`~megaflow.dryrun.plan.Plan`."""
 from __future__ import annotations
 
-from megaflow.dryrun.memory import GIB
+from megaflow.dryrun.memory import CONTROLLER_BYTES, GIB, RAY_NODE_BYTES
 from megaflow.dryrun.plan import Plan, PoolPlan, RolePlan, RolloutPlan, SplitRolloutPlan
 from megaflow.topology.placement import Groups
 
@@ -51,12 +51,17 @@ def _header(plan: Plan) -> list[str]:
     ]
 
 
-def _pool_lines(pool: PoolPlan, split: bool) -> list[str]:
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 'es' if word.endswith('ss') else 's'}"
+
+
+def _pool_lines(pool: PoolPlan, split: bool, use_gpu: bool) -> list[str]:
     p = pool.placement
     roles = ["actor+rollout" if r == "actor" and not split else r for r in pool.roles]
     share = "colocated, one process per rank" if len(roles) > 1 else "own processes"
-    return [f"  {p.name}: nodes {_span(p.nodes)} x {p.procs_per_node} = {p.world_size} ranks; "
-            f"roles {', '.join(roles)} ({share})"]
+    where = f"node {p.nodes[0]}" if len(p.nodes) == 1 else f"nodes {_span(p.nodes)}"
+    each = _plural(p.procs_per_node, "GPU" if use_gpu else "process") + ("" if len(p.nodes) == 1 else " each")
+    return [f"  {p.name}: {where}, {each} = {_plural(p.world_size, 'rank')}; roles {', '.join(roles)} ({share})"]
 
 
 def _role_lines(rp: RolePlan, max_groups: int) -> list[str]:
@@ -119,7 +124,7 @@ def _memory_lines(plan: Plan) -> list[str]:
             over = plan.use_gpu and plan.device_memory is not None and phase.total > plan.device_memory
             lines.append(f"    {phase.phase:<22} {_gib(phase.total):>10}{'  DOES NOT FIT' if over else ''}  ({parts})")
         lines += _gpu_pool_lines(pool)
-    return lines + _host_lines(plan)
+    return lines + _host_lines(plan) + _cpu_node_lines(plan)
 
 
 def _gpu_pool_lines(pool: PoolPlan) -> list[str]:
@@ -143,6 +148,14 @@ def _host_lines(plan: Plan) -> list[str]:
         f"({_gib(pinned)} pinned, {_gib(pageable)} pageable)" for (pinned, pageable), nodes in same.items()]
 
 
+def _cpu_node_lines(plan: Plan) -> list[str]:
+    """CPU plans: every process of a node together (ranks, Ray's processes, the controller)."""
+    limit = f" (limit {_gib(plan.device_memory)})" if plan.device_memory else ""
+    return ([f"memory per node{limit}, every process: the ranks' peak phases + Ray's processes "
+             f"{_gib(RAY_NODE_BYTES)} (+ the controller {_gib(CONTROLLER_BYTES)} on node 0):"]
+            if plan.node_memory else []) + [f"  node {node}: {_gib(total)}" for node, total in plan.node_memory]
+
+
 def format_plan(plan: Plan, max_groups: int = 4) -> str:
     """The plan as text: model and cluster, pools, per-role groups and batch split, the
     generation layout, memory per phase, then problems (or that the layout fits) and notes.
@@ -153,7 +166,7 @@ def format_plan(plan: Plan, max_groups: int = 4) -> str:
     """
     lines = _header(plan) + ["pools"]
     for pool in plan.pools:
-        lines += _pool_lines(pool, split=plan.rollout.split is not None)
+        lines += _pool_lines(pool, split=plan.rollout.split is not None, use_gpu=plan.use_gpu)
     for rp in plan.roles:
         lines += [""] + _role_lines(rp, max_groups)
     lines += [""] + _rollout_lines(plan.rollout, max_groups) + [""] + _memory_lines(plan) + [""]

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+from ray._raylet import setproctitle  # type: ignore[attr-defined]  # Cython: no stubs; Ray's own title setter
 
 from megaflow.single_controller.collect import ChunkOutput
 from megaflow.single_controller.errors import WorkerError
@@ -105,6 +106,8 @@ class WorkerHost:
         """
         if method != "init_model":
             startup_gc.resume()  # a no-op after start-up
+        # the process title names the phase (ps, top, tools/measure_run_memory.py); Ray resets it after the call
+        setproctitle(f"ray::WorkerHost.execute {role}.{method}")
         try:
             fn: Callable[..., Any] = getattr(self._roles[role], method)
             args, kwargs, report = resolve_arguments(args, kwargs)

@@ -3,6 +3,7 @@ bytes each weight sync moves (counted here from the recipe's architecture)."""
 from __future__ import annotations
 
 from megaflow.dryrun import build_plan
+from megaflow.dryrun.memory import CPU_WORKER_RUNTIME_BYTES
 
 from megaflow.dryrun.report import format_plan
 from megaflow.topology import load_run
@@ -31,12 +32,12 @@ def test_split_plan_shows_the_rollout_pool_routes_and_sync_bytes():
     assert split.bytes_per_rank == model_bytes // 2 and split.bytes_total == 4 * (model_bytes // 2)
     pools = {p.placement.name: p for p in plan.pools}
     assert pools["gen"].roles == ("rollout",) and pools["actor"].roles == ("actor",)
-    # the engines' pool holds the generation shard and the KV cache; the actor's no KV cache
+    # the engines' pool holds the generation shard, the KV cache and (CPU) a worker's runtime; the actor's no KV cache
     gen_phase = pools["gen"].phases[0]
-    assert gen_phase.total == plan.rollout.memory.weights + plan.rollout.memory.kv_reserved
+    assert gen_phase.total == plan.rollout.memory.weights + plan.rollout.memory.kv_reserved + CPU_WORKER_RUNTIME_BYTES
     assert dict(pools["actor"].phases[0].parts)["rollout KV cache"] == 0.0
     text = format_plan(plan)
-    assert "gen: nodes 0 x 4 = 4 ranks; roles rollout (own processes)" in text
+    assert "gen: node 0, 4 processes = 4 ranks; roles rollout (own processes)" in text
     assert "actor rank 0 -> rollout ranks [0, 2]; tp rank 1: actor rank 1 -> rollout ranks [1, 3]" in text
     assert "actor+rollout" not in text
 
