@@ -69,9 +69,11 @@ import torch.distributed as dist
 
 from megaflow.protocol import DataProto
 from megaflow.rollout.batch import assemble_rollout_batch, prompt_token_lists, read_prompts, rollout_output
+from megaflow.rollout.routing import assemble_routed_experts
 from megaflow.rollout.sampling import SamplingConfig, request_seeds
 from megaflow.rollout.vllm_compat import check_vllm_internals
 from megaflow.rollout.vllm_groups import prepare_vllm_tp_groups, verify_vllm_tp_group
+from megaflow.rollout.vllm_routing import external_request_id, install_recorder_on_worker, take_routes_on_worker
 from megaflow.rollout.vllm_shm import prepare_engine_shm
 from megaflow.rollout.vllm_weights import ShardedWeightUpdate, refresh_tied_modules, sharded_param_shapes
 from megaflow.utils.device import pin_local_rank
@@ -114,6 +116,10 @@ class VLLMRolloutConfig:
         free_cache_engine: sleep between rollouts where vLLM supports it (not on CPU).
         sleep_level: 1 offloads weights to host memory, 2 discards them (a weight sync must
             come before the next generation).
+        return_routed_experts: also return ``routed_experts``, the top-k experts every MoE
+            layer routed each fed token to (:mod:`megaflow.rollout.routing`, recorded by
+            :mod:`megaflow.rollout.vllm_routing`); needs a mixture-of-experts model and
+            ``enable_prefix_caching=False`` (a prompt token served from the cache is not routed).
     """
 
     model_path: str
@@ -132,6 +138,7 @@ class VLLMRolloutConfig:
     logprobs_mode: str = "processed_logprobs"
     free_cache_engine: bool = True
     sleep_level: int = 1
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(str(self.model_path), "config.json")):
@@ -148,6 +155,10 @@ class VLLMRolloutConfig:
             raise ValueError(f"VLLMRolloutConfig.sleep_level must be 1 or 2, got {self.sleep_level}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"VLLMRolloutConfig.kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        if self.return_routed_experts and self.enable_prefix_caching:
+            raise ValueError("VLLMRolloutConfig.return_routed_experts needs enable_prefix_caching=False: prompt "
+                             "tokens served from the prefix cache are not fed through the routers again, so their "
+                             "experts would be unknown")
         if self.tp_group_ranks is not None:
             object.__setattr__(self, "tp_group_ranks", tuple(tuple(int(r) for r in g) for g in self.tp_group_ranks))
 
@@ -244,6 +255,10 @@ class VLLMRollout:
         self._weights_valid = True
         self._invalid_reason = ""
         self._update_open = False
+        self._num_experts = 0
+        if config.return_routed_experts:
+            self._llm.collective_rpc(install_recorder_on_worker)  # refuses a dense model
+            self._num_experts = int(self._llm.llm_engine.vllm_config.model_config.get_num_experts())
         self.sleep()
 
     # ------------------------------------------------------------------ construction
@@ -308,7 +323,9 @@ class VLLMRollout:
             ``input_ids``, ``attention_mask``, ``position_ids``
             ``[batch*n, prompt_len+response_length]``, ``response_mask`` (1 up to and
             including the first EOS) and ``rollout_log_probs`` (float32, 0 where masked);
-            ``meta_info`` is the prompts'.
+            with ``return_routed_experts`` also ``routed_experts``
+            ``[batch*n, prompt_len+response_length, moe_layers, topk]``
+            (:mod:`megaflow.rollout.routing`); ``meta_info`` is the prompts'.
 
         Raises:
             ValueError: missing fields, prompts that are not left-padded, bad sampling
@@ -335,7 +352,27 @@ class VLLMRollout:
         tensors = assemble_rollout_batch(
             input_ids, attention_mask, responses, [_sampled_log_probs(c) for c in completions],
             n=sampling.n, response_length=sampling.response_length, pad_token_id=sampling.pad_token_id)
+        if self.config.return_routed_experts:
+            tensors["routed_experts"] = self._routed_experts(outputs, input_ids.shape[1], sampling.response_length)
         return rollout_output(prompts, tensors, sampling.n)
+
+    def _routed_experts(self, outputs: Sequence[Any], prompt_len: int, response_len: int) -> torch.Tensor:
+        """The recorded routing of this call's requests, in the batch layout (every fed token checked)."""
+        recorded = {external_request_id(k): v for k, v in self._llm.collective_rpc(take_routes_on_worker)[0].items()}
+        rows, prompt_lengths, response_lengths = [], [], []
+        for output in outputs:
+            p, r = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
+            route = recorded.get(output.request_id)
+            fed = p + max(r - 1, 0)
+            if route is None or route.shape[0] != fed or (route < 0).any():
+                raise RuntimeError(f"request {output.request_id}: the engine recorded routing for "
+                                   f"{0 if route is None else int((route >= 0).all(-1).all(-1).sum())} of its {fed} "
+                                   f"fed tokens")
+            rows.append(route)
+            prompt_lengths.append(p)
+            response_lengths.append(r)
+        return assemble_routed_experts(rows, prompt_lengths, response_lengths, prompt_len=prompt_len,
+                                       response_len=response_len, num_experts=self._num_experts)
 
     def _requests(self, token_lists: Sequence[Sequence[int]], sampling: SamplingConfig) -> tuple[list, list]:
         """One vLLM request per output row, each with its own seed (identical on all TP ranks)."""
