@@ -20,6 +20,14 @@ whose HF source tensors are exactly the ones a fused Megatron row joins. Layouts
   (:func:`megaflow.models.transforms.megatron_qkv_to_vllm`).
 * ``linear_fc1`` (``"gate_up"``): the shard ``[gate_local; up_local]`` is vLLM's
   ``gate_up_proj`` shard as it is; row-parallel weights and norms likewise.
+* mixture-of-experts experts (Qwen3-MoE): the resharder yields each expert's TP = t_g shard
+  under its *global* expert index (with ``ep > 1`` the owning EP rank broadcasts it,
+  :meth:`~megaflow.hybrid_engine.reshard.MicroDPResharder.stream_generation_tensors`); vLLM
+  holds every expert of a layer in one fused parameter (:data:`VLLM_FUSED_EXPERTS`:
+  ``w13_weight [E, 2*I/t_g, H]`` = per expert its ``[gate; up]`` shard, Megatron's ``linear_fc1``
+  as it is; ``w2_weight [E, H, I/t_g]`` = its ``linear_fc2``), so :class:`ExpertStacks`
+  places each expert at its index and hands the fused tensor to a bucket once complete. The
+  router (``mlp.router`` -> ``mlp.gate``) and the q/k norms keep HF's names.
 * vocabulary rows (``"vocab"``): Megatron pads the vocabulary to a multiple of
   ``128 * t`` and vLLM to a multiple of 64, so the row ranges per rank can differ; then
   every rank of the generation TP group sends each peer exactly the real rows of its

