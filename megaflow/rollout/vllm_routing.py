@@ -76,12 +76,13 @@ class RoutingRecorder:
         req_ids = list(batch.req_ids[:batch.num_reqs])
         counts = [int(self._scheduled.num_scheduled_tokens[r]) for r in req_ids]
         total = sum(counts)
-        if any(c is None for c in self._captured):
+        captured = [c for c in self._captured if c is not None]
+        if len(captured) != self.num_layers:
             missing = [i for i, c in enumerate(self._captured) if c is None]
             raise RuntimeError(f"routed experts: MoE layers {missing} routed no tokens in this step")
         if positions.dim() != 1:
             raise RuntimeError(f"routed experts: positions of shape {tuple(positions.shape)} (M-RoPE) not supported")
-        step = torch.stack([c[:total] for c in self._captured], dim=1)  # [tokens, layers, topk]
+        step = torch.stack([c[:total] for c in captured], dim=1)  # [tokens, layers, topk]
         pos = positions[:total].to("cpu", torch.int64)
         start = 0
         for req_id, count in zip(req_ids, counts, strict=True):

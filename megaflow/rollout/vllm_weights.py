@@ -77,8 +77,8 @@ def _is_routed_experts(module: torch.nn.Module) -> bool:
 def _expert_shape(module: torch.nn.Module, attr: str) -> tuple[int, ...]:
     """The unpacked per-rank shape of a fused-MoE weight (the layout the loader writes; the CPU
     kernels re-pack, and may pad, it after loading)."""
-    experts, inter, hidden = (int(module.local_num_experts), int(module.intermediate_size_per_partition),
-                              int(module.hidden_size))
+    experts, inter, hidden = (int(getattr(module, name)) for name in
+                              ("local_num_experts", "intermediate_size_per_partition", "hidden_size"))
     if attr == "w2_weight":
         return (experts, hidden, inter)
     gated = bool(getattr(getattr(module, "moe_config", None), "is_act_and_mul", True))
