@@ -36,3 +36,57 @@ def perturb_(model: torch.nn.Module, seed: int, scale: float = 0.05) -> torch.nn
         for param in model.parameters():
             param.add_(torch.randn(param.shape, generator=generator) * scale)
     return model
+
+
+def tiny_vllm_moe_model(seed: int):
+    """A random fp32 Qwen3-MoE vLLM's CPU kernels serve (head_dim 32, hidden and expert width
+    multiples of 32): 2 layers, hidden 128, 4 heads / 2 KV heads, 4 experts of width 64, top-2,
+    vocabulary 250 (not a multiple of 64), untied, eos = pad = 2. The router is scaled up so
+    routing is decisive (few near-ties between the k-th and (k+1)-th expert) and the LM head x10
+    for greedy continuations without near-ties."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(vocab_size=250, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                            num_experts=NUM_EXPERTS, num_experts_per_tok=2, norm_topk_prob=True,
+                            max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                            pad_token_id=2)
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    perturb_(model, seed + 100, scale=0.02)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10.0)
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.mul_(20.0)
+    return model.eval()
+
+
+@torch.no_grad()
+def hf_routed_experts(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts ``transformers`` routes each token to, from the router logits themselves.
+
+    Every MoE block's input is captured (a forward pre-hook) and its router logits recomputed
+    as ``hidden @ gate.weight.T``. Unpadded sequences (positions ``0 .. seq-1``).
+
+    Returns:
+        ``(ids, margin)``: ids ``[batch, seq, layers, topk]`` int64, the top-k of the logits
+        (softmax is monotonic, so also of the probabilities); margin ``[batch, seq, layers]``,
+        the gap between the k-th and the (k+1)-th largest logit (small = a near-tie).
+    """
+    inputs: list[torch.Tensor] = []
+    hooks = [layer.mlp.register_forward_pre_hook(lambda _m, args: inputs.append(args[0]))
+             for layer in model.model.layers]
+    try:
+        model(input_ids=input_ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    k = model.config.num_experts_per_tok
+    ids, margins = [], []
+    for layer, hidden in zip(model.model.layers, inputs, strict=True):
+        logits = hidden.float() @ layer.mlp.gate.weight.float().T  # [batch, seq, experts]
+        top = logits.topk(k + 1, dim=-1)
+        ids.append(top.indices[..., :k])
+        margins.append(top.values[..., k - 1] - top.values[..., k])
+    return torch.stack(ids, dim=2), torch.stack(margins, dim=2)

@@ -18,7 +18,9 @@ name                                        dim     stride
 ``*.self_attention.linear_proj.weight``     1       1 (row-parallel)
 ``*.mlp.linear_fc1.{weight,bias}``          0       2 if gated (``[gate; up]`` per rank)
 ``*.mlp.linear_fc2.weight``                 1       1 (row-parallel)
-anything else (norms, row-parallel biases)  --      replicated
+``*.mlp.experts.local_experts.{e}.linear_fc1.weight``  0  2 if gated (expert TP)
+``*.mlp.experts.local_experts.{e}.linear_fc2.weight``  1  1 (expert TP, row-parallel)
+anything else (norms, router, biases)       --      replicated
 ==========================================  ======  =================================
 """
 from __future__ import annotations
@@ -28,7 +30,8 @@ import re
 
 import torch
 
-__all__ = ["LocalParam", "strip_wrapper_prefix", "partition_of", "local_layer_index",
+__all__ = ["LocalParam", "strip_wrapper_prefix", "partition_of", "local_layer_index", "local_expert_index",
+           "with_expert_index",
            "to_global_name", "count_local_layers", "describe_local_params"]
 
 _RULES: tuple[tuple[re.Pattern, int, bool], ...] = (
@@ -38,7 +41,10 @@ _RULES: tuple[tuple[re.Pattern, int, bool], ...] = (
     (re.compile(r"\.self_attention\.linear_proj\.weight$"), 1, False),
     (re.compile(r"\.mlp\.linear_fc1\.(weight|bias)$"), 0, True),
     (re.compile(r"\.mlp\.linear_fc2\.weight$"), 1, False),
+    (re.compile(r"\.mlp\.experts\.local_experts\.\d+\.linear_fc1\.weight$"), 0, True),
+    (re.compile(r"\.mlp\.experts\.local_experts\.\d+\.linear_fc2\.weight$"), 1, False),
 )
+_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..+)$")
 _WRAPPER = "module."
 
@@ -68,6 +74,25 @@ class LocalParam:
     @property
     def shard_nbytes(self) -> int:
         return self.shard_numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def local_expert_index(name: str) -> int | None:
+    """The local expert index in a megatron-core SequentialMLP expert parameter name
+    (``...mlp.experts.local_experts.{e}...``), None for any other parameter."""
+    match = _EXPERT.match(name)
+    return int(match.group(2)) if match else None
+
+
+def with_expert_index(name: str, expert: int) -> str:
+    """``name`` with its expert index replaced by ``expert`` (local -> global numbering).
+
+    Raises:
+        ValueError: ``name`` is not an expert parameter.
+    """
+    match = _EXPERT.match(name)
+    if not match:
+        raise ValueError(f"{name!r} is not a mixture-of-experts expert parameter")
+    return f"{match.group(1)}{expert}{match.group(3)}"
 
 
 def strip_wrapper_prefix(name: str) -> str:

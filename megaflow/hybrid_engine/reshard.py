@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from megaflow.topology.hybrid_layout import HybridLayout
 
-from .params import LocalParam, count_local_layers, describe_local_params
+from .params import LocalParam, count_local_layers, describe_local_params, local_expert_index, with_expert_index
 
 __all__ = ["ReshardGroups", "build_reshard_groups", "ReshardStats", "MicroDPResharder", "PendingTensor",
            "gather_layout_to_shard"]
@@ -63,6 +63,7 @@ class ReshardGroups:
     gather: dist.ProcessGroup | None   # m ranks: all-gather along the partition dim
     fold: dist.ProcessGroup | None     # k ranks: broadcast of folded pipeline stages
     gen_tp: dist.ProcessGroup | None   # t_g ranks: the generation TP group
+    ep: dist.ProcessGroup | None = None  # ep ranks: broadcast of each rank's experts
 
 
 def build_reshard_groups(layout: HybridLayout, *, backend: str | None = None) -> ReshardGroups:
@@ -84,7 +85,7 @@ def build_reshard_groups(layout: HybridLayout, *, backend: str | None = None) ->
     rank = dist.get_rank()
     mine: dict[str, dist.ProcessGroup | None] = {}
     for kind, groups in (("gather", layout.gather_groups), ("fold", layout.fold_groups),
-                         ("gen_tp", layout.gen_tp_groups)):
+                         ("gen_tp", layout.gen_tp_groups), ("ep", layout.ep_groups)):
         mine[kind] = None
         for ranks in groups:
             if len(ranks) > 1:
@@ -107,7 +108,9 @@ class ReshardStats:
     in the generation layout (the paper's peak weight memory ``M/(t_g*p_g)``).
     ``peak_extra_bytes``: peak of allocated buffers minus training storage released by
     aliasing, during the transition (materialised fc1/row-parallel tensors not included:
-    at most one tensor at a time).
+    at most one tensor at a time). ``expert_bytes_received``: the part of ``bytes_received``
+    that is mixture-of-experts expert weights (streamed route;
+    :func:`~megaflow.topology.hybrid_layout.expert_sync_bytes_received` states it).
     """
 
     bytes_sent: int
@@ -118,6 +121,7 @@ class ReshardStats:
     num_copied: int
     num_collectives: int
     seconds: float
+    expert_bytes_received: int = 0
 
 
 def gather_layout_to_shard(buffer: torch.Tensor, shard_shape: tuple[int, ...], dim: int,
@@ -176,7 +180,7 @@ class _GenEntry:
 
 class _Accounting:
     def __init__(self):
-        self.sent = self.received = self.collectives = 0
+        self.sent = self.received = self.collectives = self.expert_received = 0
         self.current = self.peak = self.held = 0
 
     def alloc(self, nbytes: int) -> None:
@@ -299,6 +303,10 @@ class MicroDPResharder:
         """
         if self._entries is not None:
             raise RuntimeError("to_generation called twice without to_training in between")
+        if self.layout.ep > 1:
+            raise ValueError(f"to_generation gathers this rank's own parameters only; with expert parallelism "
+                             f"(ep={self.layout.ep}) the other ranks' experts come through "
+                             "stream_generation_tensors (the weight sync's route)")
         start = time.perf_counter()
         acc = _Accounting()
         self._entries = entries = dict[str, _GenEntry]()
@@ -414,10 +422,19 @@ class MicroDPResharder:
         (:func:`~megaflow.topology.weight_sync.weight_sync_peak_bytes`).
 
         Collective: every rank iterates to the end, in the same order, and fetches the
-        same names as the other ranks of its gather and fold groups (a name may be left
-        unfetched on all of them, e.g. a tied output layer). After the last item,
+        same names as the other ranks of its gather, fold and expert-parallel groups (a name
+        may be left unfetched on all of them, e.g. a tied output layer). After the last item,
         ``last_stats`` holds this sync's :class:`ReshardStats` (``peak_extra_bytes``: the
         largest buffer fetched; ``generation_bytes``: bytes fetched; ``num_aliased`` 0).
+
+        Mixture-of-experts experts (``...mlp.experts.local_experts.{e}...``) are yielded
+        under *global* expert indices, every expert of the model: with ``ep > 1`` each
+        local expert ``e`` of the stage becomes ``ep`` items, ``o * E_local + e`` for EP rank
+        ``o``; the owner gathers it like any parameter (TP all-gather, fold broadcast) and
+        broadcasts the generation shard over its EP group
+        (:attr:`~megaflow.topology.hybrid_layout.HybridLayout.ep_groups`), so each rank
+        receives ``M_E / (t_g*p_g) - M_E / (ep*t*p)`` bytes of experts
+        (:func:`~megaflow.topology.hybrid_layout.expert_sync_bytes_received`).
 
         Raises:
             RuntimeError: called while in the generation layout (:meth:`to_generation`).
@@ -428,9 +445,15 @@ class MicroDPResharder:
         acc = _Accounting()
         fetched: list[int] = []
 
-        def fetch_of(stage: int, meta: LocalParam):
+        def fetch_of(stage: int, meta: LocalParam, owner: int | None):
             def fetch() -> torch.Tensor:
-                buffer, slots, allocated = self._gather_one(stage, meta, acc)
+                received = acc.received
+                if owner is None:
+                    buffer, slots, allocated = self._gather_one(stage, meta, acc)
+                else:
+                    buffer, slots, allocated = self._gather_expert(stage, meta, owner, acc)
+                if local_expert_index(meta.name) is not None:
+                    acc.expert_received += acc.received - received
                 fetched.append(allocated)
                 acc.held += buffer.numel() * buffer.element_size()
                 if meta.partition_dim is None:
@@ -440,14 +463,57 @@ class MicroDPResharder:
 
         for stage, params in self._stage_params.items():
             for meta in params:
-                yield meta.name, PendingTensor(self._generation_shape(meta), meta.dtype, fetch_of(stage, meta))
-                while fetched:  # the consumer asked for the next one: that buffer is its own now
-                    acc.release(fetched.pop())
+                for name, owner in self._expert_copies(meta):
+                    yield name, PendingTensor(self._generation_shape(meta), meta.dtype, fetch_of(stage, meta, owner))
+                    while fetched:  # the consumer asked for the next one: that buffer is its own now
+                        acc.release(fetched.pop())
         own = self._stage_params[self.placement.pp_rank]
         self.last_stats = ReshardStats(
             bytes_sent=acc.sent, bytes_received=acc.received, generation_bytes=acc.held, peak_extra_bytes=acc.peak,
             num_aliased=0, num_copied=sum(p.partition_dim is not None and self.layout.tp_ratio > 1 for p in own),
-            num_collectives=acc.collectives, seconds=time.perf_counter() - start)
+            num_collectives=acc.collectives, seconds=time.perf_counter() - start,
+            expert_bytes_received=acc.expert_received)
+
+    def _experts_per_rank(self) -> int:
+        """Local experts per MoE layer on every rank (0 for a dense model)."""
+        indices = [local_expert_index(p.name) for params in self._stage_params.values() for p in params]
+        return 1 + max((i for i in indices if i is not None), default=-1)
+
+    def _expert_copies(self, meta: LocalParam) -> list[tuple[str, int | None]]:
+        """``(global name, owning EP rank)`` of the generation tensors one parameter yields: the
+        parameter itself (owner None) unless it is an expert and ``ep > 1``, then one per EP
+        rank, renamed to the global expert index."""
+        local = local_expert_index(meta.name)
+        if local is None or self.layout.ep == 1:
+            return [(meta.name, None)]
+        per_rank = self._experts_per_rank()
+        return [(with_expert_index(meta.name, owner * per_rank + local), owner) for owner in range(self.layout.ep)]
+
+    def _gather_expert(self, stage: int, meta: LocalParam, owner: int,
+                       acc: _Accounting) -> tuple[torch.Tensor, int, int]:
+        """The generation buffer of EP rank ``owner``'s copy of expert parameter ``meta``: the
+        owner gathers its own (:meth:`_gather_one`), then broadcasts it over the EP group."""
+        layout, me = self.layout, self.placement
+        slots = layout.tp_ratio if meta.partition_dim is not None else 1
+        nbytes = slots * meta.shard_nbytes
+        if me.ep_rank == owner:
+            buffer, slots, allocated = self._gather_one(stage, meta, acc)  # the broadcast's root only reads it
+            acc.sent += (layout.ep - 1) * nbytes
+        else:
+            buffer, allocated = self._receive_buffer(meta, slots, acc)
+        group_ranks = next(g for g in layout.ep_groups if me.rank in g)
+        dist.broadcast(buffer, src=group_ranks[owner], group=self.groups.ep)
+        acc.collectives += 1
+        return buffer, slots, allocated
+
+    def _receive_buffer(self, meta: LocalParam, slots: int, acc: _Accounting) -> tuple[torch.Tensor, int]:
+        """An empty flat buffer for ``slots`` shards of ``meta`` that a peer sends (counted as
+        allocated and received): ``(buffer, bytes)``."""
+        device = next(iter(self._params.values())).device if self._params else "cpu"
+        nbytes = slots * meta.shard_nbytes
+        acc.alloc(nbytes)
+        acc.received += nbytes
+        return torch.empty(slots * meta.shard_numel, dtype=meta.dtype, device=device), nbytes
 
     def _source(self, meta: LocalParam) -> torch.Tensor:
         """This rank's training shard of ``meta``: the parameter, or its merged weight."""
@@ -467,8 +533,10 @@ class MicroDPResharder:
         return tuple(shape)
 
     def generation_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """``{global megatron name: (shape, dtype)}`` of the generation shard (no collective)."""
-        return {p.name: (self._generation_shape(p), p.dtype) for params in self._stage_params.values() for p in params}
+        """``{global megatron name: (shape, dtype)}`` of the generation shard, every expert under its
+        global index (no collective)."""
+        return {name: (self._generation_shape(p), p.dtype) for params in self._stage_params.values() for p in params
+                for name, _ in self._expert_copies(p)}
 
     def _gather_one(self, stage: int, meta: LocalParam, acc: _Accounting) -> tuple[torch.Tensor, int, int]:
         """One parameter's generation buffer (gather layout): ``(flat buffer, slots, bytes allocated)``."""
@@ -494,11 +562,7 @@ class MicroDPResharder:
             if self.groups.fold is not None:
                 acc.sent += (layout.pp_ratio - 1) * nbytes
         else:
-            device = next(iter(self._params.values())).device if self._params else "cpu"
-            buffer = torch.empty(slots * meta.shard_numel, dtype=meta.dtype, device=device)
-            acc.alloc(nbytes)
-            allocated = nbytes
-            acc.received += nbytes
+            buffer, allocated = self._receive_buffer(meta, slots, acc)
         if self.groups.fold is not None:
             dist.broadcast(buffer, src=layout.rank_of(me.tp_rank, stage, me.dp_rank), group=self.groups.fold)
             acc.collectives += 1

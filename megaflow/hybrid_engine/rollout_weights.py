@@ -20,6 +20,14 @@ whose HF source tensors are exactly the ones a fused Megatron row joins. Layouts
   (:func:`megaflow.models.transforms.megatron_qkv_to_vllm`).
 * ``linear_fc1`` (``"gate_up"``): the shard ``[gate_local; up_local]`` is vLLM's
   ``gate_up_proj`` shard as it is; row-parallel weights and norms likewise.
+* mixture-of-experts experts (Qwen3-MoE): the resharder yields each expert's TP = t_g shard
+  under its *global* expert index (with ``ep > 1`` the owning EP rank broadcasts it,
+  :meth:`~megaflow.hybrid_engine.reshard.MicroDPResharder.stream_generation_tensors`); vLLM
+  holds every expert of a layer in one fused parameter (:data:`VLLM_FUSED_EXPERTS`:
+  ``w13_weight [E, 2*I/t_g, H]`` = per expert its ``[gate; up]`` shard, Megatron's ``linear_fc1``
+  as it is; ``w2_weight [E, H, I/t_g]`` = its ``linear_fc2``), so :class:`ExpertStacks`
+  places each expert at its index and hands the fused tensor to a bucket once complete. The
+  router (``mlp.router`` -> ``mlp.gate``) and the q/k norms keep HF's names.
 * vocabulary rows (``"vocab"``): Megatron pads the vocabulary to a multiple of
   ``128 * t`` and vLLM to a multiple of 64, so the row ranges per rank can differ; then
   every rank of the generation TP group sends each peer exactly the real rows of its
@@ -46,7 +54,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from megaflow.models.hf_mapping import ModelSpec, find_mapping
+from megaflow.models.hf_mapping import ModelSpec, find_mapping, local_expert
 from megaflow.models.transforms import megatron_qkv_to_vllm
 
 from .reshard import PendingTensor, _all_gather_flat
@@ -57,6 +65,16 @@ from .reshard import PendingTensor, _all_gather_flat
 VLLM_PACKED_MODULES: Mapping[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+#: HF expert modules (``mlp.experts.{e}.<module>``) -> vLLM's fused-MoE parameter under
+#: ``mlp.experts`` holding every expert of the layer (vLLM 0.32 ``Qwen3MoeSparseMoeBlock``:
+#: ``MoERunner.routed_experts``, a ``RoutedExperts`` layer; ``w13_weight``
+#: ``[experts, 2 * intermediate / t_g, hidden]`` = per expert the rank's gate rows then its up rows,
+#: ``w2_weight`` ``[experts, hidden, intermediate / t_g]``).
+VLLM_FUSED_EXPERTS: Mapping[tuple[str, ...], str] = {
+    ("gate_proj", "up_proj"): "routed_experts.w13_weight",
+    ("down_proj",): "routed_experts.w2_weight",
 }
 
 
@@ -79,6 +97,14 @@ def vllm_param_name(megatron_name: str, spec: ModelSpec) -> str | None:
     row, layer = find_mapping(megatron_name, spec)
     if row.tied_hf and spec.tie_word_embeddings:
         return None
+    if row.per_expert:  # every expert of the layer lives in one fused vLLM parameter
+        hf_expert = [name.format(layer=layer, expert=0) for name in row.hf]
+        modules = tuple(name.rpartition(".")[0].rpartition(".")[2] for name in hf_expert)
+        experts = hf_expert[0].rpartition(".")[0].rpartition(".")[0].rpartition(".")[0]
+        if modules not in VLLM_FUSED_EXPERTS:
+            raise KeyError(f"megatron expert parameter {megatron_name!r} (HF modules {modules}) has no fused vLLM "
+                           f"parameter (known: {dict(VLLM_FUSED_EXPERTS)})")
+        return f"{experts}.{VLLM_FUSED_EXPERTS[modules]}"
     hf = [name.format(layer=layer) for name in row.hf]
     if len(hf) == 1:
         return hf[0]
@@ -206,7 +232,9 @@ def to_vllm_shard(megatron_name: str, tensor: torch.Tensor, spec: ModelSpec, *, 
 
     Returns:
         ``(vLLM name, shard)`` — a view of ``tensor`` where the layouts agree, a new tensor
-        otherwise — or None for a tied output layer.
+        otherwise — or None for a tied output layer. For an expert (a *global* expert index in
+        the name, as the resharder's stream yields it) the shard is that expert's slice of the
+        fused vLLM parameter (``vllm_shapes[name][1:]``; :class:`ExpertStacks` joins them).
 
     Raises:
         KeyError: an unmapped name, or a vLLM name the engine does not have.
@@ -217,8 +245,9 @@ def to_vllm_shard(megatron_name: str, tensor: torch.Tensor, spec: ModelSpec, *, 
         return None
     if target not in vllm_shapes:
         raise KeyError(f"vLLM has no parameter {target!r} (from {megatron_name!r})")
-    shape = tuple(vllm_shapes[target])
-    transform = find_mapping(megatron_name, spec)[0].transform
+    row = find_mapping(megatron_name, spec)[0]
+    shape = tuple(vllm_shapes[target])[1:] if row.per_expert else tuple(vllm_shapes[target])
+    transform = row.transform
     if transform == "vocab":
         tensor = _vllm_vocab_rows(tensor, spec.vocab_size, shape[0], gen_tp_rank, exchange_vocab)
     elif transform == "qkv":
@@ -228,6 +257,47 @@ def to_vllm_shard(megatron_name: str, tensor: torch.Tensor, spec: ModelSpec, *, 
         raise ValueError(f"generation shard {megatron_name!r} has shape {tuple(tensor.shape)} but vLLM's "
                          f"{target!r} expects {shape} on this rank")
     return target, tensor
+
+
+class ExpertStacks:
+    """Per-expert generation tensors -> vLLM's fused-MoE parameters (one ``[experts, ...]``
+    tensor per layer and projection), each handed out once all of its experts arrived.
+
+    Args:
+        vllm_shapes: vLLM name -> this rank's shape; a fused expert parameter's first
+            dimension is the layer's expert count on the engine (all experts: megaflow's
+            engines run without vLLM's expert parallelism).
+    """
+
+    def __init__(self, vllm_shapes: Mapping[str, tuple[int, ...]]) -> None:
+        self.shapes = vllm_shapes
+        self._open: dict[str, tuple[torch.Tensor, set[int]]] = {}
+
+    def add(self, target: str, expert: int, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Place ``expert``'s slice; return the fused tensor when it is complete, else None.
+
+        Raises:
+            ValueError: an expert index outside the parameter, or one given twice.
+        """
+        shape = tuple(self.shapes[target])
+        opened = self._open.pop(target, None)
+        stack, filled = opened if opened is not None else (tensor.new_empty(shape), set[int]())
+        if not 0 <= expert < shape[0] or expert in filled:
+            raise ValueError(f"expert {expert} of {target!r} is {'given twice' if expert in filled else 'out of range'}"
+                             f" (the engine holds {shape[0]} experts per layer)")
+        stack[expert].copy_(tensor)
+        filled.add(expert)
+        if len(filled) == shape[0]:
+            return stack
+        self._open[target] = (stack, filled)
+        return None
+
+    def check_complete(self) -> None:
+        """Raise ValueError naming the fused parameters some of whose experts never arrived."""
+        if self._open:
+            missing = {name: sorted(set(range(stack.shape[0])) - filled)
+                       for name, (stack, filled) in self._open.items()}
+            raise ValueError(f"experts missing from the weight sync: {missing}")
 
 
 def iter_vllm_buckets(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec, *, gen_tp: int,
@@ -250,7 +320,10 @@ def iter_vllm_buckets(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec
     Yields:
         Lists of ``(vLLM parameter name, tensor in the engine's local shard layout)``, in
         the order of ``named``, tied output layer left out. A bucket is built only when the
-        consumer asks for it; drop it after loading so that at most one is alive.
+        consumer asks for it; drop it after loading so that at most one is alive. Experts
+        are joined into vLLM's fused parameters (:class:`ExpertStacks`), each placed in a
+        bucket when its last expert arrived (the open fused tensors of a layer are the extra
+        memory of an MoE sync: :func:`~megaflow.topology.weight_sync.largest_generation_tensor_bytes`).
 
     Raises:
         ValueError: ``bucket_bytes <= 0``, or a shard of the wrong shape (see
@@ -261,10 +334,31 @@ def iter_vllm_buckets(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec
         raise ValueError(f"iter_vllm_buckets: bucket_bytes must be > 0, got {bucket_bytes}")
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
+    stacks = ExpertStacks(vllm_shapes)
     for name, tensor in named:
         target = vllm_param_name(name, spec)
         if target is None:
             continue  # a pending tensor left unfetched: no rank of its groups fetches it
+        row = find_mapping(name, spec)[0]
+        if row.per_expert:
+            if isinstance(tensor, PendingTensor):
+                tensor = tensor.fetch()
+            converted = to_vllm_shard(name, tensor, spec, gen_tp=gen_tp, gen_tp_rank=gen_tp_rank,
+                                      vllm_shapes=vllm_shapes, exchange_vocab=exchange_vocab)
+            expert = local_expert(name, row)
+            assert converted is not None and expert is not None  # (a per-expert row names its expert)
+            fused = stacks.add(target, expert, converted[1])
+            del tensor, converted
+            if fused is None:
+                continue
+            nbytes = fused.numel() * fused.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((target, fused))
+            size += nbytes
+            del fused
+            continue
         # the converted size is known before converting: hand out the full bucket first
         nbytes = math.prod(vllm_shapes.get(target, tensor.shape)) * tensor.dtype.itemsize
         if bucket and size + nbytes > bucket_bytes:
@@ -279,6 +373,7 @@ def iter_vllm_buckets(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec
         bucket.append(converted)
         size += nbytes
         del converted
+    stacks.check_complete()
     if bucket:
         yield bucket
 
@@ -310,5 +405,6 @@ def generation_buckets(resharder, spec: ModelSpec, *, gen_tp_rank: int, vllm_sha
                              bucket_bytes=bucket_bytes)
 
 
-__all__ = ["VLLM_PACKED_MODULES", "vllm_param_name", "to_vllm_shard", "iter_vllm_buckets", "gather_rows",
+__all__ = ["VLLM_PACKED_MODULES", "VLLM_FUSED_EXPERTS", "ExpertStacks",
+           "vllm_param_name", "to_vllm_shard", "iter_vllm_buckets", "gather_rows",
            "vocab_row_transfers", "exchange_vocab_rows", "generation_buckets"]

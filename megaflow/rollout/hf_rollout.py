@@ -18,6 +18,7 @@ scope, so it is reproducible for a given seed but draws different samples than v
 """
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +26,7 @@ import torch
 from megaflow.algorithms.response_mask import compute_response_mask
 from megaflow.protocol import DataProto
 from megaflow.rollout.batch import assemble_rollout_batch, check_left_padded, read_prompts, rollout_output
+from megaflow.rollout.routing import HFRoutingCapture, assemble_routed_experts
 from megaflow.rollout.sampling import SamplingConfig, request_seeds
 
 if TYPE_CHECKING:
@@ -39,13 +41,21 @@ class HFRollout:
         sampling: default sampling parameters (``meta_info`` overrides per call); ``None``
             takes EOS/pad ids from ``model.generation_config`` / ``model.config``.
         seed: base seed used when a call's ``meta_info`` gives none.
+        return_routed_experts: also return ``routed_experts`` (:mod:`megaflow.rollout.routing`),
+            the experts the model's routers chose for every token ``generate`` fed (recorded
+            during generation, not recomputed).
+
+    Raises:
+        ValueError: ``return_routed_experts`` with a model without MoE routers.
     """
 
-    def __init__(self, model: PreTrainedModel, sampling: SamplingConfig | None = None, *, seed: int = 0) -> None:
+    def __init__(self, model: PreTrainedModel, sampling: SamplingConfig | None = None, *, seed: int = 0,
+                 return_routed_experts: bool = False) -> None:
         self.model = model.eval()
         self.sampling = sampling if sampling is not None else _sampling_from_model(model)
         self.seed = seed
         self._num_calls = 0
+        self._routing = HFRoutingCapture(model) if return_routed_experts else None
 
     @classmethod
     def from_pretrained(cls, model_path: str, *, dtype: torch.dtype = torch.float32,
@@ -69,7 +79,8 @@ class HFRollout:
         seed = request_seeds(self.seed if sampling.seed is None else sampling.seed, 1,
                              stream=self._num_calls + 1 if sampling.seed is None else 0)[0]
         self._num_calls += 1
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                self._routing if self._routing is not None else contextlib.nullcontext():
             torch.manual_seed(seed)
             out = self.model.generate(input_ids=ids, attention_mask=mask,
                                       generation_config=_generation_config(sampling))
@@ -85,7 +96,22 @@ class HFRollout:
         tensors = assemble_rollout_batch(input_ids, attention_mask, responses, response_log_probs, n=n,
                                          response_length=sampling.response_length,
                                          pad_token_id=sampling.pad_token_id)
+        if self._routing is not None:
+            tensors["routed_experts"] = self._routed_experts(mask.cpu(), lengths, sampling.response_length)
         return rollout_output(prompts, tensors, n)
+
+    def _routed_experts(self, mask: torch.Tensor, lengths: list[int], response_length: int) -> torch.Tensor:
+        """The recorded routing in the batch layout: ``generate`` fed the left-padded prompts,
+        then one generated token per step, so column ``j`` of its steps is column ``j`` of
+        ``input_ids``; kept for the real prompt tokens and all but the last response token."""
+        assert self._routing is not None
+        prompt_len = mask.shape[1]
+        routes = self._routing.routes(mask.shape[0])
+        prompt_lengths = mask.sum(dim=-1).tolist()
+        rows = [routes[i, prompt_len - p:prompt_len + max(r - 1, 0)]
+                for i, (p, r) in enumerate(zip(prompt_lengths, lengths, strict=True))]
+        return assemble_routed_experts(rows, prompt_lengths, lengths, prompt_len=prompt_len,
+                                       response_len=response_length, num_experts=self.model.config.num_experts)
 
 
 def _generation_config(sampling: SamplingConfig):

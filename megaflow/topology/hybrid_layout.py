@@ -48,6 +48,7 @@ __all__ = [
     "plan_hybrid_layout",
     "ReshardCost",
     "reshard_cost",
+    "expert_sync_bytes_received",
 ]
 
 
@@ -65,6 +66,7 @@ class RankPlacement:
     micro_dp_rank: int    # position inside the micro-DP group (= micro_pp * m + micro_tp)
     is_collect: bool      # collect flag on the generation mesh
     vllm_rank: int        # rank vLLM must see for its consecutive TP groups to match
+    ep_rank: int = 0      # expert-parallel rank (= dp_rank % ep): owner of experts ep_rank*E/ep ..
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +92,8 @@ class HybridLayout:
     gather_groups: tuple[tuple[int, ...], ...]    # size m: all-gather along the partition dim
     fold_groups: tuple[tuple[int, ...], ...]      # size k: broadcast of folded stages
     vllm_rank_order: tuple[int, ...]              # vLLM rank -> global rank
+    ep: int = 1                                   # expert-parallel size (divides dp)
+    ep_groups: tuple[tuple[int, ...], ...] = ()   # size ep: broadcast of each rank's experts
 
     @property
     def world_size(self) -> int:
@@ -133,8 +137,11 @@ def _check_positive(**sizes: int) -> None:
 
 
 def _validate(tp: int, pp: int, dp: int, gen_tp: int, gen_pp: int,
-              num_attention_heads: int | None, num_query_groups: int | None) -> None:
-    _check_positive(tp=tp, pp=pp, dp=dp, gen_tp=gen_tp, gen_pp=gen_pp)
+              num_attention_heads: int | None, num_query_groups: int | None, ep: int = 1) -> None:
+    _check_positive(tp=tp, pp=pp, dp=dp, gen_tp=gen_tp, gen_pp=gen_pp, ep=ep)
+    if dp % ep:
+        raise ValueError(f"expert parallel ep={ep} must divide the data parallel size dp={dp} "
+                         "(megatron-core carves the expert groups out of the data-parallel ranks)")
     if tp % gen_tp:
         raise ValueError(f"generation tp={gen_tp} must divide training tp={tp} (t % t_g == 0)")
     if pp % gen_pp:
@@ -155,7 +162,7 @@ def _validate(tp: int, pp: int, dp: int, gen_tp: int, gen_pp: int,
 
 def plan_hybrid_layout(tp: int, pp: int, dp: int, gen_tp: int, gen_pp: int = 1, *,
                        num_attention_heads: int | None = None,
-                       num_query_groups: int | None = None) -> HybridLayout:
+                       num_query_groups: int | None = None, ep: int = 1) -> HybridLayout:
     """Plan the generation layout and every rank group of the 3D-HybridEngine.
 
     Args:
@@ -164,16 +171,21 @@ def plan_hybrid_layout(tp: int, pp: int, dp: int, gen_tp: int, gen_pp: int = 1, 
         gen_tp, gen_pp: generation tensor and pipeline sizes (t_g, p_g).
         num_attention_heads, num_query_groups: the model's query heads and KV heads; when
             given, both must be divisible by ``tp`` (megatron) and by ``gen_tp``.
+        ep: expert-parallel size of a mixture-of-experts actor (megatron-core's expert grid
+            with expert TP = ``tp``: ``ep_rank = dp_rank % ep``); the ``ep`` ranks with the
+            same ``(tp_rank, pp_rank, dp_rank // ep)`` hold disjoint expert slices and form an
+            ``ep_groups`` entry (ordered by ``ep_rank``). The generation layout is unchanged:
+            every generation replica holds all experts (vLLM without expert parallelism).
 
     Returns:
         The :class:`HybridLayout` (see the module docstring for the rank maps).
 
     Raises:
         TypeError: a size is not an int.
-        ValueError: a size < 1, ``tp % gen_tp``, ``pp % gen_pp``, or heads / KV heads not
-            divisible by ``tp`` or ``gen_tp``; the message names the offending value.
+        ValueError: a size < 1, ``tp % gen_tp``, ``pp % gen_pp``, ``dp % ep``, or heads / KV
+            heads not divisible by ``tp`` or ``gen_tp``; the message names the offending value.
     """
-    _validate(tp, pp, dp, gen_tp, gen_pp, num_attention_heads, num_query_groups)
+    _validate(tp, pp, dp, gen_tp, gen_pp, num_attention_heads, num_query_groups, ep)
     m, k = tp // gen_tp, pp // gen_pp
     d_g = m * k
     placements = []
@@ -187,7 +199,7 @@ def plan_hybrid_layout(tp: int, pp: int, dp: int, gen_tp: int, gen_pp: int = 1, 
             gen_tp_rank=gen_tp_rank, gen_pp_rank=gen_pp_rank, gen_dp_rank=gen_dp_rank,
             micro_dp_rank=micro_dp_rank,
             is_collect=gen_tp_rank == 0 and gen_pp_rank == gen_pp - 1,
-            vllm_rank=(gen_dp_rank * gen_pp + gen_pp_rank) * gen_tp + gen_tp_rank))
+            vllm_rank=(gen_dp_rank * gen_pp + gen_pp_rank) * gen_tp + gen_tp_rank, ep_rank=dp_rank % ep))
 
     def groups(key, order) -> tuple[tuple[int, ...], ...]:
         """Group ranks by ``key(placement)``, each group sorted by ``order(placement)``."""
@@ -212,6 +224,8 @@ def plan_hybrid_layout(tp: int, pp: int, dp: int, gen_tp: int, gen_pp: int = 1, 
         gather_groups=groups(lambda pl: (pl.pp_rank, pl.dp_rank, pl.gen_tp_rank), by_rank),
         fold_groups=groups(lambda pl: (pl.gen_pp_rank, pl.dp_rank, pl.tp_rank), by_rank),
         vllm_rank_order=tuple(pl.rank for pl in vllm_order),
+        ep=ep,
+        ep_groups=groups(lambda pl: (pl.pp_rank, pl.tp_rank, pl.dp_rank // ep), lambda pl: pl.ep_rank),
     )
 
 
@@ -265,3 +279,34 @@ def reshard_cost(layout: HybridLayout, model_bytes: int) -> ReshardCost:
         naive_bytes=float(Fraction(tp_total - 1, tp_total) * mb),
         naive_peak_bytes=float(mb),
     )
+
+
+def expert_sync_bytes_received(layout: HybridLayout, expert_bytes: int) -> Fraction:
+    """Bytes of expert weights each rank receives in one streamed weight sync.
+
+    Every generation rank must hold all ``E`` experts of the layers of its generation stage,
+    each TP-sharded ``1/t_g`` (vLLM's fused-MoE layer without expert parallelism), i.e.
+    ``M_E / (t_g * p_g)`` for experts of ``M_E`` bytes in all (equal stages). It already holds
+    its training shard of them, ``E/ep`` experts of its own stage at ``1/t``:
+    ``M_E / (ep * t * p)``. Everything else arrives once, so
+
+        received = M_E / (t_g * p_g) - M_E / (ep * t * p)
+
+    (HybridFlow's micro-DP term ``(t*p - t_g*p_g) / (t_g*p_g*t*p) * M`` at ``ep = 1``). The
+    route: the TP all-gather of the owning ranks (``(m-1)/m`` of each of its own stage's own
+    experts), the fold broadcast of its other stages' own experts, and the expert-parallel
+    broadcast (:attr:`HybridLayout.ep_groups`) of the ``E - E/ep`` experts other EP ranks own,
+    whole generation shards. :class:`megaflow.hybrid_engine.reshard.ReshardStats` counts the
+    expert part as ``expert_bytes_received``.
+
+    Args:
+        layout: the plan (``ep`` included).
+        expert_bytes: ``M_E``, bytes of every expert weight of the model (all layers).
+
+    Raises:
+        ValueError: ``expert_bytes`` < 0.
+    """
+    if expert_bytes < 0:
+        raise ValueError(f"expert_bytes must be >= 0, got {expert_bytes}")
+    m_e = Fraction(expert_bytes)
+    return m_e / (layout.gen_tp * layout.gen_pp) - m_e / (layout.ep * layout.tp * layout.pp)

@@ -66,16 +66,23 @@ def largest_generation_tensor_bytes(spec: ModelSpec, *, train_tp: int, gen_tp: i
     rows where its padding to :data:`VLLM_VOCAB_PADDING` is larger), ``linear_qkv``
     (``(heads + 2 * kv_heads) * head_dim / t_g`` rows, a KV head replicated when
     ``t_g > kv_heads``), ``linear_proj``, ``linear_fc1`` (``2 * ffn / t_g`` rows) and
-    ``linear_fc2``.
+    ``linear_fc2``. For a mixture-of-experts model the MLP candidate is instead what one layer's
+    experts hold while vLLM's fused parameters are assembled
+    (:class:`~megaflow.hybrid_engine.rollout_weights.ExpertStacks`): the ``w13`` and ``w2``
+    stacks of all ``E`` experts, ``3 * E * moe_ffn / t_g * hidden``, plus the expert ``fc1``
+    being converted, ``2 * moe_ffn / t_g * hidden``.
     """
     h, d = spec.hidden_size, spec.head_dim
     rows_q = spec.num_attention_heads * d // gen_tp
     rows_kv = 2 * max(1, spec.num_key_value_heads // gen_tp) * d
     vocab_rows = max(padded_vocab_size(spec.vocab_size, train_tp), -(-spec.vocab_size // VLLM_VOCAB_PADDING)
                      * VLLM_VOCAB_PADDING) // gen_tp
-    numels = (vocab_rows * h,
-              (rows_q + rows_kv) * h, h * rows_q,
-              2 * spec.ffn_hidden_size // gen_tp * h, h * spec.ffn_hidden_size // gen_tp)
+    if spec.is_moe:
+        expert_ffn = spec.moe_ffn_hidden_size // gen_tp
+        mlp: tuple[int, ...] = ((3 * spec.num_experts + 2) * expert_ffn * h,)
+    else:
+        mlp = (2 * spec.ffn_hidden_size // gen_tp * h, h * spec.ffn_hidden_size // gen_tp)
+    numels = (vocab_rows * h, (rows_q + rows_kv) * h, h * rows_q, *mlp)
     return max(numels) * dtype_bytes
 
 

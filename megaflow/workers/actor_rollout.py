@@ -87,7 +87,7 @@ class ActorRolloutWorker(ActorWorker):
         self.spec = ModelSpec.from_hf_config(hf_config)
         self.layout = plan_hybrid_layout(info.tp_size, info.pp_size, info.dp_size, rollout.tp, rollout.pp,
                                          num_attention_heads=self.spec.num_heads,
-                                         num_query_groups=self.spec.num_kv_heads)
+                                         num_query_groups=self.spec.num_kv_heads, ep=info.ep_size)
         self.reshard_groups = build_reshard_groups(self.layout)
         # LoRA (merged sync): the adapted weights go out as W + (alpha / r) B A, merged shard by shard
         base, merged = weight_sync_sources(self.engine.module)

@@ -56,3 +56,21 @@ def test_the_70b_plan_has_a_weight_sync_phase_with_the_formula():
     # far below the gather-first route: actor + gathered + engine (+ vocabulary gather + bucket)
     assert tensors < actor.params + 2 * engine
     assert 37 * GIB < tensors < 39 * GIB
+
+
+def test_largest_tensor_of_an_moe_generation_shard_is_one_layers_expert_stacks():
+    """Qwen3-30B-A3B at t_g = 1: a layer's fused w13 + w2 stacks (128 experts) plus one expert's fc1 being
+    converted outweigh the vocabulary; the dense intermediate_size (6144, unused by sparse layers) does not count."""
+    from megaflow.topology.model_spec import ModelSpec
+
+    spec = ModelSpec.from_hf_config({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                                     "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+                                     "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+                                     "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+                                     "moe_intermediate_size": 768, "norm_topk_prob": True,
+                                     "tie_word_embeddings": False})
+    stacks = (3 * 128 * 768 + 2 * 768) * 2048 * 2  # w13 [128, 1536, 2048] + w2 [128, 2048, 768] + one fc1
+    assert stacks > 151936 * 2048 * 2
+    assert largest_generation_tensor_bytes(spec, train_tp=1, gen_tp=1, dtype_bytes=2) == stacks
+    # t_g = 2 halves each expert's width
+    assert largest_generation_tensor_bytes(spec, train_tp=2, gen_tp=2, dtype_bytes=2) == stacks // 2
