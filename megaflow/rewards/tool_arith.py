@@ -1,50 +1,61 @@
-"""Rule reward of the tiny agent task (:mod:`megaflow.data.tool_arith`): the answer, the call, and shaping.
+"""Rule reward of the tiny agent task (:mod:`megaflow.data.tool_arith`): the call, then the answer.
 
 The response text is the sampled tokens of every assistant turn, special tokens kept
 (``<tool_call>...</tool_call><eos>132<eos>``: the turns end with ``<eos>``; the observations
 are not part of it). A random policy almost never writes a whole correct call, so the reward
-is graded, each tier above the ones below (reward shaping, Ng et al. 1999, as a curriculum):
+is graded, each tier above the ones below (reward shaping, Ng et al. 1999, as a curriculum of
+copying: first the operands into the call, then the calculator's answer into the last turn):
 
-=====================================================================  ======================
-the response                                                           score
-=====================================================================  ======================
-the last finished turn is the exact answer (digits) and calls no tool  1
-a calculator call whose expression has the answer's value              0.5
-a call the calculator evaluates to ``v``                               ``0.15 + 0.25 c``,
-                                                                       ``c = max(0, 1 - |v - answer| / answer)``
-a well-formed call (``<tool_call>{json}</tool_call>``)                 0.1
-a wrong number as the last finished turn                               0.05
-otherwise                                                              0
-=====================================================================  ======================
+===========================================================================  ========================
+the response                                                                 score
+===========================================================================  ========================
+the first turn is one correct call, the last finished turn is the answer     1
+the first turn is one calculator call with the answer's value                ``0.5 + 0.3 p(final, answer)``
+the first turn is one calculator call (a well-formed call)                   ``0.1 + 0.3 p(expression, "a+b")``
+otherwise                                                                    0
+===========================================================================  ========================
 
-Calls count in finished turns only (the agent loop runs no call of a turn cut at the length limit).
+``p(x, y)``: the length of the common prefix of ``x`` and ``y`` over ``len(y)`` (so each
+copied character counts; a call must be the turn's only one: several calls, whose
+observations would crowd the answer out of the response, earn nothing). ``a`` and ``b``
+come from the row's ``extra_info`` (the value of a call is checked with the calculator:
+``85+47`` is correct too).
 
-Returned parts: ``score``, ``acc`` (exact final answer), ``tool_correct`` (a call with the
-answer's value: the fraction of trajectories with a correct tool call), ``tool_call`` (a call
-the calculator evaluates).
+Returned parts: ``score``, ``acc`` (the final answer exact after a correct call),
+``tool_correct`` (the fraction of trajectories with a correct tool call), ``tool_call``
+(a well-formed single calculator call in the first turn).
 """
 from __future__ import annotations
 
-from fractions import Fraction
+import os
 from typing import Any
 
 from megaflow.agent.calculator import evaluate
-from megaflow.agent.parser import CALL_START, parse_tool_calls
+from megaflow.agent.parser import parse_tool_calls
 from megaflow.agent.tool import ToolCall, ToolError
 from megaflow.data.tool_arith import EOS_TOKEN
 
 
-def _call_values(text: str) -> list[Fraction]:
-    """The values of the calculator calls in ``text`` the calculator can evaluate."""
-    values = []
-    for call in parse_tool_calls(text):
-        if isinstance(call, ToolCall) and call.name == "calculator":
-            expression = call.arguments.get("expression")
-            try:
-                values.append(evaluate(expression)) if isinstance(expression, str) else None
-            except ToolError:
-                pass
-    return values
+def _prefix_share(text: str, target: str) -> float:
+    """``len(common prefix of text and target) / len(target)``."""
+    return len(os.path.commonprefix([text, target])) / len(target)
+
+
+def _first_call(turn: str) -> str | None:
+    """The expression of the turn's call when the turn is one calculator call, else None."""
+    calls = parse_tool_calls(turn)
+    if len(calls) != 1 or not isinstance(calls[0], ToolCall) or calls[0].name != "calculator":
+        return None
+    expression = calls[0].arguments.get("expression")
+    return expression if isinstance(expression, str) else None
+
+
+def _value(expression: str) -> int | None:
+    try:
+        value = evaluate(expression)
+    except ToolError:
+        return None
+    return int(value) if value.denominator == 1 else None
 
 
 def compute_score(solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> dict[str, float]:
@@ -53,27 +64,22 @@ def compute_score(solution_str: str, ground_truth: Any, extra_info: dict | None 
     Raises:
         ValueError: ``ground_truth`` is not an integer.
     """
-    answer = int(ground_truth)
+    answer = str(int(ground_truth))
+    info = extra_info or {}
     turns = solution_str.split(EOS_TOKEN)[:-1]  # finished turns (the text after the last <eos> is cut off)
-    final = turns[-1].strip() if turns else ""
-    acc = final.isdigit() and CALL_START not in final and int(final) == answer
-    finished = EOS_TOKEN.join(turns)
-    values = _call_values(finished)
-    correct = any(v == answer for v in values)
+    expression = _first_call(turns[0]) if turns else None
+    correct = expression is not None and _value(expression) == int(answer)
+    final = turns[-1].strip() if len(turns) > 1 else ""
+    acc = correct and final == answer
     if acc:
         score = 1.0
     elif correct:
-        score = 0.5
-    elif values:
-        closeness = max(max(0.0, 1.0 - abs(float(v) - answer) / max(abs(answer), 1)) for v in values)
-        score = 0.15 + 0.25 * closeness
-    elif any(isinstance(c, ToolCall) for c in parse_tool_calls(finished)):
-        score = 0.1
-    elif final.isdigit():
-        score = 0.05
+        score = 0.5 + 0.3 * _prefix_share(final, answer)
+    elif expression is not None:
+        score = 0.1 + 0.3 * _prefix_share(expression, f"{info.get('a', '')}{info.get('op', '+')}{info.get('b', '')}")
     else:
         score = 0.0
-    return {"score": score, "acc": float(acc), "tool_correct": float(correct), "tool_call": float(bool(values))}
+    return {"score": score, "acc": float(acc), "tool_correct": float(correct), "tool_call": float(expression is not None)}
 
 
 __all__ = ["compute_score"]
