@@ -15,9 +15,10 @@ the first turn is one calculator call (a well-formed call)                   ``0
 otherwise                                                                    0
 ===========================================================================  ========================
 
-``p(x, y)``: the length of the common prefix of ``x`` and ``y`` over ``len(y)`` (so each
-copied character counts; a call must be the turn's only one: several calls, whose
-observations would crowd the answer out of the response, earn nothing). ``a`` and ``b``
+``p(x, y)``: the longest common subsequence of ``x`` and ``y`` over the longer one's length
+(so each character copied in order counts and extra characters cost; a call must be the
+turn's only one: several calls, whose observations would crowd the answer out of the
+response, earn nothing). ``a`` and ``b``
 come from the row's ``extra_info`` (the value of a call is checked with the calculator:
 ``85+47`` is correct too).
 
@@ -27,7 +28,6 @@ Returned parts: ``score``, ``acc`` (the final answer exact after a correct call)
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from megaflow.agent.calculator import evaluate
@@ -36,9 +36,17 @@ from megaflow.agent.tool import ToolCall, ToolError
 from megaflow.data.tool_arith import EOS_TOKEN
 
 
-def _prefix_share(text: str, target: str) -> float:
-    """``len(common prefix of text and target) / len(target)``."""
-    return len(os.path.commonprefix([text, target])) / len(target)
+def _similarity(text: str, target: str) -> float:
+    """``LCS(text, target) / max(len(text), len(target))`` (0 for two empty strings)."""
+    if not text or not target:
+        return 0.0
+    previous = [0] * (len(target) + 1)
+    for ch in text:  # the textbook dynamic programme, one row at a time
+        row = [0]
+        for j, other in enumerate(target):
+            row.append(previous[j] + 1 if ch == other else max(previous[j + 1], row[j]))
+        previous = row
+    return previous[-1] / max(len(text), len(target))
 
 
 def _first_call(turn: str) -> str | None:
@@ -74,9 +82,9 @@ def compute_score(solution_str: str, ground_truth: Any, extra_info: dict | None 
     if acc:
         score = 1.0
     elif correct:
-        score = 0.5 + 0.3 * _prefix_share(final, answer)
+        score = 0.5 + 0.3 * _similarity(final, answer)
     elif expression is not None:
-        score = 0.1 + 0.3 * _prefix_share(expression, f"{info.get('a', '')}{info.get('op', '+')}{info.get('b', '')}")
+        score = 0.1 + 0.3 * _similarity(expression, f"{info.get('a', '')}{info.get('op', '+')}{info.get('b', '')}")
     else:
         score = 0.0
     return {"score": score, "acc": float(acc), "tool_correct": float(correct), "tool_call": float(expression is not None)}

@@ -50,9 +50,11 @@ INFO = {"a": 47, "b": 85, "op": "+"}
 
 @pytest.mark.parametrize("text,score,acc,correct,call", [
     (f"{CALL_OPEN}47+85{CALL_CLOSE}<eos>132<eos>", 1.0, 1, 1, 1),
-    (f"{CALL_OPEN}85+47{CALL_CLOSE}<eos>13<eos>", 0.5 + 0.3 * 2 / 3, 0, 1, 1),  # same value; 2 of 3 digits copied
+    (f"{CALL_OPEN}85+47{CALL_CLOSE}<eos>13<eos>", 0.5 + 0.3 * 2 / 3, 0, 1, 1),  # same value; LCS("13", "132") = 2 of 3
     (f"{CALL_OPEN}47+85{CALL_CLOSE}<eos>", 0.5, 0, 1, 1),  # the answer turn was cut off
-    (f"{CALL_OPEN}47+8{CALL_CLOSE}<eos>13<eos>", 0.1 + 0.3 * 4 / 5, 0, 0, 1),  # 4 of "47+85" copied
+    (f"{CALL_OPEN}47+8{CALL_CLOSE}<eos>13<eos>", 0.1 + 0.3 * 4 / 5, 0, 0, 1),  # LCS with "47+85": 4 of 5
+    (f"{CALL_OPEN}7+5{CALL_CLOSE}<eos>", 0.1 + 0.3 * 3 / 5, 0, 0, 1),  # in order, not a prefix
+    (f"{CALL_OPEN}47+855{CALL_CLOSE}<eos>", 0.1 + 0.3 * 5 / 6, 0, 0, 1),  # an extra character costs
     (f"{CALL_OPEN}99{CALL_CLOSE}{CALL_OPEN}99{CALL_CLOSE}<eos>", 0.0, 0, 0, 0),  # two calls in the turn
     (f"{CALL_OPEN}{CALL_CLOSE}<eos>", 0.1, 0, 0, 1),
     ("132<eos>", 0.0, 0, 0, 0),  # the answer without the tool
