@@ -11,7 +11,8 @@ on it unchanged)::
     rollout_log_probs  [rows, response_len]  the engine's log-probs of sampled ids, 0 elsewhere
 
 and per-row counts in ``non_tensor_batch``: ``agent_turns``, ``agent_tool_calls``,
-``agent_tool_errors``, ``agent_calls`` (``(tool, error kind or None, seconds)`` per call), ``agent_observation_tokens``, ``agent_stop_reason``,
+``agent_tool_errors``, ``agent_calls`` (``(tool, error kind or None, seconds)`` per
+call), ``agent_observation_tokens``, ``agent_stop_reason``,
 ``agent_template_ok``, ``agent_env_reward`` (NaN where the environment gave none).
 """
 from __future__ import annotations
@@ -46,7 +47,8 @@ def _object_column(values: Sequence) -> np.ndarray:
 
 
 def assemble_agent_batch(trajectories: Sequence[Trajectory], *, response_length: int,
-                         pad_token_id: int, prompt_length: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
+                         pad_token_id: int,
+                         prompt_length: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
     """Tensors and per-row counts of the trajectories (module docstring).
 
     ``prompts`` is ``prompt_length`` wide (so that the batches of all replicas concatenate)

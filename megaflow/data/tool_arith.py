@@ -48,8 +48,9 @@ def build_tool_arith_tokenizer():
     """The task's tokenizer (module docstring): ``vocab_size == 19``, ``pad == eos == "<eos>"`` (id 0).
 
     ``encode`` adds no special tokens; the role, call, EOS and ``<error>`` tokens are matched
-    whole in any text (so every decoded sample encodes back to its ids), every other character is one token, and an ``"Error: ..."`` text up to the next
-    special token is the single unknown token ``<error>``. Built in-process (no files).
+    whole in any text (so every decoded sample encodes back to its ids), every other character
+    is one token, and an ``"Error: ..."`` text up to the next special token is the single
+    unknown token ``<error>``. Built in-process (no files).
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

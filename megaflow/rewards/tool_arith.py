@@ -87,7 +87,8 @@ def compute_score(solution_str: str, ground_truth: Any, extra_info: dict | None 
         score = 0.1 + 0.3 * _similarity(expression, f"{info.get('a', '')}{info.get('op', '+')}{info.get('b', '')}")
     else:
         score = 0.0
-    return {"score": score, "acc": float(acc), "tool_correct": float(correct), "tool_call": float(expression is not None)}
+    return {"score": score, "acc": float(acc), "tool_correct": float(correct),
+            "tool_call": float(expression is not None)}
 
 
 __all__ = ["compute_score"]

@@ -18,8 +18,15 @@ if TYPE_CHECKING:
     from megaflow.config.schema import Config
 
 def tokenizer_name(cfg: Config) -> str:
-    """``model.tokenizer`` (a built-in name or a directory), else ``model.path``."""
-    return cfg.model.tokenizer if cfg.model.tokenizer is not None else cfg.model.path
+    """``model.tokenizer`` (a built-in name or a directory), else ``model.path``.
+
+    Raises:
+        ValueError: neither is set.
+    """
+    name = cfg.model.tokenizer if cfg.model.tokenizer is not None else cfg.model.path
+    if name is None:
+        raise ValueError("rollout.agent.enabled needs model.tokenizer or model.path (the chat template)")
+    return name
 
 
 def build_renderer(tokenizer: Any) -> Any:
