@@ -41,6 +41,8 @@ def test_tiny_tool_grpo_learns_the_call_format(ray_session, tmp_path: Path):
     # multi-turn rows: observations in the response, several turns, calls logged per tool
     assert series("agent/turns/mean")[-10:].mean() > 1.5 and series("agent/observation_token_share")[-1] > 0
     assert series("agent/tool_calls/calculator")[-1] > 0
+    # the trajectories' ids equal the chat template's rendering of their conversations
+    assert series("agent/template_mismatch").max() == 0
     # the engine and the trainer agree on every sampled token of every turn
     assert max(series("training/rollout_probs_diff_max")) < 1e-4
     text = (run_dir / "agent_trajectories.txt").read_text()
