@@ -4,9 +4,10 @@ a well-formed calculator call and starts copying the expression's shape into it;
 the fraction of trajectories with a single well-formed call rise well above their start, and
 the run logs the agent/* metrics and writes sample trajectories.
 
-What it does not reach in these 60 steps (measured, 150 steps on this machine): a correct call
-(the operands copied exactly) - reward/tool_correct/mean stays 0 while the reward rises from
-0.006 to 0.18 and the well-formed-call fraction from 0.05 to 0.98."""
+What it does not reach (measured over 128 steps of the recipe on this machine): a correct call
+(the operands copied exactly) - reward/tool_correct/mean stays at most 0.008 while the reward
+rises from 0.009 (mean of steps 1-5) to 0.186 (steps 119-128) and the single-well-formed-call
+fraction from 0.08 to 0.99."""
 from pathlib import Path
 
 import numpy as np
