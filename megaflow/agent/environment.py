@@ -114,11 +114,17 @@ class ToolEnvironment(Environment):
                         for c in calls])
 
 
-def check_rows(rows: Sequence[Mapping[str, Any]], source: str = "dataset") -> None:
+def check_rows(rows: Sequence[Mapping[str, Any]], source: str = "dataset",
+               locations: Sequence[str] | None = None) -> None:
     """Refuse, at load, rows naming an unknown environment or tool (or unusable tool kwargs).
 
+    Args:
+        rows: ``{"prompt", "extra_info", "agent_name"}`` per row.
+        source: names the rows in errors (``"<source> row <i>"``).
+        locations: each row's own name in errors instead (e.g. ``"train.parquet, row 12"``).
+
     Raises:
-        ValueError: ``"<source> row <i>: <reason>"`` for the first bad row.
+        ValueError: ``"<source> row <i>: <reason>"`` (or ``"<location>: <reason>"``) for the first bad row.
     """
     from megaflow.agent.registry import make_environment
 
@@ -126,4 +132,5 @@ def check_rows(rows: Sequence[Mapping[str, Any]], source: str = "dataset") -> No
         try:
             make_environment(row.get("agent_name") or DEFAULT_ENVIRONMENT).reset(row)
         except ValueError as e:
-            raise ValueError(f"{source} row {i}: {e}") from None
+            where = locations[i] if locations is not None else f"{source} row {i}"
+            raise ValueError(f"{where}: {e}") from None

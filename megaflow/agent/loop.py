@@ -93,6 +93,10 @@ class Trajectory:
         return sum(c.error is not None for c in self.calls)
 
     @property
+    def num_response_tokens(self) -> int:
+        return len(self.response_ids)
+
+    @property
     def tool_seconds(self) -> float:
         return sum(c.seconds for c in self.calls)
 

@@ -15,20 +15,65 @@ rendering (``template_mismatch``, see :mod:`megaflow.agent.template`).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
-from megaflow.agent.loop import STOP_REASONS, Trajectory
+import numpy as np
+
+from megaflow.agent.loop import STOP_REASONS, ToolCallRecord, Trajectory
 
 TRUNCATIONS = ("length", "max_turns", "tool_time")
 
 
-def trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+class TrajectoryCounts(Protocol):
+    """What the metrics read of a trajectory (a :class:`Trajectory` or a batch row's counts)."""
+
+    num_turns: int
+    calls: list[ToolCallRecord]
+    num_observation_tokens: int
+    stop_reason: str
+    template_ok: bool
+
+    @property
+    def num_response_tokens(self) -> int: ...
+
+
+@dataclass
+class RowCounts:
+    """A rollout batch row's per-trajectory counts (the ``agent_*`` columns of :mod:`megaflow.agent.batch`)."""
+
+    num_turns: int
+    calls: list[ToolCallRecord]
+    num_observation_tokens: int
+    num_response_tokens: int
+    stop_reason: str
+    template_ok: bool
+
+
+def batch_counts(non_tensors: Mapping[str, np.ndarray], response_tokens: Sequence[int]) -> list[RowCounts]:
+    """The :class:`RowCounts` of a rollout batch's rows.
+
+    Args:
+        non_tensors: the batch's ``agent_*`` columns (``agent_turns``, ``agent_calls``,
+            ``agent_observation_tokens``, ``agent_stop_reason``, ``agent_template_ok``).
+        response_tokens: each row's response tokens (sampled + observation), e.g. the
+            response part of ``attention_mask`` summed.
+    """
+    return [RowCounts(int(non_tensors["agent_turns"][i]),
+                      [ToolCallRecord(*c) for c in non_tensors["agent_calls"][i]],
+                      int(non_tensors["agent_observation_tokens"][i]), int(response_tokens[i]),
+                      str(non_tensors["agent_stop_reason"][i]), bool(non_tensors["agent_template_ok"][i]))
+            for i in range(len(response_tokens))]
+
+
+def trajectory_metrics(trajectories: Sequence[TrajectoryCounts]) -> dict[str, float]:
     """The ``agent/*`` metrics of a batch (module docstring); empty for no trajectories."""
     if not trajectories:
         return {}
     count = len(trajectories)
     calls = [c for t in trajectories for c in t.calls]
-    response_tokens = sum(len(t.response_ids) for t in trajectories)
+    response_tokens = sum(t.num_response_tokens for t in trajectories)
     stops = Counter(t.stop_reason for t in trajectories)
     metrics = {
         "agent/turns/mean": sum(t.num_turns for t in trajectories) / count,

@@ -55,6 +55,10 @@ class VLLMTurnEngine:
         return finished
 
 
+#: The prompt batch's non-tensor fields :func:`batch_rows` reads (a row's messages, tools, environment).
+AGENT_INPUT_KEYS = ("raw_prompt", "extra_info", "agent_name")
+
+
 def batch_rows(prompts: DataProto) -> list[dict[str, Any]]:
     """The environment rows of a prompt batch: ``raw_prompt`` as ``prompt``, ``extra_info``, ``agent_name``."""
     data = prompts.non_tensor_batch
@@ -71,7 +75,7 @@ def batch_rows(prompts: DataProto) -> list[dict[str, Any]]:
 def generate_agent_sequences(rollout: Any, prompts: DataProto, renderer: ChatRenderer | None,
                              decode: Callable[[Sequence[int]], str] | None, limits: AgentLimits, *,
                              is_tool_rank: bool = True, broadcast: Broadcast = _no_broadcast,
-                             sampling: SamplingConfig | None = None) -> DataProto:
+                             sampling: SamplingConfig | None = None, prompt_length: int = 0) -> DataProto:
     """Run each prompt ``n`` times as a multi-turn trajectory; the rollout batch of :mod:`megaflow.agent.batch`.
 
     Args:
@@ -84,6 +88,8 @@ def generate_agent_sequences(rollout: Any, prompts: DataProto, renderer: ChatRen
         is_tool_rank, broadcast: the replica's rank 0 and its broadcast (see
             :class:`~megaflow.agent.loop.AgentLoop`).
         sampling: overrides ``rollout.sampling`` (then ``prompts.meta_info`` applies).
+        prompt_length: the width of ``prompts`` (0: the longest first-turn prompt's), see
+            :func:`~megaflow.agent.batch.assemble_agent_batch`.
 
     Returns:
         ``len(prompts) * n`` rows, the ``n`` trajectories of a prompt adjacent, with the
@@ -106,7 +112,7 @@ def generate_agent_sequences(rollout: Any, prompts: DataProto, renderer: ChatRen
         trajectories = loop.run(rows, seeds)
     rollout.sleep()
     tensors, counts = assemble_agent_batch(trajectories, response_length=limits.response_length,
-                                           pad_token_id=sampling.pad_token_id)
+                                           pad_token_id=sampling.pad_token_id, prompt_length=prompt_length)
     index = np.arange(len(prompts)).repeat(sampling.n)
     non_tensors = {k: v[index] for k, v in prompts.non_tensor_batch.items()}
     counts["agent_text"] = np.array([render_trajectory(t) for t in trajectories], dtype=object)

@@ -102,10 +102,12 @@ class DataConfig(Section):
     """Training prompt files (.parquet or .jsonl); a single path is accepted."""
     val_files: tuple[str, ...] = ()
     """Validation prompt files."""
-    task: Literal["arith"] | None = None
-    """Built-in generated task used instead of files (megaflow.data.arith)."""
+    task: Literal["arith", "tool_arith"] | None = None
+    """Built-in generated task used instead of files: 'arith' (megaflow.data.arith) or
+    'tool_arith', its sums as multi-turn calculator rows (megaflow.data.tool_arith; needs
+    rollout.agent.enabled and the 'tool_arith' tokenizer)."""
     task_args: Mapping[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the task generator (for 'arith': megaflow.data.arith.ArithTaskConfig)."""
+    """Keyword arguments of the task generator (megaflow.data.arith.ArithTaskConfig for both tasks)."""
     prompt_key: str = "prompt"
     """Column with the prompt (a list of chat messages, or a string)."""
     max_prompt_length: int = 512
@@ -680,6 +682,29 @@ class ActorConfig(TrainedRoleConfig):
 
 
 @dataclass(frozen=True)
+class AgentConfig(Section):
+    """Multi-turn, tool-using rollouts (megaflow.agent; verl's ``rollout.multi_turn``): every
+    sample is a trajectory of assistant turns and tool observations, decoded by the agent
+    loop in each generation replica (tools run once per replica, on its TP rank 0). The
+    response span (``rollout.response_length``) covers all turns: sampled tokens and the
+    observation tokens (``response_mask`` 0 on these). A dataset row names its tools in
+    ``extra_info.tools_kwargs`` and its environment in ``extra_info.agent_name`` (default
+    ``tool_agent``); both are checked at load, as is the chat template (it needs a tool role)."""
+
+    enabled: bool = False
+    """Run the agent loop instead of single-turn generation."""
+    max_turns: int = 4
+    """Assistant turns per trajectory (verl's ``max_assistant_turns``); a trajectory still
+    calling tools after this many ends with stop reason ``max_turns``."""
+    tool_time_s: float = 60.0
+    """Tool wall-clock seconds per trajectory (summed over its calls); past it the trajectory
+    ends with stop reason ``tool_time``. Each call also has its tool's own timeout."""
+
+    def validate(self) -> None:
+        check_positive(self, "max_turns", "tool_time_s")
+
+
+@dataclass(frozen=True)
 class RolloutConfig(Section):
     """Generation with the actor's weights.
 
@@ -754,8 +779,12 @@ class RolloutConfig(Section):
     most this many MiB of converted tensors (one larger tensor forms its own bucket): the
     extra memory of a sync is the generation shard plus one bucket. 512 MiB holds the largest
     tensor of a 70B model's shard at t_g = 8 (its embedding shard, 250 MiB in bf16)."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn tool-using rollouts (off by default)."""
 
     def validate(self) -> None:
+        check(not (self.agent.enabled and self.ignore_eos), "agent.enabled",
+              "cannot be combined with {0} (an assistant turn ends at EOS)", "ignore_eos")
         check_positive(self, "tp", "pp", "n", "response_length", "temperature", "cpu_kv_cache_gib",
                        "weight_sync_bucket_mb")
         check(0.0 < self.top_p <= 1.0, "top_p", f"must lie in (0, 1], got {self.top_p}")
@@ -1117,7 +1146,8 @@ class Config(Section):
 
 __all__ = [
     "Config", "ModelConfig", "DataConfig", "KLControlConfig", "RolloutCorrectionConfig", "AlgorithmConfig",
-    "SafeRLHFConfig", "OptimConfig", "ParallelConfig", "TrainedRoleConfig", "ActorConfig", "RolloutConfig", "RefConfig",
+    "SafeRLHFConfig", "OptimConfig", "ParallelConfig", "TrainedRoleConfig", "ActorConfig", "AgentConfig",
+    "RolloutConfig", "RefConfig",
     "CriticConfig", "RewardModelConfig", "RewardConfig", "TrainerConfig", "PoolConfig", "PlacementConfig",
     "ResourcesConfig", "RayConfig", "ConfigError",
     "ADV_ESTIMATORS", "GROUP_ESTIMATORS", "KL_ESTIMATORS", "KL_LOSS_TYPES", "LOGGERS", "LOSS_AGG_MODES",

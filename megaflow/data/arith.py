@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,22 +163,26 @@ def make_arith_row(a: int, op: str, b: int, *, split: str, index: int) -> dict[s
     }
 
 
-def generate_arith_splits(config: ArithTaskConfig = ArithTaskConfig()) -> dict[str, list[dict]]:
-    """Generate ``{"train": rows, "val": rows}`` deterministically from ``config.seed``."""
+def generate_arith_splits(config: ArithTaskConfig = ArithTaskConfig(), *,
+                          make_row: Callable[..., dict[str, Any]] = make_arith_row) -> dict[str, list[dict]]:
+    """Generate ``{"train": rows, "val": rows}`` deterministically from ``config.seed``
+    (``make_row(a, op, b, split=, index=)`` writes a row: :func:`make_arith_row`, or the agent
+    task's :func:`megaflow.data.tool_arith.make_tool_arith_row`)."""
     rng = random.Random(config.seed)
     problems = _all_problems(config)
     rng.shuffle(problems)
     val = problems[: config.num_val]
     pool = problems[config.num_val :] if config.holdout_val else problems
     train_rows = [
-        make_arith_row(*rng.choice(pool), split="train", index=i) for i in range(config.num_train)
+        make_row(*rng.choice(pool), split="train", index=i) for i in range(config.num_train)
     ]
-    val_rows = [make_arith_row(*p, split="val", index=i) for i, p in enumerate(val)]
+    val_rows = [make_row(*p, split="val", index=i) for i, p in enumerate(val)]
     return {"train": train_rows, "val": val_rows}
 
 
 def write_arith_dataset(
-    out_dir: str | Path, config: ArithTaskConfig = ArithTaskConfig(), *, suffix: str = ".parquet"
+    out_dir: str | Path, config: ArithTaskConfig = ArithTaskConfig(), *, suffix: str = ".parquet",
+    make_row: Callable[..., dict[str, Any]] = make_arith_row,
 ) -> dict[str, Path]:
     """Write ``train`` and ``val`` files (``.parquet`` or ``.jsonl``) to ``out_dir``.
 
@@ -189,7 +194,7 @@ def write_arith_dataset(
     out_dir = Path(out_dir)
     return {
         split: write_rows(rows, out_dir / f"{split}{suffix}")
-        for split, rows in generate_arith_splits(config).items()
+        for split, rows in generate_arith_splits(config, make_row=make_row).items()
     }
 
 

@@ -8,7 +8,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 #: Names that :func:`get_tokenizer` builds in-process instead of loading from disk.
-BUILTIN_TOKENIZERS = ("arith",)
+BUILTIN_TOKENIZERS = ("arith", "tool_arith")
 #: Files of which a Hugging Face tokenizer directory holds at least one.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -22,7 +22,8 @@ def _builtin_names() -> str:
 def get_tokenizer(name_or_path: str | Path, *, trust_remote_code: bool = False, **kwargs: Any):
     """Return the tokenizer named by a recipe's ``model.tokenizer``.
 
-    ``"arith"`` gives :func:`megaflow.data.arith.build_arith_tokenizer`; anything else is
+    ``"arith"`` gives :func:`megaflow.data.arith.build_arith_tokenizer`, ``"tool_arith"``
+    :func:`megaflow.data.tool_arith.build_tool_arith_tokenizer`; anything else is
     loaded with ``transformers.AutoTokenizer.from_pretrained(name_or_path, **kwargs)``
     (a local directory, ``~`` expanded: there is no model hub access). A tokenizer without a pad
     token gets ``pad_token = eos_token`` (as verl does); code downstream never tells
@@ -36,6 +37,10 @@ def get_tokenizer(name_or_path: str | Path, *, trust_remote_code: bool = False, 
         from megaflow.data.arith import build_arith_tokenizer
 
         return build_arith_tokenizer()
+    if str(name_or_path) == "tool_arith":
+        from megaflow.data.tool_arith import build_tool_arith_tokenizer
+
+        return build_tool_arith_tokenizer()
     path = Path(name_or_path).expanduser()
     if not path.is_dir():
         # Checked here: transformers would take the name for a hub repo id and answer with

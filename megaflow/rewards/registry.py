@@ -13,6 +13,7 @@ data_source                       scorer                                      sp
 ``openai/gsm8k``, ``gsm8k``       :func:`megaflow.rewards.gsm8k.compute_score`  skipped
 ``arith``                         :func:`megaflow.rewards.arith.compute_score`  kept (EOS counts)
 ``countdown``                     :func:`megaflow.rewards.countdown.compute_score`  skipped
+``tool_arith``                    :func:`megaflow.rewards.tool_arith.compute_score`  kept (turn ends count)
 ================================  ==========================================  ================
 
 "special tokens" says how :class:`~megaflow.rewards.manager.RuleRewardManager` decodes the
@@ -31,6 +32,7 @@ from typing import Any
 import megaflow.rewards.arith as arith
 import megaflow.rewards.countdown as countdown
 import megaflow.rewards.gsm8k as gsm8k
+import megaflow.rewards.tool_arith as tool_arith
 
 ScoreFn = Callable[..., "float | dict[str, Any]"]
 
@@ -48,6 +50,7 @@ _REGISTRY: dict[str, RewardSpec] = {
     "gsm8k": RewardSpec(gsm8k.compute_score),
     "arith": RewardSpec(arith.compute_score, skip_special_tokens=False),
     "countdown": RewardSpec(countdown.compute_score),
+    "tool_arith": RewardSpec(tool_arith.compute_score, skip_special_tokens=False),
 }
 
 

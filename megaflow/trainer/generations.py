@@ -6,12 +6,16 @@ response limit or the framework is broken; a few decoded samples tell them apart
 first validation prompts, the same ones each time), :func:`sample_generations` picks
 ``trainer.generations_count`` rows and :meth:`megaflow.utils.tracking.Tracking.log_generations`
 writes them to the console (shortened), to ``generations.jsonl`` in the run directory and
-to TensorBoard as text.
+to TensorBoard as text. Multi-turn rows (``rollout.agent``) also carry their conversation
+(``trajectory``: every message marked by its role, ``[tool NAME]`` before each observation),
+and every validation appends a few of them to ``agent_trajectories.txt`` in the run directory
+(:func:`write_trajectories`).
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -47,7 +51,9 @@ def sample_generations(batch: DataProto, decode: Callable[[list[int]], str], cou
     Returns:
         ``[{"data_source", "prompt", "response", "response_tokens", "ground_truth", "reward":
         {"total": sequence reward, <part>: value, ...}}]``: ``total`` is
-        ``token_level_scores`` summed over the response (reward-model scores included),
+        ``token_level_scores`` summed over the response (reward-model scores included); multi-turn
+        rows add ``"trajectory"`` (their ``agent_text``) and ``"response"`` holds the sampled
+        tokens of all turns;
         the parts are the reward function's named values (``score``, ``acc``, ``format``,
         ...; NaN ones left out). Padding and tokens after the first EOS are not decoded.
     """
@@ -71,7 +77,31 @@ def sample_generations(batch: DataProto, decode: Callable[[list[int]], str], cou
             "response_tokens": int(response_mask[i].sum()),
             "ground_truth": _plain(nt["ground_truth"][i]) if "ground_truth" in nt else None,
             "reward": reward})
+        if "agent_text" in nt:
+            records[-1]["trajectory"] = str(nt["agent_text"][i])
     return records
+
+
+#: The file in the run directory that every validation appends sample trajectories to.
+TRAJECTORIES_FILE = "agent_trajectories.txt"
+
+
+def write_trajectories(batch: DataProto, path: Path, *, step: int, split: str, count: int) -> int:
+    """Append up to ``count`` multi-turn rows of ``batch`` (one per prompt group) to ``path`` as text.
+
+    Each block: a header with the step, split, row and sequence reward (``token_level_scores``
+    summed, when scored), then the row's ``agent_text``. Returns the blocks written (0 for
+    a batch without ``agent_text``).
+    """
+    if "agent_text" not in batch.non_tensor_batch or count <= 0:
+        return 0
+    rows = _pick_rows(batch, count)
+    scores = batch.tensors["token_level_scores"].sum(-1) if "token_level_scores" in batch.tensors.keys() else None
+    with path.open("a", encoding="utf-8") as file:
+        for i in rows:
+            reward = "" if scores is None else f", reward {float(scores[i]):.4g}"
+            file.write(f"===== step {step} {split} row {i}{reward}\n{batch.non_tensor_batch['agent_text'][i]}\n\n")
+    return len(rows)
 
 
 def _plain(value: Any) -> Any:
@@ -83,4 +113,4 @@ def _plain(value: Any) -> Any:
     return value if isinstance(value, (str, int, float, bool, type(None), list, dict)) else str(value)
 
 
-__all__ = ["sample_generations"]
+__all__ = ["TRAJECTORIES_FILE", "sample_generations", "write_trajectories"]

@@ -34,7 +34,7 @@ from megaflow.protocol import DataProto
 from megaflow.rewards.manager import reward_metrics
 from megaflow.trainer.checkpoint import TRAINER_STATE_FILE, CheckpointManager, read_trainer_state, write_trainer_state
 from megaflow.trainer.dynamic_sampling import fill_informative
-from megaflow.trainer.generations import sample_generations
+from megaflow.trainer.generations import TRAJECTORIES_FILE, sample_generations, write_trajectories
 from megaflow.trainer.proxies import WorkerGroups
 from megaflow.trainer.stages import (
     add_advantages,
@@ -408,6 +408,10 @@ class RayPPOTrainer:
                 metrics[f"val/acc/{s}"] = float(np.nanmean(acc[sel].astype(float)))
         metrics["timing_s/validation"] = time.perf_counter() - start
         _log_generations(self, _samples(self, batch), "val")
+        log_dir = getattr(getattr(self, "tracker", None), "log_dir", None)
+        if log_dir is not None:  # multi-turn rows: a few conversations for a person to read
+            write_trajectories(batch, Path(log_dir) / TRAJECTORIES_FILE, step=self.global_step, split="val",
+                               count=self.cfg.trainer.generations_count)
         return metrics
 
     def _log(self, metrics: dict[str, float], step: int) -> None:

@@ -480,11 +480,15 @@ def load_datasets(cfg: Config, tokenizer: Any, task: Any = None) -> Inputs:
     d = cfg.data
     generated = None
     if d.task is not None:
-        from megaflow.data.arith import write_arith_dataset
+        from megaflow.data.arith import make_arith_row, write_arith_dataset
+        from megaflow.data.tool_arith import make_tool_arith_row
         from megaflow.launch.watchdog import temp_prefix
 
         generated = Path(tempfile.mkdtemp(prefix=temp_prefix("task")))  # removed by the watchdog if killed
-        files = write_arith_dataset(generated, task)
+        if d.task == "tool_arith":  # JSONL: parquet has no empty struct ({"create_kwargs": {}})
+            files = write_arith_dataset(generated, task, make_row=make_tool_arith_row, suffix=".jsonl")
+        else:
+            files = write_arith_dataset(generated, task, make_row=make_arith_row)
         train_files, val_files = [str(files["train"])], [str(files["val"])]
         train_key = val_key = "data.task_args"
     else:
@@ -522,6 +526,55 @@ def _check_data_sources(cfg: Config, datasets) -> None:
                 raise ConfigError(key, f"{record.location}: data_source {record.data_source!r} has no rule reward "
                                        f"(known: {', '.join(sorted(known))}); register one with "
                                        f"reward.functions.{record.data_source}=package.module:function")
+
+
+def check_agent(cfg: Config, inputs: Inputs) -> None:
+    """With ``rollout.agent.enabled``: the chat template must have a tool role and end an
+    assistant turn with the tokenizer's EOS token, every row's environment and tools must
+    exist (``extra_info.agent_name``, ``extra_info.tools_kwargs``: an unknown name, bad
+    ``create_kwargs`` or a tool schema the parser cannot use is refused), and every row's
+    first-turn prompt (the template with the row's tools) must fit ``data.max_prompt_length``.
+
+    Raises:
+        ConfigError: at ``model.tokenizer`` (or ``model.path``) for the template; at the
+            dataset's key (``data.train_files``, ``data.val_files`` or ``data.task_args``)
+            naming the file and row.
+    """
+    if not cfg.rollout.agent.enabled:
+        return
+    from megaflow.agent.environment import check_rows
+    from megaflow.workers.agent_hook import build_renderer
+
+    tok_key, name = tokenizer_source(cfg)
+    try:
+        renderer = build_renderer(inputs.tokenizer)
+    except ValueError as exc:
+        raise ConfigError(tok_key, f"{name}: rollout.agent.enabled needs a chat template with a tool role: {exc}") \
+            from None
+    keys = ("data.task_args",) * 2 if cfg.data.task is not None else ("data.train_files", "data.val_files")
+    for key, ds in zip(keys, (inputs.train_dataset, inputs.val_dataset), strict=True):
+        if ds is None:
+            continue
+        rows = [{"prompt": r.messages, "extra_info": r.extra_info, "agent_name": r.extra_info.get("agent_name")}
+                for r in ds.records]
+        try:
+            check_rows(rows, locations=[r.location for r in ds.records])
+        except ValueError as exc:
+            raise ConfigError(key, str(exc)) from None
+        _check_agent_prompt_lengths(cfg, renderer, key, rows, [r.location for r in ds.records])
+
+
+def _check_agent_prompt_lengths(cfg: Config, renderer: Any, key: str, rows: list[dict], locations: list[str]) -> None:
+    from megaflow.agent.environment import DEFAULT_ENVIRONMENT
+    from megaflow.agent.registry import make_environment
+
+    limit = cfg.data.max_prompt_length
+    for row, location in zip(rows, locations, strict=True):
+        start = make_environment(row["agent_name"] or DEFAULT_ENVIRONMENT).reset(row)
+        length = len(renderer.prompt_ids(start.messages, [t.spec() for t in start.tools.values()]))
+        if length > limit:
+            raise ConfigError(key, f"{location}: the first-turn prompt with the row's tools has {length} tokens, more "
+                                   f"than {{0}}={limit}", ("data.max_prompt_length",))
 
 
 # --------------------------------------------------------------------------- all together
@@ -570,6 +623,7 @@ def preflight(cfg: Config, *, load_data: bool = True) -> Inputs | None:
                 attempt(check_reward_functions, cfg, inputs.reward_functions, inputs.train_dataset)
                 attempt(check_batch_fits, cfg, inputs.train_dataset,
                         "data.task_args" if cfg.data.task is not None else "data.train_files")
+                attempt(check_agent, cfg, inputs)
     if problems:
         if inputs is not None:
             inputs.discard_generated()
@@ -580,4 +634,5 @@ def preflight(cfg: Config, *, load_data: bool = True) -> Inputs | None:
 __all__ = ["preflight", "PreflightError", "Inputs", "check_sequence_length", "check_task_args",
            "resolve_reward_functions", "check_output_dir", "check_local_resources", "check_model_dirs",
            "load_tokenizer", "load_datasets", "tokenizer_source", "uses_validation", "check_seeds",
-           "check_recompute_layers", "check_batch_fits", "check_ray", "check_loggers", "check_reward_functions"]
+           "check_recompute_layers", "check_batch_fits", "check_ray", "check_loggers", "check_reward_functions",
+           "check_agent"]

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from megaflow.agent.vllm_agent import AGENT_INPUT_KEYS  # sent by the controller with rollout.agent.enabled only
 from megaflow.protocol import DataProto
 from megaflow.single_controller.collect import GroupProtoResult
 from megaflow.single_controller.dispatch import MeshInfo
@@ -62,17 +63,20 @@ class Reads:
         optional: tensor fields sent when the batch has them (e.g. ``ref_log_probs`` with
             a KL loss, ``rollout_is_weights`` with importance weighting).
         meta: ``meta_info`` keys sent when present.
+        non_tensors: non-tensor fields sent when present (the agent loop's messages and tools).
     """
 
     tensors: tuple[str, ...]
     optional: tuple[str, ...] = ()
     meta: tuple[str, ...] = ()
+    non_tensors: tuple[str, ...] = ()
 
 
-def reads(tensors: tuple[str, ...], optional: tuple[str, ...] = (), meta: tuple[str, ...] = ()) -> Callable[[F], F]:
+def reads(tensors: tuple[str, ...], optional: tuple[str, ...] = (), meta: tuple[str, ...] = (),
+          non_tensors: tuple[str, ...] = ()) -> Callable[[F], F]:
     """Declare on a proxy method which batch fields its worker method reads (see :class:`Reads`)."""
     def mark(fn: F) -> F:
-        setattr(fn, _READS_ATTR, Reads(tuple(tensors), tuple(optional), tuple(meta)))
+        setattr(fn, _READS_ATTR, Reads(tuple(tensors), tuple(optional), tuple(meta), tuple(non_tensors)))
         return fn
     return mark
 
@@ -93,7 +97,7 @@ def inputs_for(method: Callable[..., Any], batch: DataProto) -> DataProto:
     """The fields of ``batch`` that the proxy ``method`` reads, as a new DataProto.
 
     The required tensors, the optional tensors present, the declared ``meta_info`` keys
-    present, and no non-tensor fields. Tensors are shared, not copied.
+    and non-tensor fields present. Tensors are shared, not copied.
 
     Raises:
         KeyError: a required tensor is missing (the method and the missing field named).
@@ -104,7 +108,7 @@ def inputs_for(method: Callable[..., Any], batch: DataProto) -> DataProto:
     if missing:
         raise KeyError(f"{method.__qualname__} reads {missing}, which the batch lacks; it has {sorted(present)}")
     keys = list(spec.tensors) + [k for k in spec.optional if k in present]
-    return batch.select(batch_keys=keys, non_tensor_keys=[],
+    return batch.select(batch_keys=keys, non_tensor_keys=[k for k in spec.non_tensors if k in batch.non_tensor_batch],
                         meta_info_keys=[k for k in spec.meta if k in batch.meta_info])
 
 
@@ -229,7 +233,7 @@ class ActorProxy(MegatronProxy):
         """``ActorRolloutWorker.rollout_weight_version`` on every rank: engine syncs so far."""
         return self._run(ActorProxy.rollout_weight_version)
 
-    @reads(PROMPT_KEYS, meta=SAMPLING_META)
+    @reads(PROMPT_KEYS, meta=SAMPLING_META, non_tensors=AGENT_INPUT_KEYS)
     def generate_sequences(self, prompts: DataProto) -> GroupProtoResult:
         """``ActorRolloutWorker.generate_sequences`` on the ``rollout`` mesh.
 
@@ -322,7 +326,7 @@ class RolloutProxy(RoleProxy):
         """:meth:`receive_weights` without waiting (in lockstep with the actor's broadcast)."""
         return self._start(RolloutProxy.receive_weights)
 
-    @reads(PROMPT_KEYS, meta=SAMPLING_META)
+    @reads(PROMPT_KEYS, meta=SAMPLING_META, non_tensors=AGENT_INPUT_KEYS)
     def generate_sequences(self, prompts: DataProto) -> GroupProtoResult:
         """``RolloutWorker.generate_sequences`` on the ``rollout`` mesh: the contract of
         :meth:`ActorProxy.generate_sequences`, plus ``weight_version`` ``[B]`` and

@@ -54,6 +54,16 @@ if TYPE_CHECKING:
     from megaflow.trainer.proxies import ActorProxy, RolloutProxy, WorkerGroups
 
 
+def agent_input_keys(cfg: Config) -> tuple[str, ...]:
+    """The prompts' non-tensor fields a generate call carries: the agent loop's inputs
+    (:data:`~megaflow.agent.vllm_agent.AGENT_INPUT_KEYS`) with ``rollout.agent.enabled``, else none."""
+    if not cfg.rollout.agent.enabled:
+        return ()
+    from megaflow.agent.vllm_agent import AGENT_INPUT_KEYS
+
+    return AGENT_INPUT_KEYS
+
+
 # ---------------------------------------------------------------------------- split placement
 def connect_split(actor: ActorProxy, rollout: RolloutProxy, actor_layout: HybridLayout, *,
                   backend: str) -> TransportPlan:
@@ -263,7 +273,7 @@ class ColocatedSource:
 
     def _request(self, prompts: DataProto, n: int, *, greedy: bool, step: int) -> tuple[DataProto, DataProto]:
         sampling = sampling_params(self.cfg.rollout, run_seed=self.cfg.trainer.seed, step=step, greedy=greedy)
-        return generation_request(prompts, n, sampling)
+        return generation_request(prompts, n, sampling, agent_input_keys(self.cfg))
 
     def generate(self, prompts: DataProto, n: int, *, greedy: bool, step: int,
                  sampling_round: int = 0) -> tuple[DataProto, dict[str, float]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -49,12 +50,15 @@ def sampling_params(rollout: RolloutConfig, *, run_seed: int, step: int, greedy:
             "do_sample": not greedy, "seed": run_seed * 100_003 + step}
 
 
-def generation_request(prompts: DataProto, n: int, sampling: dict[str, Any]) -> tuple[DataProto, DataProto]:
+def generation_request(prompts: DataProto, n: int, sampling: dict[str, Any],
+                       non_tensor_keys: Sequence[str] = ()) -> tuple[DataProto, DataProto]:
     """``(prompts with a uid per prompt, the generate call's input)``.
 
     The generate call's input holds the prompt tensors :data:`PROMPT_KEYS` ``[B, P]``
     repeated ``n`` times (interleaved: the samples of prompt ``i`` are rows ``i*n .. i*n+n-1``),
-    no non-tensor fields, and ``sampling`` (:func:`sampling_params`) as ``meta_info``.
+    those of ``non_tensor_keys`` the prompts have (multi-turn rollouts read the messages and
+    tools: :data:`~megaflow.agent.vllm_agent.AGENT_INPUT_KEYS`), and ``sampling``
+    (:func:`sampling_params`) as ``meta_info``.
     Prompts that already carry ``uid`` keep it.
 
     Raises:
@@ -67,7 +71,8 @@ def generation_request(prompts: DataProto, n: int, sampling: dict[str, Any]) -> 
     missing = [k for k in PROMPT_KEYS if k not in present]
     if missing:
         raise KeyError(f"generate_sequences reads {missing}, which the prompts lack; they have {sorted(present)}")
-    gen_in = prompts.select(batch_keys=list(PROMPT_KEYS), non_tensor_keys=[], meta_info_keys=[])
+    keep = [k for k in non_tensor_keys if k in prompts.non_tensor_batch]
+    gen_in = prompts.select(batch_keys=list(PROMPT_KEYS), non_tensor_keys=keep, meta_info_keys=[])
     gen_in = gen_in.repeat(n, interleave=True)
     gen_in.meta_info.update(sampling)
     return prompts, gen_in
@@ -96,7 +101,8 @@ def join_rollout(prompts: DataProto, out: GroupProtoResult, n: int) -> tuple[Dat
     Returns:
         The prompts' non-tensor fields and tensor fields other than :data:`ROLLOUT_REPLACES`,
         repeated ``n`` times, joined with the rollout's rows (``meta_info`` dropped: the
-        sampling parameters stay with the call); and :func:`rollout_metrics`.
+        sampling parameters stay with the call); and :func:`rollout_metrics`, plus the
+        ``agent/*`` metrics of multi-turn rows (:func:`agent_metrics`).
     """
     kept = [k for k in prompts.tensors.keys() if isinstance(k, str) and k not in ROLLOUT_REPLACES]
     rest = prompts.select(batch_keys=kept)
@@ -104,7 +110,19 @@ def join_rollout(prompts: DataProto, out: GroupProtoResult, n: int) -> tuple[Dat
     if rest.batch is not None and len(rest.batch.keys()) == 0:
         rest.batch = None
     rows = DataProto(out.batch.batch, out.batch.non_tensor_batch, {})
-    return rest.union(rows), rollout_metrics(out.metrics)
+    return rest.union(rows), {**rollout_metrics(out.metrics), **agent_metrics(rows)}
+
+
+def agent_metrics(rows: DataProto) -> dict[str, float]:
+    """The ``agent/*`` metrics (:func:`~megaflow.agent.metrics.trajectory_metrics`) of a rollout
+    batch's multi-turn rows (its ``agent_*`` columns); empty for single-turn rows."""
+    if "agent_turns" not in rows.non_tensor_batch:
+        return {}
+    from megaflow.agent.metrics import batch_counts, trajectory_metrics
+
+    width = rows.tensors["responses"].shape[1]
+    response_tokens = rows.tensors["attention_mask"][:, -width:].sum(-1).tolist()
+    return trajectory_metrics(batch_counts(rows.non_tensor_batch, response_tokens))
 
 
 def prompts_of(batch: DataProto, n: int) -> DataProto:

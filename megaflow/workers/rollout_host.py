@@ -104,15 +104,25 @@ class RolloutHost:
         self.cfg, self.spec, self.gen_replica, self.pad_token_id = cfg, spec, gen_replica, int(pad_token_id)
         self.engine = build_engine(cfg, hf_config, rank=rank, tp_group_ranks=tp_group_ranks,
                                    eos_token_ids=stop_token_ids(cfg, eos_token_ids), pad_token_id=self.pad_token_id)
+        self.agent = None  # rollout.agent.enabled: multi-turn rollouts (megaflow.workers.agent_hook)
+        if cfg.rollout.agent.enabled:
+            from megaflow.workers.agent_hook import ReplicaAgent
+
+            self.agent = ReplicaAgent(cfg, rank=rank, tp_group_ranks=[list(g) for g in tp_group_ranks])
 
     def generate(self, prompts: DataProto) -> DataProto:
         """The engine's rollout of ``prompts`` (:meth:`~megaflow.rollout.vllm_rollout.VLLMRollout.generate_sequences`),
         the ``meta_info`` seed offset by ``gen_replica x`` :data:`REPLICA_SEED_STRIDE` so that
-        replicas draw distinct samples."""
+        replicas draw distinct samples. With ``rollout.agent.enabled`` every row is a multi-turn
+        trajectory (:meth:`~megaflow.workers.agent_hook.ReplicaAgent.generate`; the prompts
+        then carry ``raw_prompt`` and ``extra_info``)."""
         meta = dict(prompts.meta_info)
         if meta.get("seed") is not None:
             meta["seed"] = int(meta["seed"]) + self.gen_replica * REPLICA_SEED_STRIDE
-        return self.engine.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch, meta))
+        seeded = DataProto(prompts.batch, prompts.non_tensor_batch, meta)
+        if self.agent is not None:
+            return self.agent.generate(self.engine, seeded)
+        return self.engine.generate_sequences(seeded)
 
     def probe(self) -> DataProto:
         """The fixed verification probe: left-padded prompts of seeded ids (from 3 up to the

@@ -56,35 +56,61 @@ BIGRAM = {
 }
 
 
-def build_bigram_llama(path: str) -> str:
+def _bigram_logits() -> torch.Tensor:
+    """``[V, V]``: row ``t`` the next-word logits after word ``t`` (log BIGRAM, -30 elsewhere; unlisted -> <|im_end|>)."""
+    logits = torch.full((len(WORDS), len(WORDS)), -30.0)
+    logits[:, IM_END] = 0.0
+    for word, nxt in BIGRAM.items():
+        logits[WORDS.index(word)] = -30.0
+        for w, p in nxt.items():
+            logits[WORDS.index(word), WORDS.index(w)] = math.log(p)
+    return logits
+
+
+def build_bigram_llama(path: str, tied: bool = False) -> str:
     """A 1-layer Llama whose next-token distribution depends on the current token only (BIGRAM).
 
-    Attention and MLP outputs are zero, so the last hidden state is the input token's
+    Untied: attention and MLP outputs are zero, so the last hidden state is the input token's
     embedding (one-hot) through the final RMSNorm: sqrt(hidden) * e_token; the LM head's
     column ``token`` holds the wanted logits / sqrt(hidden).
+
+    Tied (the LM head is the embedding ``[I | 0]``): the MLP adds to the one-hot input a
+    vector ``h_t - e_t`` with ``h_t[:V]`` = the logits shifted to >= 0 (softmax-invariant; -12
+    for the unlisted words instead of -30) and one filler coordinate that makes
+    ``rms(h_t) = 1``, so the final RMSNorm leaves ``h_t`` and the head reads the logits.
+    (SiLU of the gate, ``silu(10 sqrt(hidden))``, is 1 x its input in fp32.)
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    hidden = 128
-    config = LlamaConfig(vocab_size=len(WORDS), hidden_size=hidden, intermediate_size=128, num_hidden_layers=1,
+    hidden, v = (512 if tied else 128), len(WORDS)
+    config = LlamaConfig(vocab_size=v, hidden_size=hidden, intermediate_size=128, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
-                         bos_token_id=2, eos_token_id=IM_END, pad_token_id=PAD, tie_word_embeddings=False)
+                         bos_token_id=2, eos_token_id=IM_END, pad_token_id=PAD, tie_word_embeddings=tied)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).float()
+    layer = model.model.layers[0]
     with torch.no_grad():
         model.model.embed_tokens.weight.zero_()
-        model.model.embed_tokens.weight[:, :len(WORDS)] = torch.eye(len(WORDS))
-        model.model.layers[0].self_attn.o_proj.weight.zero_()
-        model.model.layers[0].mlp.down_proj.weight.zero_()
-        logits = torch.full((len(WORDS), len(WORDS)), -30.0)
-        logits[:, IM_END] = 0.0
-        for word, nxt in BIGRAM.items():
-            logits[WORDS.index(word)] = -30.0
-            for w, p in nxt.items():
-                logits[WORDS.index(word), WORDS.index(w)] = math.log(p)
-        head = torch.zeros(len(WORDS), hidden)
-        head[:, :len(WORDS)] = logits.T / math.sqrt(hidden)
-        model.lm_head.weight.copy_(head)
+        model.model.embed_tokens.weight[:, :v] = torch.eye(v)
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+        if tied:
+            shifted = _bigram_logits().clamp(min=-12.0) + 12.0  # [V, V] >= 0, |row|^2 < hidden
+            target = torch.zeros(v, hidden)
+            target[:, :v] = shifted
+            target[:, v] = (hidden - (shifted ** 2).sum(-1)).sqrt()  # rms(target row) = 1
+            x = math.sqrt(hidden)  # the MLP's input coordinate of the token (one-hot through RMSNorm)
+            gate = 10.0
+            layer.mlp.gate_proj.weight.zero_()
+            layer.mlp.up_proj.weight.zero_()
+            layer.mlp.gate_proj.weight[:v, :v] = gate * torch.eye(v)
+            layer.mlp.up_proj.weight[:v, :v] = torch.eye(v)
+            product = torch.nn.functional.silu(torch.tensor(gate * x)) * x
+            layer.mlp.down_proj.weight[:, :v] = (target - torch.eye(v, hidden)).T / product
+        else:
+            head = torch.zeros(v, hidden)
+            head[:, :v] = _bigram_logits().T / math.sqrt(hidden)
+            model.lm_head.weight.copy_(head)
     model.save_pretrained(path)
     Path(path, "chat_template.jinja").write_text(TEMPLATE)
     return path

@@ -125,6 +125,24 @@ def test_multi_turn_log_probs_equal_transformers_and_the_trainer(model, tmp_path
     torch.testing.assert_close(trainer[mask], batch.batch["rollout_log_probs"][mask], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("gen_tp,tied", [(2, False), (1, True), (2, True)])
+def test_trainer_log_probs_equal_the_engines_at_tg_and_tied(gen_tp, tied, tmp_path):
+    """The trainer's recomputed log-probs of multi-turn rows equal the engine's within 1e-5
+    (fp32) with the engine at t_g = 2 and with tied embeddings (t_g = 1 untied: the test above)."""
+    from transformers import AutoModelForCausalLM
+
+    path = build_bigram_llama(str(tmp_path / "model"), tied=tied)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert hf.config.tie_word_embeddings == tied
+    batch = run_distributed(_rollout, gen_tp, path, str(tmp_path / "calls"), timeout_s=600)[0]["batch"]
+    _check_rows(batch, hf)
+    tensors = {k: batch.batch[k] for k in ("input_ids", "attention_mask", "position_ids", "responses",
+                                           "response_mask")}
+    (trainer,) = run_distributed(_trainer_log_probs, 1, path, tensors, timeout_s=600)
+    mask = batch.batch["response_mask"].bool()
+    torch.testing.assert_close(trainer[mask], batch.batch["rollout_log_probs"][mask], atol=1e-5, rtol=0)
+
+
 def test_tp2_ranks_agree_and_tools_run_on_rank0_only(model, tmp_path):
     path, hf = model
     calls = tmp_path / "calls"

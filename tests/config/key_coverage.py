@@ -63,6 +63,7 @@ LORA = "tests/megatron/test_lora.py::"
 LORA_CFG = "tests/config/test_lora_config.py::"
 ARS = "tests/workers/test_actor_rollout_settings.py::test_the_engine_is_built_from_the_config_sections"
 TRUNC = "tests/rollout/test_vllm_truncated_log_probs.py::"
+AGENT_HOOK = "tests/agent/test_agent_hook.py::"
 
 
 #: Overrides that enable a role on the tiny recipe (so that its layout is checked).
@@ -247,6 +248,12 @@ KEYS: dict[str, Consumed | Refused] = {
     "rollout.weight_sync_bucket_mb": consumed(
         "tests/workers/test_actor_rollout_hybrid.py::test_after_update_the_rollout_serves_the_new_weights",
         "tests/hybrid_engine/test_rollout_weights.py::test_a_bucket_size_below_one_mib_is_refused_at_load_naming_the_key"),
+    "rollout.agent.enabled": consumed(
+        AGENT_HOOK + "test_rollout_agent_enabled_sends_the_rows_messages_and_tools",
+        "tests/agent/test_agent_preflight.py::test_a_template_without_a_tool_role_is_refused",
+        "tests/agent/test_tiny_tool_learning.py::test_tiny_tool_grpo_learns_the_call_format"),
+    "rollout.agent.max_turns": consumed(AGENT_HOOK + "test_rollout_agent_max_turns_ends_a_calling_trajectory"),
+    "rollout.agent.tool_time_s": consumed(AGENT_HOOK + "test_rollout_agent_tool_time_s_ends_a_trajectory_after_its_tools"),
     # ------------------------------------------------------------------ ref
     **_parallel("ref"),
     "ref.enabled": consumed(E2E_ALGO + "test_rloo_with_kl_loss"),

@@ -103,7 +103,7 @@ def test_tokenizer_chat_template_and_save_load(tmp_path):
 
 
 def test_get_tokenizer_missing_directory(tmp_path):
-    with pytest.raises(OSError, match=r"tokenizer '.*nowhere' does not exist: .* or the built-in name 'arith'$"):
+    with pytest.raises(OSError, match=r"tokenizer '.*nowhere' does not exist: .* or one of the built-in names 'arith', 'tool_arith'$"):
         get_tokenizer(tmp_path / "nowhere")
     (tmp_path / "file").write_text("x")
     with pytest.raises(OSError, match=r"tokenizer '.*file' is a file, not a directory"):

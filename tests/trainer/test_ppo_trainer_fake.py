@@ -115,7 +115,7 @@ def reward_fn(batch: DataProto) -> DataProto:
 
 
 def make_cfg(tmp_path, total_steps=3, resume="disable", balance_batch=False, filter_groups=None):
-    from megaflow.config.schema import FilterGroupsConfig, RolloutCorrectionConfig
+    from megaflow.config.schema import AgentConfig, FilterGroupsConfig, RolloutCorrectionConfig
 
     ns = SimpleNamespace
     return ns(
@@ -124,7 +124,7 @@ def make_cfg(tmp_path, total_steps=3, resume="disable", balance_batch=False, fil
                      rollout_correction=RolloutCorrectionConfig(),
                      filter_groups=filter_groups or FilterGroupsConfig()),
         rollout=ns(n=3, temperature=1.0, top_p=1.0, top_k=-1, response_length=R, val_do_sample=False,
-                   verify_sync=False, weight_sync_bucket_mb=512),
+                   verify_sync=False, weight_sync_bucket_mb=512, agent=AgentConfig()),
         actor=ns(optim=ns(clip_grad=1.0), on_policy_old_log_probs=False),
         data=ns(train_batch_size=2),  # Loader's prompts per batch
         trainer=ns(total_steps=total_steps, test_freq=0, save_freq=1, seed=7, resume=resume,
