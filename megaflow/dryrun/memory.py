@@ -35,6 +35,16 @@ Sources and assumptions, per term:
   their gradient, ``2 * 4 * b*s*V/t`` bytes (a transient peak of the backward, not saved
   tensors). Forward-only passes (log-probs, ref, values, reward) keep one layer's
   activations plus the logits.
+* **Mixture of experts** (expert parallelism ``ep``): a rank holds ``E/ep`` experts per layer
+  (:func:`~megaflow.topology.model_spec.stage_parameters`); the distributed optimizer shards
+  the dense parameters' state over ``dp*cp`` ranks and the experts' over the expert-data-
+  parallel ``dp*cp/ep`` ranks. Activations of an MoE layer replace the dense MLP's ``5f/t``
+  by :func:`moe_layer_activation_bytes`: per token of the micro-batch, with balanced routing,
+  the all-gather dispatcher's buffers on one EP rank (the gathered hidden states ``ep*h``, the
+  gathered fp32 router probabilities and bool routing map ``ep*E*(4+1)`` bytes, the ``k*h``
+  rows permuted to the local experts) and the experts' SwiGLU tensors ``5*k*f_e``; an account
+  from megatron-core's ``MoEAllGatherTokenDispatcher`` and ``SequentialMLP``, not yet
+  measured by ``tools/bench_memory.py``.
 * **HybridEngine generation weights**: the generation shard (``t_g``, ``p_g``) of tensors
   gathered from the training shards, so the vocabulary keeps the *training* padding
   (``padded_vocab_size(V, t)``), not ``padded_vocab_size(V, t_g)``.
@@ -46,7 +56,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megaflow.topology.model_spec import ModelSpec, padded_vocab_size, stage_parameters
+from megaflow.topology.model_spec import ModelSpec, layer_parameters, padded_vocab_size, stage_parameters
 from megaflow.topology.sizes import generation_sizes, max_seq_len, role_model_spec
 
 GIB = 1024 ** 3
@@ -94,6 +104,25 @@ def activation_bytes_per_layer(*, seq: int, micro_batch: int, hidden: int, heads
     return bytes_ * rows * (norms + attention + mlp) + per_layer
 
 
+def moe_layer_activation_bytes(spec: ModelSpec, *, seq: int, micro_batch: int, ep: int, dtype: str) -> float:
+    """Bytes one MoE layer adds per micro-batch on one EP rank in place of the dense MLP: the
+    all-gather dispatcher's buffers and the local experts' saved tensors, balanced routing
+    (module docstring). 0 for a dense model.
+
+    Args:
+        spec: the model (``E`` experts of width ``f_e``, top-``k``).
+        seq, micro_batch: tokens ``s*b`` of the micro-batch on this rank.
+        ep: expert-parallel size.
+        dtype: activation dtype.
+    """
+    if not spec.is_moe:
+        return 0.0
+    rows, bytes_ = seq * micro_batch, DTYPE_BYTES[dtype]
+    h, k, experts = spec.hidden_size, spec.moe_topk, spec.num_experts
+    dispatch = bytes_ * rows * (ep * h + k * h) + rows * ep * experts * (4 + 1)
+    return dispatch + bytes_ * rows * 5 * k * spec.moe_ffn_hidden_size
+
+
 def final_norm_bytes(*, seq: int, micro_batch: int, hidden: int, tp: int, sequence_parallel: bool,
                      dtype: str) -> float:
     """The final RMSNorm's saved tensors on the last stage: ``(3h + 1)`` per token (input,
@@ -120,6 +149,8 @@ class RoleMemory:
     param_offload: bool = False
     grad_offload: bool = False
     optimizer_offload: bool = False
+    expert_params: float = 0.0
+    """Of ``params``, the bytes of this rank's experts (mixture of experts)."""
 
     @property
     def static(self) -> float:
@@ -152,6 +183,7 @@ class ParallelShape:
     micro_batch: int
     num_micro_batches: int
     seq: int
+    ep: int = 1
 
 
 def role_memory(role: str, spec: ModelSpec, shape: ParallelShape, *, dtype: str, trained: bool,
@@ -164,15 +196,21 @@ def role_memory(role: str, spec: ModelSpec, shape: ParallelShape, *, dtype: str,
         head: ``"lm"`` (vocabulary logits) or ``"value"`` (scalar head).
         offload: (param, grad, optimizer) offload flags of the role.
     """
-    per_stage = stage_parameters(spec, shape.tp, shape.pp, head=head)
+    per_stage = stage_parameters(spec, shape.tp, shape.pp, head=head, ep=shape.ep)
     stage_params = [n * DTYPE_BYTES[dtype] for n in per_stage]
     n_params = max(per_stage)
+    n_experts = expert_parameters_per_rank(spec, tp=shape.tp, pp=shape.pp, ep=shape.ep)
     seq = -(-shape.seq // shape.cp)
+    recompute = shape.recompute if trained else "none"
     layer_act = activation_bytes_per_layer(
         seq=seq, micro_batch=shape.micro_batch, hidden=spec.hidden_size, heads=spec.num_attention_heads,
-        kv_heads=spec.num_key_value_heads, head_dim=spec.head_dim, ffn_hidden=spec.ffn_hidden_size,
+        kv_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
+        ffn_hidden=0 if spec.is_moe else spec.ffn_hidden_size,
         tp=shape.tp, sequence_parallel=shape.sequence_parallel,
-        recompute=shape.recompute if trained else "none", fused_attention=fused_attention, dtype=dtype)
+        recompute=recompute, fused_attention=fused_attention, dtype=dtype)
+    if recompute != "full":
+        layer_act += moe_layer_activation_bytes(spec, seq=seq, micro_batch=shape.micro_batch, ep=shape.ep,
+                                                dtype=dtype)
     vocab = padded_vocab_size(spec.vocab_size, shape.tp) if head == "lm" else 1
     logits = logits_bytes(seq=seq, micro_batch=shape.micro_batch, vocab=vocab, tp=shape.tp if head == "lm" else 1,
                           backward=trained)
@@ -188,13 +226,20 @@ def role_memory(role: str, spec: ModelSpec, shape: ParallelShape, *, dtype: str,
         last = layers * layer_act + logits
         activations = max(first, last)
         shards = shape.dp * shape.cp if distributed_optimizer else 1
+        expert_shards = max(shards // shape.ep, 1)  # the expert-data-parallel group
         grads: float = n_params * GRAD_BYTES
-        optimizer = n_params * optimizer_bytes_per_param(dtype) / shards
+        optimizer = ((n_params - n_experts) / shards + n_experts / expert_shards) * optimizer_bytes_per_param(dtype)
     else:
         activations, grads, optimizer = layer_act + logits, 0.0, 0.0
     return RoleMemory(role=role, params=max(stage_params), grads=grads, optimizer=optimizer,
                       activations=activations, param_offload=offload[0], grad_offload=offload[1],
-                      optimizer_offload=offload[2])
+                      optimizer_offload=offload[2], expert_params=n_experts * DTYPE_BYTES[dtype])
+
+
+def expert_parameters_per_rank(spec: ModelSpec, *, tp: int, pp: int, ep: int) -> int:
+    """Expert parameters one rank holds: ``(L/pp) * E*3*h*f_e / (ep*tp)`` (0 for a dense model;
+    the router is counted with the dense parameters)."""
+    return spec.num_layers // pp * (layer_parameters(spec).experts // ep // tp)
 
 
 def kv_bytes_per_token(spec: ModelSpec, gen_tp: int, gen_pp: int, dtype: str) -> float:

@@ -200,7 +200,7 @@ def _role_plan(cfg: Config, role: str) -> RolePlan:
     shape = ParallelShape(
         tp=par.tp, pp=par.pp, cp=par.cp, dp=par.dp, vpp=par.vpp, sequence_parallel=section.sequence_parallel,
         recompute=getattr(section, "recompute_granularity", "none"),
-        micro_batch=micro, num_micro_batches=num_micro, seq=max_seq_len(cfg))
+        micro_batch=micro, num_micro_batches=num_micro, seq=max_seq_len(cfg), ep=par.ep)
     param, grad, optimizer = (getattr(section, f"{kind}_offload", False) for kind in ("param", "grad", "optimizer"))
     offload: tuple[bool, bool, bool] = (param, grad, optimizer)
     distributed = trained and uses_distributed_optimizer(cfg, role)

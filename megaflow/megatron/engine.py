@@ -14,6 +14,7 @@ exactly the gradient of the mini-batch loss, independent of the split.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
@@ -26,6 +27,7 @@ from megaflow.megatron.batch import LeftAlignedBatch, left_align_batch, token_bu
 from megaflow.megatron.denominators import GlobalDenominators
 from megaflow.megatron.logprobs import chunked_vocab_parallel_log_probs, vocab_parallel_log_probs
 from megaflow.megatron.parallel import ParallelInfo
+from megaflow.megatron.router_aux_loss import RouterAuxLoss
 from megaflow.topology.role_spec import RoleSpec
 
 #: ``loss_fn(outputs, micro_batch, denominators) -> (loss share, metric shares)``.
@@ -78,6 +80,13 @@ def _output_layer_returns_hidden(model: torch.nn.Module) -> None:
     layer.forward = hidden_in_tp_region
 
 
+def _router_aux_loss(model: torch.nn.Module, spec: RoleSpec) -> RouterAuxLoss | None:
+    """The auxiliary router losses of the actor with ``actor.moe_aux_loss_coeff`` or
+    ``moe_z_loss_coeff`` above 0 (:mod:`megaflow.megatron.router_aux_loss`); None otherwise."""
+    aux, z = (float(getattr(spec.trained_section, key, 0.0)) for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"))
+    return RouterAuxLoss(model, aux_coeff=aux, z_coeff=z) if aux or z else None
+
+
 class MegatronEngine:
     """Runs one role's GPTModel shard: forward-only heads and optimizer steps.
 
@@ -109,6 +118,7 @@ class MegatronEngine:
         self.optimizer = self.scheduler = None
         self.device = next(model.parameters()).device
         self._offloaded: set[str] = set()
+        self.router_aux = _router_aux_loss(model, spec)
         if self.logits_chunk_tokens is not None and info.is_last_pp_stage:
             _output_layer_returns_hidden(self.module)
         if spec.trains:
@@ -176,6 +186,10 @@ class MegatronEngine:
 
     def _forward_step(self, head: Callable, data_iterator, model):
         mb: LeftAlignedBatch = next(data_iterator)
+        if self.router_aux is not None:  # counted rows: the global denominators' sequences
+            counted = mb.fields[LOSS_MASK_KEY].ne(0).any(-1) if LOSS_MASK_KEY in mb.fields \
+                else torch.ones(mb.num_rows, dtype=torch.bool)
+            self.router_aux.micro_batch(mb.lengths, counted, mb.seq_len)
         ids = mb.input_ids.to(self.device, non_blocking=True)
         positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
         output = model(ids, positions, cpu_compat.attention_mask_argument(ids.shape[1], self.device))
@@ -358,12 +372,24 @@ class MegatronEngine:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.scheduler.step(1)  # the k-th update uses the LR of step k (warm-up starts > 0)
-        store = self._run(chunks, False, head, aligned.seq_len, mbs)
+        with self._router_aux_step(denominators):
+            store = self._run(chunks, False, head, aligned.seq_len, mbs)
         update_successful, grad_norm, _ = self.optimizer.step()
         metrics = self._reduce_metrics(store)
+        if self.router_aux is not None:  # every rank: all-reduced over DP, then PP (each stage's layers)
+            metrics.update(self.router_aux.totals((self.info.dp_group, self.info.pp_group)))
         metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
                        lr=self.lr, update_successful=float(bool(update_successful)))
         return metrics
+
+    def _router_aux_step(self, denominators: GlobalDenominators):
+        """The auxiliary router losses' context of one update (a null context without them):
+        normalised by the mini-batch's sequences, their gradient scaled like a loss share's
+        (``dp_size`` x the optimizer's loss scale; Megatron DDP then averages over DP)."""
+        if self.router_aux is None:
+            return contextlib.nullcontext()
+        loss_scale = float(self.module.config.grad_scale_func(torch.ones(1, device=self.device)))
+        return self.router_aux.step(denominators.num_seqs, self.info.dp_size * loss_scale)
 
     def _loss_head(self, loss_fn, denominators, scale, sampling, with_entropy, mb, output):
         outputs = self._head_outputs(mb, output, sampling, with_entropy)

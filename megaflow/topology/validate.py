@@ -122,14 +122,35 @@ def _check_expert_parallel(spec: ModelSpec, role: str, par: RoleParallel) -> Non
           f"({par.world_size} ranks / tp*pp = {par.tp}*{par.pp}): expert ranks are data-parallel ranks")
 
 
-def _check_moe_runnable(spec: ModelSpec) -> None:
-    """Mixture-of-experts models (issue 34) are built, loaded and exported by megaflow's model
-    code, but a run does not train them yet: no expert-parallel knob, no expert weight sync
-    to the rollout engine. Refused at load, naming the model's config."""
-    check(not spec.is_moe, spec.source,
-          f"a mixture-of-experts model ({spec.model_type}, {spec.num_experts} experts) is not trainable in a run yet "
-          "(megaflow.models converts it and megaflow.megatron builds it, but expert parallelism and the rollout's "
-          "expert weight sync are not wired into the workers); use a dense model")
+def _check_moe_on_cpu(cfg: Config, spec: ModelSpec, role: str, par: RoleParallel) -> None:
+    """Mixture-of-experts models on CPU run at tp = 1 only: megatron-core's ``MoELayer.forward``
+    refuses training with tp > 1 unless sequence parallelism is on (``moe/moe_layer.py``), and
+    sequence parallelism needs Transformer Engine, hence CUDA (the same rule as
+    :func:`megaflow.megatron.moe.check_moe_supported`, here before any process starts)."""
+    check(cfg.resources.use_gpu or not spec.is_moe or par.tp == 1, f"{role}.tp",
+          f"tp={par.tp} with a mixture-of-experts model ({{0}}: {spec.num_experts} experts) needs sequence "
+          "parallelism (megatron-core's MoELayer refuses tp > 1 in training without it), which needs CUDA: use "
+          f"tp=1 and expert parallelism ({role}.ep) on CPU", spec.source)
+
+
+def _check_router_aux_losses(cfg: Config, spec: ModelSpec, role: str) -> None:
+    """``actor.moe_aux_loss_coeff`` / ``moe_z_loss_coeff`` above 0 need a mixture-of-experts
+    model, tp = 1 (with tp > 1 megatron-core's MoE layers run sequence parallel, so a rank's
+    router sees part of each sequence and the sequence-wise losses would need a TP reduction
+    megaflow does not do) and no full recomputation (the losses are attached in the forward,
+    which a recomputed layer runs again outside the micro-batch it belongs to)."""
+    section = getattr(cfg, role)
+    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        if not getattr(section, key, 0.0):
+            continue
+        check(spec.is_moe, f"{role}.{key}", f"a router loss needs a mixture-of-experts model, and {{0}} is a dense "
+                                            f"{spec.model_type!r} model; set it to 0", spec.source)
+        check(section.tp == 1, f"{role}.{key}", f"needs {{0}}=1 (the router losses are per sequence, and at tp > 1 "
+                                                "the MoE layers split sequences over TP ranks); set it to 0 or tp=1",
+              f"{role}.tp")
+        check(section.recompute_granularity != "full", f"{role}.{key}",
+              "cannot be combined with {0}='full' (a recomputed layer would attach the router losses again); "
+              "use 'selective' or 'none', or set it to 0", f"{role}.recompute_granularity")
 
 
 def _check_colocated_meshes(cfg: Config) -> None:
@@ -154,7 +175,7 @@ def validate_config(cfg: Config) -> None:
     every enabled role placed on a known pool; for every enabled role: world size = tp*pp*cp*dp on its pool, tp dividing
     the heads, KV heads and FFN size, pp (x vpp) dividing the layers; the rollout's t_g | t and p_g | p (hence
     t_g dividing the heads too); ep > 1 only for a mixture-of-experts model, dividing its experts and
-    dp*cp; no mixture-of-experts model in a run yet; roles colocated on one pool with equal tp/pp/cp/vpp;
+    dp*cp; a mixture-of-experts model at tp = 1 on CPU; roles colocated on one pool with equal tp/pp/cp/vpp;
     batch sizes divisible by mini-batches, DP and micro-batches.
 
     Raises:
@@ -166,7 +187,7 @@ def validate_config(cfg: Config) -> None:
     _check_placement(cfg)
     for role in enabled_roles(cfg):
         _check_expert_parallel(role_model_spec(cfg, role), role, role_parallel(cfg, role))
-        _check_moe_runnable(role_model_spec(cfg, role))
+        _check_moe_on_cpu(cfg, role_model_spec(cfg, role), role, role_parallel(cfg, role))
         _check_model_parallel(role_model_spec(cfg, role), role, role_parallel(cfg, role))
         check(cfg.resources.use_gpu or not getattr(cfg, role).sequence_parallel, f"{role}.sequence_parallel",
               "not available on CPU (megatron-core's local layer spec refuses it); set it false or {0}=true",
@@ -174,6 +195,7 @@ def validate_config(cfg: Config) -> None:
     for role in TOKEN_BUDGET_KEYS:
         if role in enabled_roles(cfg):
             token_budgets(cfg, role)
+    _check_router_aux_losses(cfg, role_model_spec(cfg, "actor"), "actor")
     _check_colocated_meshes(cfg)
     generation_sizes(cfg)  # t_g | t and p_g | p; with t | heads this gives t_g | heads
     _check_async_rollout(cfg)

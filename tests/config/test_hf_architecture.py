@@ -198,13 +198,35 @@ MOE_HF = {"model_type": "qwen3_moe", **SMALL, "num_key_value_heads": 2, "head_di
           "num_experts_per_tok": 2, "moe_intermediate_size": 32, "architectures": ["Qwen3MoeForCausalLM"]}
 
 
-def test_a_run_with_a_mixture_of_experts_model_is_refused_at_load_naming_the_model(tiny):
-    # megaflow builds and converts Qwen3-MoE (tests/models/test_qwen3_moe_parity.py), but the
-    # workers do not train it yet: refused before any process starts, naming the model's config.
+def test_a_mixture_of_experts_run_loads_and_its_rollout_is_refused_before_start(tiny):
+    # The trainer's roles take an MoE model (expert parallelism, actor.ep); the rollout engine
+    # cannot serve it yet (no expert weight sync): refused by the preflight, naming rollout.engine.
+    from megaflow.trainer.preflight import check_rollout_serves_model
+
     assert model_spec(MOE_HF).num_experts == 4
+    cfg = run_from_dict(tiny(model={"hf_config": MOE_HF}, actor={"ep": 2, "tp": 1}, rollout={"tp": 1},
+                             resources={"use_gpu": False, "procs_per_node": 2}))
+    assert cfg.actor.ep == 2
     with pytest.raises(ConfigError) as err:
-        run_from_dict(tiny(model={"hf_config": MOE_HF}, actor={"ep": 2}))
-    assert err.value.key == "model.hf_config" and "mixture-of-experts" in str(err.value)
+        check_rollout_serves_model(cfg)
+    assert err.value.key == "rollout.engine" and "mixture-of-experts" in str(err.value)
+
+
+def test_moe_with_tp_above_1_on_cpu_is_refused_naming_the_key(tiny):
+    with pytest.raises(ConfigError) as err:
+        run_from_dict(tiny(model={"hf_config": MOE_HF}, actor={"tp": 2}, resources={"use_gpu": False}))
+    assert err.value.key == "actor.tp" and "needs sequence parallelism" in str(err.value)
+
+
+@pytest.mark.parametrize("key", ["moe_aux_loss_coeff", "moe_z_loss_coeff"])
+def test_router_loss_coefficients_are_refused_for_a_dense_model_and_with_full_recompute(tiny, key):
+    with pytest.raises(ConfigError) as err:
+        run_from_dict(tiny(actor={key: 0.01}))
+    assert err.value.key == f"actor.{key}" and "needs a mixture-of-experts model" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        run_from_dict(tiny(model={"hf_config": MOE_HF}, actor={key: 0.01, "tp": 1, "recompute_granularity": "full"},
+                           rollout={"tp": 1}, resources={"use_gpu": False}))
+    assert err.value.key == f"actor.{key}" and "recompute_granularity" in str(err.value)
 
 
 @pytest.mark.parametrize("ep, procs, message", [
