@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -134,7 +135,8 @@ class RouterAuxLoss:
                 dist.all_reduce(totals, group=group)
         return {"moe_aux_loss": float(totals[0]), "moe_z_loss": float(totals[1])}
 
-    def _hook(self, router: torch.nn.Module, args: tuple, output: tuple) -> tuple | None:
+    def _hook(self, router: Any, args: tuple, output: tuple) -> tuple | None:
+        """Forward hook of a megatron-core ``TopKRouter`` (``router.weight`` ``[E, h]``, ``router.topk``)."""
         if self._num_seqs is None or self._mask is None or not router.training or not torch.is_grad_enabled():
             return None
         probs, routing_map = output

@@ -145,7 +145,7 @@ def _check_router_aux_losses(cfg: Config, spec: ModelSpec, role: str) -> None:
             continue
         check(spec.is_moe, f"{role}.{key}", f"a router loss needs a mixture-of-experts model, and {{0}} is a dense "
                                             f"{spec.model_type!r} model; set it to 0", spec.source)
-        check(section.tp == 1, f"{role}.{key}", f"needs {{0}}=1 (the router losses are per sequence, and at tp > 1 "
+        check(section.tp == 1, f"{role}.{key}", "needs {0}=1 (the router losses are per sequence, and at tp > 1 "
                                                 "the MoE layers split sequences over TP ranks); set it to 0 or tp=1",
               f"{role}.tp")
         check(section.recompute_granularity != "full", f"{role}.{key}",

@@ -592,4 +592,5 @@ def preflight(cfg: Config, *, load_data: bool = True) -> Inputs | None:
 __all__ = ["preflight", "PreflightError", "Inputs", "check_sequence_length", "check_task_args",
            "resolve_reward_functions", "check_output_dir", "check_local_resources", "check_model_dirs",
            "load_tokenizer", "load_datasets", "tokenizer_source", "uses_validation", "check_seeds",
-           "check_recompute_layers", "check_rollout_serves_model", "check_batch_fits", "check_ray", "check_loggers", "check_reward_functions"]
+           "check_recompute_layers", "check_rollout_serves_model", "check_batch_fits", "check_ray", "check_loggers",
+           "check_reward_functions"]

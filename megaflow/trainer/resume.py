@@ -156,8 +156,9 @@ def check_resume(cfg, manager: CheckpointManager | None = None) -> ResumePoint |
     if layout:
         raise ConfigError(key, f"checkpoint {path} was saved with another model-parallel layout ({'; '.join(layout)}); "
                                "its optimizer state only loads at the tp/pp/cp/vpp/ep sizes it was saved with (at "
-                               "any dp). Resume with the saved sizes, or start a new run (another trainer.experiment_name) "
-                               "from its model (model.path=" + str(path / "actor" / "model") + ")")
+                               "any dp). Resume with the saved sizes, or start a new run (another "
+                               "trainer.experiment_name) from its model (model.path="
+                               + str(path / "actor" / "model") + ")")
     saved_yaml = path / "config.yaml"
     if saved_yaml.is_file() and not getattr(cfg.trainer, "resume_ignore_config_diff", False):
         from megaflow.config import config_to_dict

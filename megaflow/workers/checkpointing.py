@@ -119,7 +119,8 @@ def _check_saved_expert_parallel(root: Path, engine) -> None:
     if saved != current:
         raise ValueError(f"{engine.spec.role}.ep: the optimizer state in {root} was saved at ep={saved} and this "
                          f"engine runs at ep={current}; the expert parameters' state only loads at the saved ep "
-                         f"(resume with {engine.spec.role}.ep={saved}, or start from the model part {root / MODEL_DIR})")
+                         f"(resume with {engine.spec.role}.ep={saved}, or start from the model part "
+                         f"{root / MODEL_DIR})")
 
 
 def _materialize_adam_state(optimizer) -> None:
