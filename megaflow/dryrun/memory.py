@@ -271,10 +271,14 @@ class RolloutMemory:
 
 def rollout_memory(spec: ModelSpec, *, train_tp: int, train_pp: int, gen_tp: int, gen_pp: int, dtype: str,
                    seq: int, samples_per_replica: int, engine_budget: float | None,
-                   cpu_kv_cache: float | None, params_in_buffer: bool = False) -> RolloutMemory:
+                   cpu_kv_cache: float | None, params_in_buffer: bool = False,
+                   train_ep: int = 1) -> RolloutMemory:
     """Generation memory per rank.
 
     Args:
+        train_ep: the actor's expert-parallel size (mixture of experts): its training shard
+            holds ``E/train_ep`` experts while the generation shard holds every expert's
+            ``1/t_g`` slice, so the other EP ranks' experts are always extra (gathered).
         params_in_buffer: the training parameters are views of one contiguous buffer
             (megatron-core DDP's param buffer, allocated with the distributed optimizer).
             The resharder can alias a training tensor into its gather buffer only when the
@@ -291,7 +295,7 @@ def rollout_memory(spec: ModelSpec, *, train_tp: int, train_pp: int, gen_tp: int
                       for stage in range(gen_pp)]
     weights = max(n + m * vocab_rows * spec.hidden_size // gen_tp
                   for n, m in zip(stage_parameters(spec, gen_tp, gen_pp), vocab_matrices, strict=True)) * bytes_
-    train = max(stage_parameters(spec, train_tp, train_pp)) * bytes_
+    train = max(stage_parameters(spec, train_tp, train_pp, ep=train_ep)) * bytes_
     per_seq = kv_bytes_per_token(spec, gen_tp, gen_pp, dtype) * seq
     if engine_budget is not None:
         reserved = max(engine_budget - weights, 0.0)

@@ -223,7 +223,7 @@ def _rollout_plan(cfg: Config, actor: RolePlan) -> RolloutPlan:
         seq=max_seq_len(cfg), samples_per_replica=sizes.samples_per_replica,
         engine_budget=cfg.rollout.gpu_memory_utilization * res.gpu_memory_gib * GIB if res.use_gpu else None,
         cpu_kv_cache=None if res.use_gpu else cpu_kv_cache_bytes(cfg),
-        params_in_buffer=uses_distributed_optimizer(cfg, "actor"))
+        params_in_buffer=uses_distributed_optimizer(cfg, "actor"), train_ep=par.ep)
     model_bytes = count_parameters(spec) * DTYPE_BYTES[cfg.model.dtype]
     split, pool = None, split_rollout_pool(cfg)
     if pool is not None:

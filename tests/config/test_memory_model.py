@@ -69,3 +69,14 @@ def test_expert_parameters_and_their_optimizer_state_per_ep_rank_by_hand():
     rows = 16
     assert moe_layer_activation_bytes(spec, seq=8, micro_batch=2, ep=2, dtype="float32") == (
         4 * rows * (2 * 64 + 2 * 64) + rows * 2 * 4 * 5 + 4 * rows * 5 * 2 * 32)
+
+
+def test_generation_shard_gathers_the_other_ep_ranks_experts_by_hand():
+    spec = model_spec(MOE)
+    experts = 4 * (4 * 3 * 64 * 32)  # every expert of the 4 layers
+    kwargs = dict(train_tp=1, train_pp=1, gen_tp=1, gen_pp=1, dtype="float32", seq=8, samples_per_replica=1,
+                  engine_budget=None, cpu_kv_cache=1.0)
+    same = rollout_memory(spec, **kwargs)
+    split = rollout_memory(spec, **kwargs, train_ep=2)
+    assert same.extra_weights == 0  # t_g = t, ep = 1: the generation shard is the training shard
+    assert split.weights == same.weights and split.extra_weights == experts // 2 * 4  # the other rank's half
