@@ -543,6 +543,14 @@ class ActorConfig(TrainedRoleConfig):
     """Mixture-of-experts models: coefficient of the router z-loss (ST-MoE, Zoph et al. 2022,
     eq. 5: squared log-sum-exp of the router logits, token mean per sequence, mean over the
     mini-batch's sequences, summed over the MoE layers); 0 disables. Refused for a dense model."""
+    router_replay: Literal["off", "R3"] = "off"
+    """Mixture-of-experts models: ``R3`` routes every token of every trainer forward of the step
+    (old log-probs and update) through the experts the rollout engine chose, read from the
+    batch field ``routed_experts`` ``[batch, seq, moe_layers, topk]`` (megaflow.megatron.
+    routing_replay; the router still gets a gradient at the replayed experts). ``off``: the
+    trainer's router decides. Refused for a dense model; a run with R3 is refused before
+    start until the rollout returns its routed experts. (R2, recording at the old-log-prob
+    forward, is not built.)"""
 
     def validate(self) -> None:
         super().validate()

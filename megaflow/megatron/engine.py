@@ -23,11 +23,12 @@ import torch
 import torch.distributed as dist
 
 from megaflow.megatron import cpu_compat
-from megaflow.megatron.batch import LeftAlignedBatch, left_align_batch, token_budget_groups
+from megaflow.megatron.batch import ROUTED_EXPERTS_KEY, LeftAlignedBatch, left_align_batch, token_budget_groups
 from megaflow.megatron.denominators import GlobalDenominators
 from megaflow.megatron.logprobs import chunked_vocab_parallel_log_probs, vocab_parallel_log_probs
 from megaflow.megatron.parallel import ParallelInfo
 from megaflow.megatron.router_aux_loss import RouterAuxLoss
+from megaflow.megatron.routing_replay import RoutingReplay
 from megaflow.topology.role_spec import RoleSpec
 
 #: ``loss_fn(outputs, micro_batch, denominators) -> (loss share, metric shares)``.
@@ -87,6 +88,15 @@ def _router_aux_loss(model: torch.nn.Module, spec: RoleSpec) -> RouterAuxLoss | 
     return RouterAuxLoss(model, aux_coeff=aux, z_coeff=z) if aux or z else None
 
 
+def _routing_replay(model: torch.nn.Module, spec: RoleSpec) -> tuple[RoutingReplay, list[int]] | None:
+    """The actor's :class:`RoutingReplay` with ``actor.router_replay=R3`` and the global (1-based)
+    layer number of each of its MoE layers on this stage; None otherwise."""
+    if spec.role != "actor" or spec.actor.router_replay != "R3":
+        return None
+    layers = [m.layer_number for m in model.modules() if getattr(m, "router_replay", None) is not None]
+    return RoutingReplay(model), layers
+
+
 class MegatronEngine:
     """Runs one role's GPTModel shard: forward-only heads and optimizer steps.
 
@@ -119,6 +129,7 @@ class MegatronEngine:
         self.device = next(model.parameters()).device
         self._offloaded: set[str] = set()
         self.router_aux = _router_aux_loss(model, spec)
+        self.routing_replay = _routing_replay(model, spec)
         if self.logits_chunk_tokens is not None and info.is_last_pp_stage:
             _output_layer_returns_hidden(self.module)
         if spec.trains:
@@ -192,8 +203,27 @@ class MegatronEngine:
             self.router_aux.micro_batch(mb.lengths, counted, mb.seq_len)
         ids = mb.input_ids.to(self.device, non_blocking=True)
         positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-        output = model(ids, positions, cpu_compat.attention_mask_argument(ids.shape[1], self.device))
+        with self._replayed_routing(mb):
+            output = model(ids, positions, cpu_compat.attention_mask_argument(ids.shape[1], self.device))
         return output, partial(head, mb)
+
+    def _replayed_routing(self, mb: LeftAlignedBatch):
+        """With ``actor.router_replay=R3``, route this micro-batch's tokens through its
+        ``routed_experts`` (``[b, s, moe_layers, topk]``, aligned with the tokens): each MoE
+        layer of this stage gets its global layer's ``[s * b, topk]`` ids in the router's
+        token order (sequence-major); a null context otherwise.
+
+        Raises:
+            ValueError: ``routed_experts`` has fewer MoE layers than the model.
+        """
+        if self.routing_replay is None:
+            return contextlib.nullcontext()
+        replay, layers = self.routing_replay
+        routed = mb.fields[ROUTED_EXPERTS_KEY]  # present: checked by left_align on every rank
+        if routed.shape[2] < max(layers):
+            raise ValueError(f"{ROUTED_EXPERTS_KEY} has {routed.shape[2]} MoE layers, the model {max(layers)}")
+        targets = [routed[:, :, layer - 1].transpose(0, 1).reshape(-1, routed.shape[-1]) for layer in layers]
+        return replay.replay(targets)
 
     def _head_outputs(self, mb: LeftAlignedBatch, output: torch.Tensor, sampling: Mapping[str, Any],
                       with_entropy: bool) -> dict[str, torch.Tensor]:
@@ -250,6 +280,9 @@ class MegatronEngine:
         """
         error: ValueError | None = None
         try:
+            if self.routing_replay is not None and ROUTED_EXPERTS_KEY not in batch:
+                raise ValueError(f"actor.router_replay=R3 replays the batch field {ROUTED_EXPERTS_KEY!r}, which this "
+                                 f"batch lacks (it has {sorted(batch)})")
             aligned = left_align_batch(batch, max_seq_len=self.sizes.max_seq_len, vocab_size=self.vocab_size,
                                 width_multiple=self.info.tp_size if self.module.config.sequence_parallel else 1)
         except ValueError as exc:
@@ -261,7 +294,19 @@ class MegatronEngine:
             raise error
         if flag.item():
             raise ValueError("another rank rejected its part of the batch (see its error)")
-        return aligned
+        return self._expert_parallel_width(aligned)
+
+    def _expert_parallel_width(self, aligned: LeftAlignedBatch) -> LeftAlignedBatch:
+        """With ep > 1, ``aligned`` widened to the longest width in its EP group: megatron-core's
+        all-gather token dispatcher gathers equally many tokens from every EP rank, so the EP
+        ranks' micro-batches must have equal ``[rows, width]`` (equal rows: the dispatch gives
+        every DP rank as many rows, and token-budget micro-batches are refused with ep > 1 at
+        load). Unchanged at ep = 1."""
+        if self.info.ep_size == 1:
+            return aligned
+        width = torch.tensor([aligned.seq_len], dtype=torch.int64, device=self.device)
+        dist.all_reduce(width, op=dist.ReduceOp.MAX, group=self.info.ep_group)
+        return aligned.widen(int(width.item()))
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
@@ -361,7 +406,7 @@ class MegatronEngine:
             raise RuntimeError(f"train_step: role {self.spec.role!r} has no optimizer (only actor and critic train)")
         self._require_loaded("params", "grads", "optimizer")
         mbs = micro_batch_size or self.sizes.update_micro_batch_size
-        aligned = batch if isinstance(batch, LeftAlignedBatch) else self.left_align(batch)
+        aligned = self._expert_parallel_width(batch) if isinstance(batch, LeftAlignedBatch) else self.left_align(batch)
         denominators = self.global_denominators(aligned.fields)
         budget = None if micro_batch_size else self.sizes.update_max_tokens
         chunks, _ = self._micro_batches(aligned, mbs, budget)

@@ -122,6 +122,17 @@ def _check_expert_parallel(spec: ModelSpec, role: str, par: RoleParallel) -> Non
           f"({par.world_size} ranks / tp*pp = {par.tp}*{par.pp}): expert ranks are data-parallel ranks")
 
 
+def _check_expert_parallel_micro_batches(cfg: Config, role: str) -> None:
+    """Token-budget micro-batches (``<role>.use_dynamic_bsz``) with ep > 1 are refused: their
+    number and shape differ between ranks, and megatron-core's all-gather token dispatcher
+    gathers equally many tokens from every EP rank in every forward."""
+    section = getattr(cfg, role)
+    check(section.ep == 1 or not getattr(section, "use_dynamic_bsz", False), f"{role}.use_dynamic_bsz",
+          f"token-budget micro-batches differ in number and shape between ranks, and with {{0}}={section.ep} "
+          "megatron-core's all-gather token dispatcher needs equally many tokens from every EP rank: set it false",
+          f"{role}.ep")
+
+
 def _check_moe_on_cpu(cfg: Config, spec: ModelSpec, role: str, par: RoleParallel) -> None:
     """Mixture-of-experts models on CPU run at tp = 1 only: megatron-core's ``MoELayer.forward``
     refuses training with tp > 1 unless sequence parallelism is on (``moe/moe_layer.py``), and
@@ -151,6 +162,18 @@ def _check_router_aux_losses(cfg: Config, spec: ModelSpec, role: str) -> None:
         check(section.recompute_granularity != "full", f"{role}.{key}",
               "cannot be combined with {0}='full' (a recomputed layer would attach the router losses again); "
               "use 'selective' or 'none', or set it to 0", f"{role}.recompute_granularity")
+
+
+def _check_router_replay(cfg: Config, spec: ModelSpec) -> None:
+    """``actor.router_replay`` other than off needs a mixture-of-experts actor and no full
+    recomputation (a recomputed layer would route again without the replayed experts)."""
+    if cfg.actor.router_replay == "off":
+        return
+    check(spec.is_moe, "actor.router_replay", f"replays expert routing, and {{0}} is a dense {spec.model_type!r} "
+                                              "model; use off", spec.source)
+    check(cfg.actor.recompute_granularity != "full", "actor.router_replay",
+          "cannot be combined with {0}='full' (a recomputed layer routes again, without the replayed experts)",
+          "actor.recompute_granularity")
 
 
 def _check_colocated_meshes(cfg: Config) -> None:
@@ -188,6 +211,7 @@ def validate_config(cfg: Config) -> None:
     for role in enabled_roles(cfg):
         _check_expert_parallel(role_model_spec(cfg, role), role, role_parallel(cfg, role))
         _check_moe_on_cpu(cfg, role_model_spec(cfg, role), role, role_parallel(cfg, role))
+        _check_expert_parallel_micro_batches(cfg, role)
         _check_model_parallel(role_model_spec(cfg, role), role, role_parallel(cfg, role))
         check(cfg.resources.use_gpu or not getattr(cfg, role).sequence_parallel, f"{role}.sequence_parallel",
               "not available on CPU (megatron-core's local layer spec refuses it); set it false or {0}=true",
@@ -196,6 +220,7 @@ def validate_config(cfg: Config) -> None:
         if role in enabled_roles(cfg):
             token_budgets(cfg, role)
     _check_router_aux_losses(cfg, role_model_spec(cfg, "actor"), "actor")
+    _check_router_replay(cfg, role_model_spec(cfg, "actor"))
     _check_colocated_meshes(cfg)
     generation_sizes(cfg)  # t_g | t and p_g | p; with t | heads this gives t_g | heads
     _check_async_rollout(cfg)

@@ -261,11 +261,15 @@ def check_rollout_serves_model(cfg: Config) -> None:
     any process starts (the dry run still prints its plan).
 
     Raises:
-        ConfigError: at ``rollout.engine``, naming the model.
+        ConfigError: at ``actor.router_replay`` for R3 (the engine does not return its routed
+            experts yet), or at ``rollout.engine``, naming the model.
     """
     from megaflow.topology import role_model_spec
 
     spec = role_model_spec(cfg, "actor")
+    if cfg.actor.router_replay == "R3":
+        raise ConfigError("actor.router_replay", f"R3 replays the routed experts the rollout returns, and "
+                                                 f"{cfg.rollout.engine!r} does not return them yet; use off")
     if spec.is_moe:
         raise ConfigError("rollout.engine", f"{cfg.rollout.engine!r} cannot serve the mixture-of-experts actor "
                                             f"({spec.source}: {spec.num_experts} experts) yet: the expert weight "

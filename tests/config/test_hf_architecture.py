@@ -244,3 +244,27 @@ def test_expert_parallel_with_a_dense_model_is_refused_naming_the_key(tiny):
     with pytest.raises(ConfigError) as err:
         run_from_dict(tiny(actor={"ep": 2}))
     assert err.value.key == "actor.ep" and "needs a mixture-of-experts model" in str(err.value)
+
+
+def test_router_replay_is_refused_for_a_dense_model_with_full_recompute_and_before_a_run(tiny):
+    """actor.router_replay: a dense model has no routing to replay; a recomputed layer would route
+    again; a run with R3 is refused before start until the rollout returns its routed experts."""
+    from megaflow.trainer.preflight import check_rollout_serves_model
+
+    with pytest.raises(ConfigError) as err:
+        run_from_dict(tiny(actor={"router_replay": "R3"}))
+    assert err.value.key == "actor.router_replay" and "dense" in str(err.value)
+    moe = dict(model={"hf_config": MOE_HF}, rollout={"tp": 1}, resources={"use_gpu": False})
+    with pytest.raises(ConfigError) as err:
+        run_from_dict(tiny(**moe, actor={"tp": 1, "router_replay": "R3", "recompute_granularity": "full"}))
+    assert err.value.key == "actor.router_replay" and "recompute_granularity" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        check_rollout_serves_model(run_from_dict(tiny(**moe, actor={"tp": 1, "router_replay": "R3"})))
+    assert err.value.key == "actor.router_replay" and "does not return them" in str(err.value)
+
+
+def test_token_budget_micro_batches_with_expert_parallelism_are_refused(tiny):
+    with pytest.raises(ConfigError) as err:
+        run_from_dict(tiny(model={"hf_config": MOE_HF}, actor={"tp": 1, "ep": 2, "use_dynamic_bsz": True},
+                           rollout={"tp": 1}, resources={"use_gpu": False, "procs_per_node": 2}))
+    assert err.value.key == "actor.use_dynamic_bsz" and "all-gather token dispatcher" in str(err.value)
