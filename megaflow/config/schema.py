@@ -520,7 +520,6 @@ class TrainedRoleConfig(ParallelConfig):
     uniform."""
     recompute_num_layers: int | None = None
     """With full recomputation: layers per unit (uniform) or per stage (block); None: 1."""
-
     def validate(self) -> None:
         super().validate()
         check_positive(self, "recompute_num_layers")
@@ -650,13 +649,30 @@ class ActorConfig(TrainedRoleConfig):
     """How per-token losses are averaged (megaflow.algorithms.aggregation)."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient (0 disables)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Mixture-of-experts models: coefficient of the sequence-wise load-balancing loss
+    (DeepSeek-V3 eq. 17-20, summed over the MoE layers) added to the update's loss, averaged
+    over the mini-batch's sequences on all DP ranks like the policy loss
+    (``megaflow.megatron.router_aux_loss``); 0 disables. Refused for a dense model."""
+    moe_z_loss_coeff: float = 0.0
+    """Mixture-of-experts models: coefficient of the router z-loss (ST-MoE, Zoph et al. 2022,
+    eq. 5: squared log-sum-exp of the router logits, token mean per sequence, mean over the
+    mini-batch's sequences, summed over the MoE layers); 0 disables. Refused for a dense model."""
+    router_replay: Literal["off", "R3"] = "off"
+    """Mixture-of-experts models: ``R3`` routes every token of every trainer forward of the step
+    (old log-probs and update) through the experts the rollout engine chose, read from the
+    batch field ``routed_experts`` ``[batch, seq, moe_layers, topk]`` (megaflow.megatron.
+    routing_replay; the router still gets a gradient at the replayed experts). ``off``: the
+    trainer's router decides. Refused for a dense model; a run with R3 is refused before
+    start until the rollout returns its routed experts. (R2, recording at the old-log-prob
+    forward, is not built.)"""
 
     def validate(self) -> None:
         super().validate()
         check_positive(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu",
                        "log_prob_micro_batch_size_per_gpu", "ppo_epochs", "clip_ratio_low", "clip_ratio_high",
                        "ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu", "logits_chunk_tokens")
-        check_positive(self, "entropy_coeff", allow_zero=True)
+        check_positive(self, "entropy_coeff", "moe_aux_loss_coeff", "moe_z_loss_coeff", allow_zero=True)
         check(self.clip_ratio_low < 1.0, "clip_ratio_low", f"must be < 1, got {self.clip_ratio_low}")
         check(self.clip_ratio_c is None or self.clip_ratio_c > 1.0, "clip_ratio_c",
               f"the dual-clip bound must be > 1 (or null to disable), got {self.clip_ratio_c}")

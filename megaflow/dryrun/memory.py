@@ -35,6 +35,16 @@ Sources and assumptions, per term:
   fp32 logits (:func:`lm_head_bytes`, a transient peak, not saved tensors; a value head's
   scalars: :func:`logits_bytes`). Forward-only passes (log-probs, ref, values, reward) keep
   one layer's activations plus the head.
+* **Mixture of experts** (expert parallelism ``ep``): a rank holds ``E/ep`` experts per layer
+  (:func:`~megaflow.topology.model_spec.stage_parameters`); the distributed optimizer shards
+  the dense parameters' state over ``dp*cp`` ranks and the experts' over the expert-data-
+  parallel ``dp*cp/ep`` ranks. Activations of an MoE layer replace the dense MLP's ``5f/t``
+  by :func:`moe_layer_activation_bytes`: per token of the micro-batch, with balanced routing,
+  the all-gather dispatcher's buffers on one EP rank (the gathered hidden states ``ep*h``, the
+  gathered fp32 router probabilities and bool routing map ``ep*E*(4+1)`` bytes, the ``k*h``
+  rows permuted to the local experts) and the experts' SwiGLU tensors ``5*k*f_e``; an account
+  from megatron-core's ``MoEAllGatherTokenDispatcher`` and ``SequentialMLP``, not yet
+  measured by ``tools/bench_memory.py``.
 * **HybridEngine generation weights**: the generation shard (``t_g``, ``p_g``) of tensors
   gathered from the training shards, so the vocabulary keeps the *training* padding
   (``padded_vocab_size(V, t)``), not ``padded_vocab_size(V, t_g)``.
@@ -51,7 +61,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megaflow.topology.model_spec import ModelSpec, padded_vocab_size, stage_parameters
+from megaflow.topology.model_spec import ModelSpec, layer_parameters, padded_vocab_size, stage_parameters
 from megaflow.topology.sizes import generation_sizes, max_seq_len, role_model_spec
 
 GIB = 1024 ** 3
@@ -99,6 +109,25 @@ def activation_bytes_per_layer(*, seq: int, micro_batch: int, hidden: int, heads
     return bytes_ * rows * (norms + attention + mlp) + per_layer
 
 
+def moe_layer_activation_bytes(spec: ModelSpec, *, seq: int, micro_batch: int, ep: int, dtype: str) -> float:
+    """Bytes one MoE layer adds per micro-batch on one EP rank in place of the dense MLP: the
+    all-gather dispatcher's buffers and the local experts' saved tensors, balanced routing
+    (module docstring). 0 for a dense model.
+
+    Args:
+        spec: the model (``E`` experts of width ``f_e``, top-``k``).
+        seq, micro_batch: tokens ``s*b`` of the micro-batch on this rank.
+        ep: expert-parallel size.
+        dtype: activation dtype.
+    """
+    if not spec.is_moe:
+        return 0.0
+    rows, bytes_ = seq * micro_batch, DTYPE_BYTES[dtype]
+    h, k, experts = spec.hidden_size, spec.moe_topk, spec.num_experts
+    dispatch = bytes_ * rows * (ep * h + k * h) + rows * ep * experts * (4 + 1)
+    return dispatch + bytes_ * rows * 5 * k * spec.moe_ffn_hidden_size
+
+
 def final_norm_bytes(*, seq: int, micro_batch: int, hidden: int, tp: int, sequence_parallel: bool,
                      dtype: str) -> float:
     """The final RMSNorm's saved tensors on the last stage: ``(3h + 1)`` per token (input,
@@ -125,6 +154,8 @@ class RoleMemory:
     param_offload: bool = False
     grad_offload: bool = False
     optimizer_offload: bool = False
+    expert_params: float = 0.0
+    """Of ``params``, the bytes of this rank's experts (mixture of experts)."""
 
     @property
     def static(self) -> float:
@@ -163,6 +194,7 @@ class ParallelShape:
     """The update's loss has an entropy term (its gradient runs through the head)."""
     sampling_units: float = 0.0
     """What the log-probs' temperature and top-k/top-p add to the head (:func:`log_prob_sampling_units`)."""
+    ep: int = 1
 
 
 def role_memory(role: str, spec: ModelSpec, shape: ParallelShape, *, dtype: str, trained: bool,
@@ -180,17 +212,24 @@ def role_memory(role: str, spec: ModelSpec, shape: ParallelShape, *, dtype: str,
             and are, with a value head's ``hidden`` weights, the only ones with gradients and
             optimizer state (the frozen base has neither). None: full-parameter training.
     """
-    per_stage = stage_parameters(spec, shape.tp, shape.pp, head=head)
+    per_stage = stage_parameters(spec, shape.tp, shape.pp, head=head, ep=shape.ep)
     extra = adapter_params or 0
     stage_params = [(n + extra) * DTYPE_BYTES[dtype] for n in per_stage]
     n_params = max(per_stage) if adapter_params is None else \
         adapter_params + (spec.hidden_size if head == "value" else 0)
+    # (LoRA is refused with a mixture-of-experts model: with adapters no expert trains)
+    n_experts = expert_parameters_per_rank(spec, tp=shape.tp, pp=shape.pp, ep=shape.ep) if adapter_params is None else 0
     seq = -(-shape.seq // shape.cp)
+    recompute = shape.recompute if trained else "none"
     layer_act = activation_bytes_per_layer(
         seq=seq, micro_batch=shape.micro_batch, hidden=spec.hidden_size, heads=spec.num_attention_heads,
-        kv_heads=spec.num_key_value_heads, head_dim=spec.head_dim, ffn_hidden=spec.ffn_hidden_size,
+        kv_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
+        ffn_hidden=0 if spec.is_moe else spec.ffn_hidden_size,
         tp=shape.tp, sequence_parallel=shape.sequence_parallel,
-        recompute=shape.recompute if trained else "none", fused_attention=fused_attention, dtype=dtype)
+        recompute=recompute, fused_attention=fused_attention, dtype=dtype)
+    if recompute != "full":
+        layer_act += moe_layer_activation_bytes(spec, seq=seq, micro_batch=shape.micro_batch, ep=shape.ep,
+                                                dtype=dtype)
     if head == "lm":
         logits = lm_head_bytes(micro_batch=shape.micro_batch, seq=seq, response=min(shape.response or seq, seq),
                                vocab=padded_vocab_size(spec.vocab_size, shape.tp), tp=shape.tp, backward=trained,
@@ -209,13 +248,20 @@ def role_memory(role: str, spec: ModelSpec, shape: ParallelShape, *, dtype: str,
         last = layers * layer_act + logits
         activations = max(first, last)
         shards = shape.dp * shape.cp if distributed_optimizer else 1
+        expert_shards = max(shards // shape.ep, 1)  # the expert-data-parallel group
         grads: float = n_params * GRAD_BYTES
-        optimizer = n_params * optimizer_bytes_per_param(dtype) / shards
+        optimizer = ((n_params - n_experts) / shards + n_experts / expert_shards) * optimizer_bytes_per_param(dtype)
     else:
         activations, grads, optimizer = layer_act + logits, 0.0, 0.0
     return RoleMemory(role=role, params=max(stage_params), grads=grads, optimizer=optimizer,
                       activations=activations, param_offload=offload[0], grad_offload=offload[1],
-                      optimizer_offload=offload[2])
+                      optimizer_offload=offload[2], expert_params=n_experts * DTYPE_BYTES[dtype])
+
+
+def expert_parameters_per_rank(spec: ModelSpec, *, tp: int, pp: int, ep: int) -> int:
+    """Expert parameters one rank holds: ``(L/pp) * E*3*h*f_e / (ep*tp)`` (0 for a dense model;
+    the router is counted with the dense parameters)."""
+    return spec.num_layers // pp * (layer_parameters(spec).experts // ep // tp)
 
 
 def kv_bytes_per_token(spec: ModelSpec, gen_tp: int, gen_pp: int, dtype: str) -> float:
@@ -247,10 +293,14 @@ class RolloutMemory:
 
 def rollout_memory(spec: ModelSpec, *, train_tp: int, train_pp: int, gen_tp: int, gen_pp: int, dtype: str,
                    seq: int, samples_per_replica: int, engine_budget: float | None,
-                   cpu_kv_cache: float | None, params_in_buffer: bool = False) -> RolloutMemory:
+                   cpu_kv_cache: float | None, params_in_buffer: bool = False,
+                   train_ep: int = 1) -> RolloutMemory:
     """Generation memory per rank.
 
     Args:
+        train_ep: the actor's expert-parallel size (mixture of experts): its training shard
+            holds ``E/train_ep`` experts while the generation shard holds every expert's
+            ``1/t_g`` slice, so the other EP ranks' experts are always extra (gathered).
         params_in_buffer: the training parameters are views of one contiguous buffer
             (megatron-core DDP's param buffer, allocated with the distributed optimizer).
             The resharder can alias a training tensor into its gather buffer only when the
@@ -267,7 +317,7 @@ def rollout_memory(spec: ModelSpec, *, train_tp: int, train_pp: int, gen_tp: int
                       for stage in range(gen_pp)]
     weights = max(n + m * vocab_rows * spec.hidden_size // gen_tp
                   for n, m in zip(stage_parameters(spec, gen_tp, gen_pp), vocab_matrices, strict=True)) * bytes_
-    train = max(stage_parameters(spec, train_tp, train_pp)) * bytes_
+    train = max(stage_parameters(spec, train_tp, train_pp, ep=train_ep)) * bytes_
     per_seq = kv_bytes_per_token(spec, gen_tp, gen_pp, dtype) * seq
     if engine_budget is not None:
         reserved = max(engine_budget - weights, 0.0)

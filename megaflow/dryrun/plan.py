@@ -209,7 +209,8 @@ def _role_plan(cfg: Config, role: str) -> RolePlan:
         tp=par.tp, pp=par.pp, cp=par.cp, dp=par.dp, vpp=par.vpp, sequence_parallel=section.sequence_parallel,
         recompute=getattr(section, "recompute_granularity", "none"),
         micro_batch=micro, num_micro_batches=num_micro, seq=max_seq_len(cfg), response=cfg.rollout.response_length,
-        entropy_grad=trained and getattr(section, "entropy_coeff", 0.0) > 0, sampling_units=_sampling_units(cfg))
+        entropy_grad=trained and getattr(section, "entropy_coeff", 0.0) > 0, sampling_units=_sampling_units(cfg),
+        ep=par.ep)
     param, grad, optimizer = (getattr(section, f"{kind}_offload", False) for kind in ("param", "grad", "optimizer"))
     offload: tuple[bool, bool, bool] = (param, grad, optimizer)
     distributed = trained and uses_distributed_optimizer(cfg, role)
@@ -243,7 +244,7 @@ def _rollout_plan(cfg: Config, actor: RolePlan) -> RolloutPlan:
         seq=max_seq_len(cfg), samples_per_replica=sizes.samples_per_replica,
         engine_budget=cfg.rollout.gpu_memory_utilization * res.gpu_memory_gib * GIB if res.use_gpu else None,
         cpu_kv_cache=None if res.use_gpu else cpu_kv_cache_bytes(cfg),
-        params_in_buffer=uses_distributed_optimizer(cfg, "actor"))
+        params_in_buffer=uses_distributed_optimizer(cfg, "actor"), train_ep=par.ep)
     model_bytes = count_parameters(spec) * DTYPE_BYTES[cfg.model.dtype]
     split, pool = None, split_rollout_pool(cfg)
     if pool is not None:

@@ -67,7 +67,9 @@ def _pool_lines(pool: PoolPlan, split: bool, use_gpu: bool) -> list[str]:
 def _role_lines(rp: RolePlan, max_groups: int) -> list[str]:
     par, mem = rp.parallel, rp.memory
     lines = [f"{rp.role} (pool {par.pool}, {par.world_size} ranks): tp={par.tp} pp={par.pp} cp={par.cp} dp={par.dp}"
-             + (f" vpp={par.vpp}" if par.vpp else "") + "   [megatron order tp-cp-dp-pp]"]
+             + (f" vpp={par.vpp}" if par.vpp else "")
+             + (f" ep={par.ep} (expert dp={par.dp * par.cp // par.ep})" if rp.model.is_moe else "")
+             + ("   [megatron order tp-cp-ep-dp-pp]" if rp.model.is_moe else "   [megatron order tp-cp-dp-pp]")]
     lines.append(_groups("tp groups", rp.groups.tp_groups, max_groups))
     if par.cp > 1:
         lines.append(_groups("cp groups", rp.groups.cp_groups, max_groups))
@@ -83,7 +85,8 @@ def _role_lines(rp: RolePlan, max_groups: int) -> list[str]:
     lines.append(f"    forward micro-batch: {rp.forward_micro_batch} samples per rank")
     offload = [k for k, on in (("params", mem.param_offload), ("grads", mem.grad_offload),
                                ("optimizer", mem.optimizer_offload)) if on]
-    lines.append(f"    memory per rank: params {_gib(mem.params)}, grads {_gib(mem.grads)}, optimizer "
+    experts = f" (experts {_gib(mem.expert_params)})" if rp.model.is_moe else ""
+    lines.append(f"    memory per rank: params {_gib(mem.params)}{experts}, grads {_gib(mem.grads)}, optimizer "
                  f"{_gib(mem.optimizer)}, activations {_gib(mem.activations)} -> peak {_gib(mem.peak)}"
                  + (f"; offloaded between phases: {', '.join(offload)}" if offload else ""))
     return lines

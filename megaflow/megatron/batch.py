@@ -23,6 +23,11 @@ from collections.abc import Mapping
 import torch
 
 REQUIRED_KEYS = ("input_ids", "attention_mask", "responses")
+#: Fields with one entry per position of ``input_ids`` (``[batch, seq, ...]``), left-aligned with
+#: the tokens: ``routed_experts`` ``[batch, seq, moe_layers, topk]``, entry ``t`` the expert ids
+#: the rollout engine routed the token at position ``t`` to (any integer dtype; 0 on padding).
+ROUTED_EXPERTS_KEY = "routed_experts"
+POSITION_FIELDS = (ROUTED_EXPERTS_KEY,)
 
 
 @dataclasses.dataclass
@@ -75,7 +80,19 @@ class LeftAlignedBatch:
                              f"({int(self.lengths[index].max())} tokens)")
         return LeftAlignedBatch(self.input_ids[index, :width], self.lengths[index],
                            self.response_index[index].clamp_max(width - 1), self.response_valid[index],
-                           {k: v[index] for k, v in self.fields.items()}, self.width_multiple)
+                           {k: _cut(v[index], width) if k in POSITION_FIELDS else v[index]
+                            for k, v in self.fields.items()}, self.width_multiple)
+
+    def widen(self, width: int) -> LeftAlignedBatch:
+        """The same rows with trailing zero padding up to ``width`` positions (no-op when
+        already that wide); causal attention keeps trailing padding from changing a row."""
+        if width <= self.seq_len:
+            return self
+        pad = torch.zeros((self.num_rows, width - self.seq_len), dtype=self.input_ids.dtype)
+        return LeftAlignedBatch(torch.cat([self.input_ids, pad], dim=1), self.lengths, self.response_index,
+                                self.response_valid,
+                                {k: _cut(v, width) if k in POSITION_FIELDS else v for k, v in self.fields.items()},
+                                self.width_multiple)
 
     def take(self, index: torch.Tensor) -> LeftAlignedBatch:
         """Rows ``index`` (int64 ``[k]``) as :func:`left_align_batch` aligns them on their own:
@@ -138,6 +155,23 @@ def _check_mask(mask: torch.Tensor, first: torch.Tensor, lengths: torch.Tensor, 
                          f"{prompt_len - 1}; every row needs >= 1 real prompt token")
 
 
+def _cut(field: torch.Tensor, width: int) -> torch.Tensor:
+    """A position field's first ``width`` positions (zero-padded when it is shorter)."""
+    if field.shape[1] >= width:
+        return field[:, :width]
+    pad = torch.zeros((field.shape[0], width - field.shape[1], *field.shape[2:]), dtype=field.dtype)
+    return torch.cat([field, pad], dim=1)
+
+
+def _align_positions(field: torch.Tensor, index: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+    """``field`` ``[batch, seq, ...]`` gathered at the aligned positions ``index`` ``[batch, width]``
+    (0 outside each row's tokens ``inside``), as the tokens are."""
+    rows, width, trailing = index.shape[0], index.shape[1], field.shape[2:]
+    shape = (rows, width, *([1] * len(trailing)))
+    gathered = field.cpu().gather(1, index.reshape(shape).expand(rows, width, *trailing))
+    return torch.where(inside.reshape(shape), gathered, torch.zeros((), dtype=field.dtype))
+
+
 def left_align_batch(batch: Mapping[str, torch.Tensor], *, max_seq_len: int,
                vocab_size: int | None = None, width_multiple: int = 1) -> LeftAlignedBatch:
     """Validate a verl-layout batch (module docstring) and left-align it for Megatron.
@@ -187,6 +221,12 @@ def left_align_batch(batch: Mapping[str, torch.Tensor], *, max_seq_len: int,
     response_index = response_index.clamp(0, width - 1)
     skip = set(REQUIRED_KEYS) | {"position_ids"}
     fields = {k: v for k, v in batch.items() if k not in skip and torch.is_tensor(v)}
+    for name in POSITION_FIELDS:
+        if name in fields:
+            if fields[name].shape[:2] != input_ids.shape:
+                raise ValueError(f"{name} must be [batch, seq, ...] = {tuple(input_ids.shape)} in its first two "
+                                 f"dimensions (one entry per position of input_ids), got {tuple(fields[name].shape)}")
+            fields[name] = _align_positions(fields[name], index, inside)
     return LeftAlignedBatch(aligned, lengths, response_index, resp_real, fields, width_multiple)
 
 

@@ -14,6 +14,7 @@ exactly the gradient of the mini-batch loss, independent of the split.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -23,10 +24,12 @@ import torch.distributed as dist
 
 from megaflow.config.schema import ActorConfig, CriticConfig, RefConfig
 from megaflow.megatron import cpu_compat
-from megaflow.megatron.batch import LeftAlignedBatch, left_align_batch, token_budget_groups
+from megaflow.megatron.batch import ROUTED_EXPERTS_KEY, LeftAlignedBatch, left_align_batch, token_budget_groups
 from megaflow.megatron.denominators import GlobalDenominators
 from megaflow.megatron.logprobs import chunked_vocab_parallel_log_probs, vocab_parallel_log_probs
 from megaflow.megatron.parallel import ParallelInfo
+from megaflow.megatron.router_aux_loss import RouterAuxLoss
+from megaflow.megatron.routing_replay import RoutingReplay
 from megaflow.topology.role_spec import RoleSpec
 
 if TYPE_CHECKING:  # megatron-core has no type information: these read as Any
@@ -84,6 +87,23 @@ def _output_layer_returns_hidden(model: GPTModel) -> None:
     layer.forward = hidden_in_tp_region
 
 
+def _router_aux_loss(model: torch.nn.Module, spec: RoleSpec) -> RouterAuxLoss | None:
+    """The auxiliary router losses of the actor with ``actor.moe_aux_loss_coeff`` or
+    ``moe_z_loss_coeff`` above 0 (:mod:`megaflow.megatron.router_aux_loss`); None otherwise."""
+    aux, z = (float(getattr(spec.trained_section, key, 0.0)) for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"))
+    return RouterAuxLoss(model, aux_coeff=aux, z_coeff=z) if aux or z else None
+
+
+def _routing_replay(model: torch.nn.Module, spec: RoleSpec) -> tuple[RoutingReplay, list[int]] | None:
+    """The actor's :class:`RoutingReplay` with ``actor.router_replay=R3`` and the global (1-based)
+    layer number of each of its MoE layers on this stage; None otherwise."""
+    if spec.role != "actor" or spec.actor.router_replay != "R3":
+        return None
+    layers: list[int] = [getattr(m, "layer_number") for m in model.modules()  # noqa: B009 (an int on megatron layers)
+                         if getattr(m, "router_replay", None) is not None]
+    return RoutingReplay(model), layers
+
+
 class MegatronEngine:
     """Runs one role's GPTModel shard: forward-only heads and optimizer steps.
 
@@ -118,6 +138,8 @@ class MegatronEngine:
         self.scheduler: OptimizerParamScheduler | None = None
         self.device = next(model.parameters()).device
         self._offloaded: set[str] = set()
+        self.router_aux = _router_aux_loss(model, spec)
+        self.routing_replay = _routing_replay(model, spec)
         if self.logits_chunk_tokens is not None and info.is_last_pp_stage:
             _output_layer_returns_hidden(self.module)
         if spec.trains:
@@ -202,10 +224,33 @@ class MegatronEngine:
 
     def _forward_step(self, head: Callable, data_iterator, model):
         mb: LeftAlignedBatch = next(data_iterator)
+        if self.router_aux is not None:  # counted rows: the global denominators' sequences
+            counted = mb.fields[LOSS_MASK_KEY].ne(0).any(-1) if LOSS_MASK_KEY in mb.fields \
+                else torch.ones(mb.num_rows, dtype=torch.bool)
+            self.router_aux.micro_batch(mb.lengths, counted, mb.seq_len)
         ids = mb.input_ids.to(self.device, non_blocking=True)
         positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-        output = model(ids, positions, cpu_compat.attention_mask_argument(ids.shape[1], self.device))
+        with self._replayed_routing(mb):
+            output = model(ids, positions, cpu_compat.attention_mask_argument(ids.shape[1], self.device))
         return output, partial(head, mb)
+
+    def _replayed_routing(self, mb: LeftAlignedBatch):
+        """With ``actor.router_replay=R3``, route this micro-batch's tokens through its
+        ``routed_experts`` (``[b, s, moe_layers, topk]``, aligned with the tokens): each MoE
+        layer of this stage gets its global layer's ``[s * b, topk]`` ids in the router's
+        token order (sequence-major); a null context otherwise.
+
+        Raises:
+            ValueError: ``routed_experts`` has fewer MoE layers than the model.
+        """
+        if self.routing_replay is None:
+            return contextlib.nullcontext()
+        replay, layers = self.routing_replay
+        routed = mb.fields[ROUTED_EXPERTS_KEY]  # present: checked by left_align on every rank
+        if routed.shape[2] < max(layers):
+            raise ValueError(f"{ROUTED_EXPERTS_KEY} has {routed.shape[2]} MoE layers, the model {max(layers)}")
+        targets = [routed[:, :, layer - 1].transpose(0, 1).reshape(-1, routed.shape[-1]) for layer in layers]
+        return replay.replay(targets)
 
     def _head_outputs(self, mb: LeftAlignedBatch, output: torch.Tensor, sampling: Mapping[str, Any],
                       with_entropy: bool) -> dict[str, torch.Tensor]:
@@ -262,6 +307,9 @@ class MegatronEngine:
         """
         error: ValueError | None = None
         try:
+            if self.routing_replay is not None and ROUTED_EXPERTS_KEY not in batch:
+                raise ValueError(f"actor.router_replay=R3 replays the batch field {ROUTED_EXPERTS_KEY!r}, which this "
+                                 f"batch lacks (it has {sorted(batch)})")
             aligned = left_align_batch(batch, max_seq_len=self.sizes.max_seq_len, vocab_size=self.vocab_size,
                                 width_multiple=self.info.tp_size if self.module.config.sequence_parallel else 1)
         except ValueError as exc:
@@ -273,7 +321,19 @@ class MegatronEngine:
             raise error
         if flag.item():
             raise ValueError("another rank rejected its part of the batch (see its error)")
-        return aligned
+        return self._expert_parallel_width(aligned)
+
+    def _expert_parallel_width(self, aligned: LeftAlignedBatch) -> LeftAlignedBatch:
+        """With ep > 1, ``aligned`` widened to the longest width in its EP group: megatron-core's
+        all-gather token dispatcher gathers equally many tokens from every EP rank, so the EP
+        ranks' micro-batches must have equal ``[rows, width]`` (equal rows: the dispatch gives
+        every DP rank as many rows, and token-budget micro-batches are refused with ep > 1 at
+        load). Unchanged at ep = 1."""
+        if self.info.ep_size == 1:
+            return aligned
+        width = torch.tensor([aligned.seq_len], dtype=torch.int64, device=self.device)
+        dist.all_reduce(width, op=dist.ReduceOp.MAX, group=self.info.ep_group)
+        return aligned.widen(int(width.item()))
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
@@ -374,7 +434,7 @@ class MegatronEngine:
         self._require_loaded("params", "grads", "optimizer")
         mbs = micro_batch_size or self.sizes.update_micro_batch_size
         assert mbs is not None  # (a role with an optimizer has an update micro-batch size)
-        aligned = batch if isinstance(batch, LeftAlignedBatch) else self.left_align(batch)
+        aligned = self._expert_parallel_width(batch) if isinstance(batch, LeftAlignedBatch) else self.left_align(batch)
         denominators = self.global_denominators(aligned.fields)
         budget = None if micro_batch_size else self.sizes.update_max_tokens
         chunks, _ = self._micro_batches(aligned, mbs, budget)
@@ -385,12 +445,24 @@ class MegatronEngine:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.scheduler.step(1)  # the k-th update uses the LR of step k (warm-up starts > 0)
-        store = self._run(chunks, False, head, aligned.seq_len, mbs)
+        with self._router_aux_step(denominators):
+            store = self._run(chunks, False, head, aligned.seq_len, mbs)
         update_successful, grad_norm, _ = self.optimizer.step()
         metrics = self._reduce_metrics(store)
+        if self.router_aux is not None:  # every rank: all-reduced over DP, then PP (each stage's layers)
+            metrics.update(self.router_aux.totals((self.info.dp_group, self.info.pp_group)))
         metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
                        lr=self.optimizer.param_groups[0]["lr"], update_successful=float(bool(update_successful)))
         return metrics
+
+    def _router_aux_step(self, denominators: GlobalDenominators):
+        """The auxiliary router losses' context of one update (a null context without them):
+        normalised by the mini-batch's sequences, their gradient scaled like a loss share's
+        (``dp_size`` x the optimizer's loss scale; Megatron DDP then averages over DP)."""
+        if self.router_aux is None:
+            return contextlib.nullcontext()
+        loss_scale = float(self.module.config.grad_scale_func(torch.ones(1, device=self.device)))
+        return self.router_aux.step(denominators.num_seqs, self.info.dp_size * loss_scale)
 
     def _loss_head(self, loss_fn, denominators, scale, sampling, with_entropy, mb, output):
         outputs = self._head_outputs(mb, output, sampling, with_entropy)

@@ -56,8 +56,10 @@ def moe_transformer_config_fields(arch: ModelSpec) -> dict[str, Any]:
         Keyword arguments for ``TransformerConfig``: expert count and width, top-k, the
         softmax router (see the module docstring for the ``pre_softmax`` choice), fp32
         routing, the all-gather token dispatcher, no grouped GEMM, no fusions, and no
-        auxiliary load-balancing or z-loss (``moe_router_load_balancing_type="none"``: the
-        model's forward is the HF model's; the auxiliary losses are not knobs yet).
+        auxiliary load-balancing or z-loss of megatron-core's (``moe_router_load_balancing_type="none"``:
+        the model's forward is the HF model's; megatron-core normalises those per micro-batch,
+        megaflow adds its own, normalised over the mini-batch: ``actor.moe_aux_loss_coeff``,
+        :mod:`megaflow.megatron.router_aux_loss`).
     """
     if not arch.is_moe:
         return {}

@@ -205,7 +205,8 @@ class RoleSpec:
         """megatron-core ``TransformerConfig`` fields of the role's scale features for
         :func:`megaflow.megatron.model.build_gpt_model`: sequence parallelism (only where
         tp > 1) and, for the trained roles, activation recomputation (``recompute_method``
-        None: uniform; ``recompute_num_layers`` None: 1, as the config documents)."""
+        None: uniform; ``recompute_num_layers`` None: 1, as the config documents), and the
+        MoE routers' replay (``moe_enable_routing_replay``) with ``actor.router_replay``."""
         section, trained = self.section, self.trained_section
         out: dict[str, Any] = {"sequence_parallel": section.sequence_parallel and section.tp > 1}
         granularity = trained.recompute_granularity if trained is not None else "none"
@@ -214,6 +215,8 @@ class RoleSpec:
                        recompute_num_layers=trained.recompute_num_layers or 1)
         elif granularity == "selective":
             out.update(recompute_granularity="selective")
+        if self.role == "actor" and self.actor.router_replay != "off":  # megaflow.megatron.routing_replay
+            out["moe_enable_routing_replay"] = True
         return out
 
     def _require_training(self, name: str) -> None:

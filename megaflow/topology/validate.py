@@ -122,14 +122,58 @@ def _check_expert_parallel(spec: ModelSpec, role: str, par: RoleParallel) -> Non
           f"({par.world_size} ranks / tp*pp = {par.tp}*{par.pp}): expert ranks are data-parallel ranks")
 
 
-def _check_moe_runnable(spec: ModelSpec) -> None:
-    """Mixture-of-experts models (issue 34) are built, loaded and exported by megaflow's model
-    code, but a run does not train them yet: no expert-parallel knob, no expert weight sync
-    to the rollout engine. Refused at load, naming the model's config."""
-    check(not spec.is_moe, spec.source,
-          f"a mixture-of-experts model ({spec.model_type}, {spec.num_experts} experts) is not trainable in a run yet "
-          "(megaflow.models converts it and megaflow.megatron builds it, but expert parallelism and the rollout's "
-          "expert weight sync are not wired into the workers); use a dense model")
+def _check_expert_parallel_micro_batches(cfg: Config, role: str) -> None:
+    """Token-budget micro-batches (``<role>.use_dynamic_bsz``) with ep > 1 are refused: their
+    number and shape differ between ranks, and megatron-core's all-gather token dispatcher
+    gathers equally many tokens from every EP rank in every forward."""
+    section = getattr(cfg, role)
+    check(section.ep == 1 or not getattr(section, "use_dynamic_bsz", False), f"{role}.use_dynamic_bsz",
+          f"token-budget micro-batches differ in number and shape between ranks, and with {{0}}={section.ep} "
+          "megatron-core's all-gather token dispatcher needs equally many tokens from every EP rank: set it false",
+          f"{role}.ep")
+
+
+def _check_moe_on_cpu(cfg: Config, spec: ModelSpec, role: str, par: RoleParallel) -> None:
+    """Mixture-of-experts models on CPU run at tp = 1 only: megatron-core's ``MoELayer.forward``
+    refuses training with tp > 1 unless sequence parallelism is on (``moe/moe_layer.py``), and
+    sequence parallelism needs Transformer Engine, hence CUDA (the same rule as
+    :func:`megaflow.megatron.moe.check_moe_supported`, here before any process starts)."""
+    check(cfg.resources.use_gpu or not spec.is_moe or par.tp == 1, f"{role}.tp",
+          f"tp={par.tp} with a mixture-of-experts model ({{0}}: {spec.num_experts} experts) needs sequence "
+          "parallelism (megatron-core's MoELayer refuses tp > 1 in training without it), which needs CUDA: use "
+          f"tp=1 and expert parallelism ({role}.ep) on CPU", spec.source)
+
+
+def _check_router_aux_losses(cfg: Config, spec: ModelSpec, role: str) -> None:
+    """``actor.moe_aux_loss_coeff`` / ``moe_z_loss_coeff`` above 0 need a mixture-of-experts
+    model, tp = 1 (with tp > 1 megatron-core's MoE layers run sequence parallel, so a rank's
+    router sees part of each sequence and the sequence-wise losses would need a TP reduction
+    megaflow does not do) and no full recomputation (the losses are attached in the forward,
+    which a recomputed layer runs again outside the micro-batch it belongs to)."""
+    section = getattr(cfg, role)
+    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        if not getattr(section, key, 0.0):
+            continue
+        check(spec.is_moe, f"{role}.{key}", f"a router loss needs a mixture-of-experts model, and {{0}} is a dense "
+                                            f"{spec.model_type!r} model; set it to 0", spec.source)
+        check(section.tp == 1, f"{role}.{key}", "needs {0}=1 (the router losses are per sequence, and at tp > 1 "
+                                                "the MoE layers split sequences over TP ranks); set it to 0 or tp=1",
+              f"{role}.tp")
+        check(section.recompute_granularity != "full", f"{role}.{key}",
+              "cannot be combined with {0}='full' (a recomputed layer would attach the router losses again); "
+              "use 'selective' or 'none', or set it to 0", f"{role}.recompute_granularity")
+
+
+def _check_router_replay(cfg: Config, spec: ModelSpec) -> None:
+    """``actor.router_replay`` other than off needs a mixture-of-experts actor and no full
+    recomputation (a recomputed layer would route again without the replayed experts)."""
+    if cfg.actor.router_replay == "off":
+        return
+    check(spec.is_moe, "actor.router_replay", f"replays expert routing, and {{0}} is a dense {spec.model_type!r} "
+                                              "model; use off", spec.source)
+    check(cfg.actor.recompute_granularity != "full", "actor.router_replay",
+          "cannot be combined with {0}='full' (a recomputed layer routes again, without the replayed experts)",
+          "actor.recompute_granularity")
 
 
 def _check_lora(cfg: Config) -> None:
@@ -199,7 +243,7 @@ def validate_config(cfg: Config) -> None:
     every enabled role placed on a known pool; for every enabled role: world size = tp*pp*cp*dp on its pool, tp dividing
     the heads, KV heads and FFN size, pp (x vpp) dividing the layers; the rollout's t_g | t and p_g | p (hence
     t_g dividing the heads too); ep > 1 only for a mixture-of-experts model, dividing its experts and
-    dp*cp; no mixture-of-experts model in a run yet; LoRA (``<role>.lora``) within the model's layer sizes and
+    dp*cp; a mixture-of-experts model at tp = 1 on CPU; LoRA (``<role>.lora``) within the model's layer sizes and
     without the features it cannot take yet; roles colocated on one pool with equal tp/pp/cp/vpp;
     batch sizes divisible by mini-batches, DP and micro-batches.
 
@@ -213,7 +257,8 @@ def validate_config(cfg: Config) -> None:
     _check_lora(cfg)  # before the mixture-of-experts refusal: LoRA's own reason comes first
     for role in enabled_roles(cfg):
         _check_expert_parallel(role_model_spec(cfg, role), role, role_parallel(cfg, role))
-        _check_moe_runnable(role_model_spec(cfg, role))
+        _check_moe_on_cpu(cfg, role_model_spec(cfg, role), role, role_parallel(cfg, role))
+        _check_expert_parallel_micro_batches(cfg, role)
         _check_model_parallel(role_model_spec(cfg, role), role, role_parallel(cfg, role))
         check(cfg.resources.use_gpu or not getattr(cfg, role).sequence_parallel, f"{role}.sequence_parallel",
               "not available on CPU (megatron-core's local layer spec refuses it); set it false or {0}=true",
@@ -221,6 +266,8 @@ def validate_config(cfg: Config) -> None:
     for role in TOKEN_BUDGET_KEYS:
         if role in enabled_roles(cfg):
             token_budgets(cfg, role)
+    _check_router_aux_losses(cfg, role_model_spec(cfg, "actor"), "actor")
+    _check_router_replay(cfg, role_model_spec(cfg, "actor"))
     _check_colocated_meshes(cfg)
     generation_sizes(cfg)  # t_g | t and p_g | p; with t | heads this gives t_g | heads
     _check_async_rollout(cfg)

@@ -254,6 +254,28 @@ def check_seeds(cfg: Config) -> None:
             raise ConfigError(key, f"must be in [0, 2**32) (numpy's seed range), got {value}")
 
 
+def check_rollout_serves_model(cfg: Config) -> None:
+    """The rollout engine can serve the actor's model: a mixture-of-experts actor trains in the
+    Megatron workers (expert parallelism, ``actor.ep``), but the actor -> vLLM weight sync of
+    expert tensors (issue 34 item 3) is not wired yet, so such a run is refused here, before
+    any process starts (the dry run still prints its plan).
+
+    Raises:
+        ConfigError: at ``actor.router_replay`` for R3 (the engine does not return its routed
+            experts yet), or at ``rollout.engine``, naming the model.
+    """
+    from megaflow.topology import role_model_spec
+
+    spec = role_model_spec(cfg, "actor")
+    if cfg.actor.router_replay == "R3":
+        raise ConfigError("actor.router_replay", f"R3 replays the routed experts the rollout returns, and "
+                                                 f"{cfg.rollout.engine!r} does not return them yet; use off")
+    if spec.is_moe:
+        raise ConfigError("rollout.engine", f"{cfg.rollout.engine!r} cannot serve the mixture-of-experts actor "
+                                            f"({spec.source}: {spec.num_experts} experts) yet: the expert weight "
+                                            "sync into the engine is not wired; use a dense model")
+
+
 def check_recompute_layers(cfg: Config) -> None:
     """With full recomputation, ``<role>.recompute_num_layers`` (actor, and critic when enabled)
     is at most the layers of one pipeline stage (``num_hidden_layers / (pp * vpp)``).
@@ -606,6 +628,7 @@ def preflight(cfg: Config, *, load_data: bool = True) -> Inputs | None:
     attempt(check_sequence_length, cfg)
     attempt(check_seeds, cfg)
     attempt(check_recompute_layers, cfg)
+    attempt(check_rollout_serves_model, cfg)
     task, task_ok = attempt(check_task_args, cfg)
     functions, _ = attempt(resolve_reward_functions, cfg)
     attempt(check_output_dir, cfg)
@@ -634,5 +657,5 @@ def preflight(cfg: Config, *, load_data: bool = True) -> Inputs | None:
 __all__ = ["preflight", "PreflightError", "Inputs", "check_sequence_length", "check_task_args",
            "resolve_reward_functions", "check_output_dir", "check_local_resources", "check_model_dirs",
            "load_tokenizer", "load_datasets", "tokenizer_source", "uses_validation", "check_seeds",
-           "check_recompute_layers", "check_batch_fits", "check_ray", "check_loggers", "check_reward_functions",
-           "check_agent"]
+           "check_recompute_layers", "check_rollout_serves_model", "check_batch_fits", "check_ray", "check_loggers",
+           "check_reward_functions", "check_agent"]

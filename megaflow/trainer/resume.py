@@ -99,7 +99,7 @@ def config_differences(saved: dict, now: dict, may_differ: tuple[str, ...] = RES
 
 
 def layout_differences(checkpoint: Path, cfg) -> list[str]:
-    """Per trained role, the model-parallel sizes (tp, pp, cp, vpp) that differ between the
+    """Per trained role, the model-parallel sizes (tp, pp, cp, vpp, ep) that differ between the
     checkpoint's ``<role>/layout.json`` and the run's plan, as ``"actor: tp 2 -> 1 (dp 1 -> 2)"``
     (a DP change alone reshards and is not listed)."""
     from megaflow.topology import enabled_roles, role_parallel
@@ -111,7 +111,8 @@ def layout_differences(checkpoint: Path, cfg) -> list[str]:
             continue
         saved = json.loads(path.read_text())
         now = role_parallel(cfg, role)
-        current = {"tp": now.tp, "pp": now.pp, "cp": now.cp, "vpp": now.vpp}
+        current = {"tp": now.tp, "pp": now.pp, "cp": now.cp, "vpp": now.vpp, "ep": now.ep}
+        saved.setdefault("ep", 1)  # written before expert parallelism: ep = 1
         changed = [f"{k} {saved.get(k)} -> {v}" for k, v in current.items() if saved.get(k) != v]
         if changed:
             dp = f" (dp {saved.get('dp')} -> {now.dp})" if saved.get("dp") != now.dp else ""
@@ -154,9 +155,10 @@ def check_resume(cfg, manager: CheckpointManager | None = None) -> ResumePoint |
     layout = layout_differences(path, cfg)
     if layout:
         raise ConfigError(key, f"checkpoint {path} was saved with another model-parallel layout ({'; '.join(layout)}); "
-                               "its optimizer state only loads at the tp/pp/cp/vpp sizes it was saved with (at any "
-                               "dp). Resume with the saved sizes, or start a new run (another trainer.experiment_name) "
-                               "from its model (model.path=" + str(path / "actor" / "model") + ")")
+                               "its optimizer state only loads at the tp/pp/cp/vpp/ep sizes it was saved with (at "
+                               "any dp). Resume with the saved sizes, or start a new run (another "
+                               "trainer.experiment_name) from its model (model.path="
+                               + str(path / "actor" / "model") + ")")
     saved_yaml = path / "config.yaml"
     if saved_yaml.is_file() and not getattr(cfg.trainer, "resume_ignore_config_diff", False):
         from megaflow.config import config_to_dict

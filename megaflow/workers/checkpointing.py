@@ -6,7 +6,7 @@ Layout of ``path``::
     optimizer/       megatron-core distributed checkpoint of the optimizer state
                      (``optimizer.sharded_state_dict(model.sharded_state_dict())``)
     scheduler.json   OptimizerParamScheduler.state_dict() (identical on every rank), JSON
-    layout.json      the engine's parallel sizes {tp, pp, cp, dp, vpp, world_size}
+    layout.json      the engine's parallel sizes {tp, pp, cp, dp, vpp, ep, world_size}
 
 The optimizer state is saved in megatron-core's ``dp_reshardable`` format: each rank
 writes its DP shard of the distributed optimizer's buckets, and a load at another DP size
@@ -14,6 +14,11 @@ reshards them (``tests/megatron/test_dist_optimizer_resize.py``: written at DP=2
 exactly at DP=1). The buckets follow the model-parallel shard, so the optimizer state
 only loads at the tp, pp, cp and vpp sizes it was saved with (the trainer checks them
 against ``layout.json`` before any process starts); the model part loads at any layout.
+Mixture-of-experts models: the expert parameters' optimizer state is sharded over the
+expert-data-parallel group (``dp * cp / ep`` ranks) in buckets of this EP rank's experts,
+so it loads only at the saved ``ep`` too (checked before start by the trainer, and here by
+:func:`load_engine_checkpoint`, naming ``<role>.ep``); a checkpoint without ``ep`` was
+written at ep = 1.
 Atomicity and the manifest are the caller's (the trainer's checkpoint manager writes into
 a temporary directory, seals it and renames it). No file is unpickled without the
 restricted readers of :mod:`megaflow.utils.integrity`.
@@ -41,7 +46,7 @@ def _model_sharded_state_dict(engine):
 def engine_layout(info) -> dict[str, int | None]:
     """The parallel sizes recorded in ``layout.json``, from a ``ParallelInfo``."""
     return {"tp": info.tp_size, "pp": info.pp_size, "cp": info.cp_size, "dp": info.dp_size,
-            "vpp": info.vpp_size, "world_size": info.world_size}
+            "vpp": info.vpp_size, "ep": getattr(info, "ep_size", 1), "world_size": info.world_size}
 
 
 def save_engine_checkpoint(engine, path: str | os.PathLike, hf_config, *,
@@ -91,6 +96,7 @@ def load_engine_checkpoint(engine, path: str | os.PathLike) -> None:
         return
     if not (root / OPTIMIZER_DIR).is_dir() or not (root / SCHEDULER_FILE).is_file():
         raise FileNotFoundError(f"{root} has no optimizer state ({OPTIMIZER_DIR}/, {SCHEDULER_FILE})")
+    _check_saved_expert_parallel(root, engine)
     verify_on_rank0(check_dcp_pickles, root / OPTIMIZER_DIR)  # before megatron-core unpickles anything
     _materialize_adam_state(engine.optimizer)
     state = engine.optimizer.sharded_state_dict(_model_sharded_state_dict(engine), is_loading=True,
@@ -100,6 +106,22 @@ def load_engine_checkpoint(engine, path: str | os.PathLike) -> None:
         engine.optimizer.load_state_dict(loaded)
     _restore_adam_steps(engine.optimizer, loaded)
     engine.scheduler.load_state_dict(json.loads((root / SCHEDULER_FILE).read_text()))
+
+
+def _check_saved_expert_parallel(root: Path, engine) -> None:
+    """Refuse optimizer state saved at another expert-parallel size (module docstring).
+
+    Raises:
+        ValueError: naming ``<role>.ep``, the saved and the current size.
+    """
+    layout = root / LAYOUT_FILE
+    saved = json.loads(layout.read_text()).get("ep", 1) if layout.is_file() else 1
+    current = getattr(engine.info, "ep_size", 1)
+    if saved != current:
+        raise ValueError(f"{engine.spec.role}.ep: the optimizer state in {root} was saved at ep={saved} and this "
+                         f"engine runs at ep={current}; the expert parameters' state only loads at the saved ep "
+                         f"(resume with {engine.spec.role}.ep={saved}, or start from the model part "
+                         f"{root / MODEL_DIR})")
 
 
 def _materialize_adam_state(optimizer) -> None:

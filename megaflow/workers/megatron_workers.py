@@ -88,7 +88,7 @@ class MegatronWorker(Worker):
         spec, seed = self.role_spec, self.config.trainer.seed
         par = spec.parallel
         self.init_distributed()
-        self.info = initialize_parallel(tp=par.tp, pp=par.pp, cp=par.cp, vpp=par.vpp, seed=seed)
+        self.info = initialize_parallel(tp=par.tp, pp=par.pp, cp=par.cp, vpp=par.vpp, ep=par.ep, seed=seed)
         if self.info.dp_size != par.dp:
             raise RuntimeError(f"{spec.role}: the worker group has dp={self.info.dp_size} but the config's pool "
                                f"{par.pool!r} gives dp={par.dp} ({par.world_size} ranks / tp*pp*cp)")

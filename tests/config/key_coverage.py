@@ -93,9 +93,13 @@ def _parallel(role: str) -> dict:
         f"{role}.tp": consumed(*tp_tests),
         f"{role}.pp": consumed(*pp_tests),
         f"{role}.cp": Refused("2", "context parallelism is not supported yet: use cp=1"),
-        # Runs do not train mixture-of-experts models yet (refused at load); with a dense model ep > 1
-        # is refused, and with an MoE model ep is checked against the experts and dp*cp (HF tests).
-        f"{role}.ep": Refused("2", "expert parallelism needs a mixture-of-experts model", extra=_ENABLE[role]),
+        # With a dense model ep > 1 is refused; with an MoE model ep is checked against the experts and
+        # dp*cp (HF tests), and the actor's splits the experts (tests/megatron/test_moe_router_losses.py).
+        f"{role}.ep": consumed("tests/megatron/test_moe_router_losses.py::"
+                               "test_router_losses_and_grad_norm_are_independent_of_the_split",
+                               HF + "test_expert_parallel_size_is_checked_against_experts_and_world")
+        if role == "actor" else Refused("2", "expert parallelism needs a mixture-of-experts model",
+                                        extra=_ENABLE[role]),
         f"{role}.vpp": Refused("2", "virtual pipeline stages are not supported yet: use vpp=null",
                                extra=(f"{role}.pp=2",)),
     }
@@ -197,6 +201,14 @@ KEYS: dict[str, Consumed | Refused] = {
     # ------------------------------------------------------------------ actor
     **_parallel("actor"),
     **_offload("actor"),
+    "actor.moe_aux_loss_coeff": consumed("tests/megatron/test_moe_router_losses.py::"
+                                         "test_router_losses_and_grad_norm_are_independent_of_the_split",
+                                         HF + "test_router_loss_coefficients_are_refused_for_a_dense_model_and_with_full_recompute"),
+    "actor.moe_z_loss_coeff": consumed("tests/megatron/test_moe_router_losses.py::"
+                                       "test_router_losses_and_grad_norm_are_independent_of_the_split"),
+    "actor.router_replay": consumed("tests/megatron/test_moe_routing_replay_engine.py::"
+                                    "test_replaying_the_engine_routing_reproduces_transformers_and_splits_with_the_tokens",
+                                    HF + "test_router_replay_is_refused_for_a_dense_model_with_full_recompute_and_before_a_run"),
     "actor.recompute_granularity": consumed(WORKER_KNOBS + "test_recipe_knobs_reach_the_worker_config"),
     "actor.recompute_method": consumed(WORKER_KNOBS + "test_recipe_knobs_reach_the_worker_config"),
     "actor.recompute_num_layers": consumed(WORKER_KNOBS + "test_recipe_knobs_reach_the_worker_config"),

@@ -167,3 +167,19 @@ def test_plan_states_whether_the_optimizer_is_distributed(tiny, procs, chosen, e
     assert plan.role("actor").distributed_optimizer is (expected.startswith("distributed"))
     actor_block = format_plan(plan).split("\nactor ", 1)[1].split("\n    memory per rank", 1)[0]
     assert f"    optimizer: {expected}" in actor_block
+
+
+def test_moe_cluster_recipe_plans_expert_parallelism_and_its_memory():
+    """qwen3_30b_a3b_grpo: the dry run shows EP next to TP/PP/DP, the experts each rank holds
+    (E/ep of every layer, sharded over TP) and the weight-sync phase."""
+    from megaflow.topology.model_spec import layer_parameters
+
+    cfg = load_run("qwen3_30b_a3b_grpo", [])
+    plan = build_plan(cfg)
+    actor = plan.role("actor")
+    spec = actor.model
+    assert (actor.parallel.tp, actor.parallel.pp, actor.parallel.dp, actor.parallel.ep) == (4, 1, 4, 4)
+    assert actor.memory.expert_params == 48 * layer_parameters(spec).experts // (4 * 4) * 2  # bf16
+    text = format_plan(plan)
+    assert "tp=4 pp=1 cp=1 dp=4 ep=4 (expert dp=1)" in text and "[megatron order tp-cp-ep-dp-pp]" in text
+    assert "(experts 3.38 GiB)" in text and "weight sync" in text and plan.fits

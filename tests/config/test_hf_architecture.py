@@ -198,13 +198,35 @@ MOE_HF = {"model_type": "qwen3_moe", **SMALL, "num_key_value_heads": 2, "head_di
           "num_experts_per_tok": 2, "moe_intermediate_size": 32, "architectures": ["Qwen3MoeForCausalLM"]}
 
 
-def test_a_run_with_a_mixture_of_experts_model_is_refused_at_load_naming_the_model(tiny):
-    # megaflow builds and converts Qwen3-MoE (tests/models/test_qwen3_moe_parity.py), but the
-    # workers do not train it yet: refused before any process starts, naming the model's config.
+def test_a_mixture_of_experts_run_loads_and_its_rollout_is_refused_before_start(tiny):
+    # The trainer's roles take an MoE model (expert parallelism, actor.ep); the rollout engine
+    # cannot serve it yet (no expert weight sync): refused by the preflight, naming rollout.engine.
+    from megaflow.trainer.preflight import check_rollout_serves_model
+
     assert model_spec(MOE_HF).num_experts == 4
+    cfg = run_from_dict(tiny(model={"hf_config": MOE_HF}, actor={"ep": 2, "tp": 1}, rollout={"tp": 1},
+                             resources={"use_gpu": False, "procs_per_node": 2}))
+    assert cfg.actor.ep == 2
     with pytest.raises(ConfigError) as err:
-        run_from_dict(tiny(model={"hf_config": MOE_HF}, actor={"ep": 2}))
-    assert err.value.key == "model.hf_config" and "mixture-of-experts" in str(err.value)
+        check_rollout_serves_model(cfg)
+    assert err.value.key == "rollout.engine" and "mixture-of-experts" in str(err.value)
+
+
+def test_moe_with_tp_above_1_on_cpu_is_refused_naming_the_key(tiny):
+    with pytest.raises(ConfigError) as err:
+        run_from_dict(tiny(model={"hf_config": MOE_HF}, actor={"tp": 2}, resources={"use_gpu": False}))
+    assert err.value.key == "actor.tp" and "needs sequence parallelism" in str(err.value)
+
+
+@pytest.mark.parametrize("key", ["moe_aux_loss_coeff", "moe_z_loss_coeff"])
+def test_router_loss_coefficients_are_refused_for_a_dense_model_and_with_full_recompute(tiny, key):
+    with pytest.raises(ConfigError) as err:
+        run_from_dict(tiny(actor={key: 0.01}))
+    assert err.value.key == f"actor.{key}" and "needs a mixture-of-experts model" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        run_from_dict(tiny(model={"hf_config": MOE_HF}, actor={key: 0.01, "tp": 1, "recompute_granularity": "full"},
+                           rollout={"tp": 1}, resources={"use_gpu": False}))
+    assert err.value.key == f"actor.{key}" and "recompute_granularity" in str(err.value)
 
 
 @pytest.mark.parametrize("ep, procs, message", [
@@ -222,3 +244,27 @@ def test_expert_parallel_with_a_dense_model_is_refused_naming_the_key(tiny):
     with pytest.raises(ConfigError) as err:
         run_from_dict(tiny(actor={"ep": 2}))
     assert err.value.key == "actor.ep" and "needs a mixture-of-experts model" in str(err.value)
+
+
+def test_router_replay_is_refused_for_a_dense_model_with_full_recompute_and_before_a_run(tiny):
+    """actor.router_replay: a dense model has no routing to replay; a recomputed layer would route
+    again; a run with R3 is refused before start until the rollout returns its routed experts."""
+    from megaflow.trainer.preflight import check_rollout_serves_model
+
+    with pytest.raises(ConfigError) as err:
+        run_from_dict(tiny(actor={"router_replay": "R3"}))
+    assert err.value.key == "actor.router_replay" and "dense" in str(err.value)
+    moe = dict(model={"hf_config": MOE_HF}, rollout={"tp": 1}, resources={"use_gpu": False})
+    with pytest.raises(ConfigError) as err:
+        run_from_dict(tiny(**moe, actor={"tp": 1, "router_replay": "R3", "recompute_granularity": "full"}))
+    assert err.value.key == "actor.router_replay" and "recompute_granularity" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        check_rollout_serves_model(run_from_dict(tiny(**moe, actor={"tp": 1, "router_replay": "R3"})))
+    assert err.value.key == "actor.router_replay" and "does not return them" in str(err.value)
+
+
+def test_token_budget_micro_batches_with_expert_parallelism_are_refused(tiny):
+    with pytest.raises(ConfigError) as err:
+        run_from_dict(tiny(model={"hf_config": MOE_HF}, actor={"tp": 1, "ep": 2, "use_dynamic_bsz": True},
+                           rollout={"tp": 1}, resources={"use_gpu": False, "procs_per_node": 2}))
+    assert err.value.key == "actor.use_dynamic_bsz" and "all-gather token dispatcher" in str(err.value)

@@ -40,3 +40,43 @@ def test_planner_matches_the_exact_account_of_one_rank():
             assert plan[term] == pytest.approx(meas[term], rel=0.05, abs=1), (case.name, term)
         assert plan["layer_activations"] == pytest.approx(meas["layer_activations"], rel=0.25), case.name
         assert meas["params"] > 0 and meas["optimizer"] == pytest.approx(2 * meas["params"], rel=1e-3)
+
+
+MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 16, "num_local_experts": 4,
+       "num_experts_per_tok": 2, "moe_intermediate_size": 32, "architectures": ["Qwen3MoeForCausalLM"]}
+
+
+def test_expert_parameters_and_their_optimizer_state_per_ep_rank_by_hand():
+    from megaflow.dryrun.memory import ParallelShape, moe_layer_activation_bytes, role_memory
+
+    spec = model_spec(MOE)
+    experts_per_rank = 4 * (4 * 3 * 64 * 32) // 2  # 4 layers, 4 experts of 3*h*f_e, half on each of ep=2 ranks
+    shape = ParallelShape(tp=1, pp=1, cp=1, dp=2, vpp=None, sequence_parallel=False, recompute="none",
+                          micro_batch=2, num_micro_batches=1, seq=8, ep=2)
+    mem = role_memory("actor", spec, shape, dtype="float32", trained=True, distributed_optimizer=True,
+                      fused_attention=False, head="lm")
+    dense_shape = ParallelShape(**{**shape.__dict__, "ep": 1})
+    whole = role_memory("actor", spec, dense_shape, dtype="float32", trained=True, distributed_optimizer=True,
+                        fused_attention=False, head="lm")
+    assert mem.expert_params == experts_per_rank * 4
+    assert whole.params - mem.params == experts_per_rank * 4  # ep=1 holds the other half as well
+    dense = mem.params / 4 - experts_per_rank
+    # Adam's 8 bytes: dense state over dp=2, the experts' over expert-dp = dp/ep = 1
+    assert mem.optimizer == (dense / 2 + experts_per_rank) * 8
+    # all-gather dispatch on one EP rank, 16 tokens: gathered hidden (ep*h) + k permuted rows (k*h) in fp32,
+    # gathered fp32 probabilities + bool routing map (ep*E*5 bytes), the experts' SwiGLU tensors (5*k*f_e)
+    rows = 16
+    assert moe_layer_activation_bytes(spec, seq=8, micro_batch=2, ep=2, dtype="float32") == (
+        4 * rows * (2 * 64 + 2 * 64) + rows * 2 * 4 * 5 + 4 * rows * 5 * 2 * 32)
+
+
+def test_generation_shard_gathers_the_other_ep_ranks_experts_by_hand():
+    spec = model_spec(MOE)
+    experts = 4 * (4 * 3 * 64 * 32)  # every expert of the 4 layers
+    kwargs = dict(train_tp=1, train_pp=1, gen_tp=1, gen_pp=1, dtype="float32", seq=8, samples_per_replica=1,
+                  engine_budget=None, cpu_kv_cache=1.0)
+    same = rollout_memory(spec, **kwargs)
+    split = rollout_memory(spec, **kwargs, train_ep=2)
+    assert same.extra_weights == 0  # t_g = t, ep = 1: the generation shard is the training shard
+    assert split.weights == same.weights and split.extra_weights == experts // 2 * 4  # the other rank's half

@@ -160,3 +160,17 @@ def hf_values_reference(model, batch: dict, score_weight: torch.Tensor) -> torch
     hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                          position_ids=batch["position_ids"]).last_hidden_state
     return (hidden[:, -resp_len - 1:-1] @ score_weight.T).squeeze(-1)
+
+
+def batch_with_advantages(seed: int = 0, advantage_seed: int = 5) -> dict:
+    """:func:`make_batch` plus seeded N(0, 1) ``advantages`` ``[batch, response_len]``."""
+    batch = make_batch(seed)
+    batch["advantages"] = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(advantage_seed))
+    return batch
+
+
+def token_mean_policy_loss(outputs: dict, mb: dict, den) -> tuple:
+    """Engine loss callback: token-mean policy gradient ``-sum(log_prob * A * mask) / N`` with the
+    global token count ``N`` (``den.num_tokens``); no metrics."""
+    mask = mb["response_mask"].float()
+    return -(outputs["log_probs"] * mb["advantages"] * mask).sum() / den.num_tokens, {}

@@ -16,7 +16,7 @@ import torch
 from megaflow.utils.launch import run_distributed
 from moe_testlib import NUM_EXPERTS
 import moe_testlib
-from megatron_testlib import VOCAB, hf_reference, make_batch, tiny_llama_config
+from megatron_testlib import VOCAB, batch_with_advantages, hf_reference, token_mean_policy_loss
 
 pytestmark = pytest.mark.slow
 
@@ -27,27 +27,14 @@ def tiny_moe_config():
     return moe_testlib.tiny_moe_config(VOCAB)
 
 
-def batch_with_advantages():
-    batch = make_batch(0)
-    batch["advantages"] = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(5))
-    return batch
-
-
-def policy_loss(outputs, mb, den):
-    """Token-mean policy gradient with the global token count."""
-    mask = mb["response_mask"].float()
-    return -(outputs["log_probs"] * mb["advantages"] * mask).sum() / den.num_tokens, {}
-
-
-def _engine_spec():
-    """The actor's engine settings on a 2-rank world (the recipe's dense model stands in for
-    the config: a run does not accept an MoE model yet; the engine reads sizes, not the model)."""
+def _engine_spec(ep):
+    """The actor's engine settings on a 2-rank world with the tiny Qwen3-MoE and ``actor.ep``."""
     from role_testlib import role_spec, seq_len_overrides
 
-    return role_spec("actor", ["resources.procs_per_node=2", *seq_len_overrides(32),
+    return role_spec("actor", ["resources.procs_per_node=2", "actor.tp=1", f"actor.ep={ep}", *seq_len_overrides(32),
                                "actor.ppo_micro_batch_size_per_gpu=1", f"actor.optim.lr={LR}",
                                "actor.optim.lr_warmup_steps=0", "actor.optim.clip_grad=1e9"],
-                     hf_config=tiny_llama_config())
+                     hf_config=tiny_moe_config())
 
 
 def _one_ep(hf_dir, ep):
@@ -58,17 +45,18 @@ def _one_ep(hf_dir, ep):
     from megaflow.megatron.model import build_gpt_model
     from megaflow.models.weights import load_hf_weights
 
-    info = parallel.initialize_parallel(tp=1, pp=1, ep=ep, seed=1)
+    spec = _engine_spec(ep)
+    info = parallel.initialize_parallel(tp=1, pp=1, ep=spec.parallel.ep, seed=1)
     config = AutoConfig.from_pretrained(hf_dir)
     batch = {k: v.chunk(info.dp_size)[info.dp_rank] for k, v in batch_with_advantages().items()}
     model = build_gpt_model(config)
     experts = sum(1 for n, _ in model.named_parameters() if "layers.0.mlp.experts" in n and "fc1" in n)
     params = sum(p.numel() for p in model.parameters())
     load_hf_weights(model, hf_dir, config, info)
-    engine = MegatronEngine(model, info, _engine_spec(), vocab_size=VOCAB)
+    engine = MegatronEngine(model, info, spec, vocab_size=VOCAB)
     out = {"dp_rank": info.dp_rank, "ep_rank": info.ep_rank, "local_experts": experts, "params": params}
     out["log_probs"] = engine.forward(batch, micro_batch_size=2, temperature=TEMPERATURE)["log_probs"]
-    out["metrics"] = engine.train_step(batch, policy_loss, temperature=TEMPERATURE)
+    out["metrics"] = engine.train_step(batch, token_mean_policy_loss, temperature=TEMPERATURE)
     parallel.destroy_parallel()
     return out
 

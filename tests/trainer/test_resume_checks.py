@@ -88,3 +88,11 @@ def test_partial_save_removed_at_start(tmp_path):
     partial = mgr.begin(4).path
     torch.save({"x": torch.zeros(1)}, partial / "half.pt")
     assert mgr.remove_partials() == [partial] and mgr.latest() == good
+
+
+def test_expert_parallel_change_names_the_size(tmp_path, capsys):
+    # optimizer state of the experts is sharded per EP rank: a checkpoint saved at ep=2 is refused at ep=1,
+    # and a layout.json without "ep" (written before expert parallelism) counts as ep=1 and resumes
+    _checkpoint(tmp_path, layout={"tp": 2, "pp": 1, "cp": 1, "dp": 1, "vpp": None, "ep": 2, "world_size": 2})
+    code, err = _run(_args(tmp_path), capsys)
+    assert code == 2 and "actor: ep 2 -> 1" in err and "tp/pp/cp/vpp/ep" in err, err
