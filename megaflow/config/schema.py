@@ -567,8 +567,10 @@ class LoRAConfig(CriticLoRAConfig):
 
     sync: Literal["merged", "adapter"] = "merged"
     """Weight sync to the rollout engine: merged (the engine receives W + (alpha / rank) * B A for
-    every adapted weight, merged shard by shard during the reshard) or adapter (the adapters
-    alone, loaded by the engine as a LoRA adapter)."""
+    every adapted weight, merged shard by shard during the reshard) or adapter (the frozen base
+    once, then the adapters alone at every sync, loaded by the engine as a versioned LoRA adapter;
+    colocated only: refused with split placement, resources.placement.rollout). Both routes serve
+    the trainer's policy (tests/workers/test_lora_weight_sync.py)."""
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,14 @@ def _expected_shape(module: torch.nn.Module, param: torch.nn.Parameter, attr: st
     return (int(out_size), int(in_size))
 
 
+def served_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """``model.named_parameters()`` under the names of the model without LoRA: vLLM's LoRA
+    wrappers (``enable_lora``; ``BaseLayerWithLoRA``) hold the wrapped layer as ``base_layer``,
+    so ``...qkv_proj.base_layer.weight`` is served as ``...qkv_proj.weight`` (the adapters are no
+    parameters; they are loaded apart, :mod:`megaflow.rollout.lora_sync`)."""
+    return {name.replace(".base_layer.", "."): p for name, p in model.named_parameters()}
+
+
 def _param_owners(model: torch.nn.Module) -> dict[int, list[tuple[torch.nn.Module, str]]]:
     """id(parameter) -> every (module, attribute) holding it (tied weights have several)."""
     owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
@@ -113,7 +121,8 @@ def _param_owners(model: torch.nn.Module) -> dict[int, list[tuple[torch.nn.Modul
 def sharded_param_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     """vLLM parameter name -> this rank's expected shard shape (what the streamed update accepts)."""
     owners = _param_owners(model)
-    return {name: _expected_shape(owners[id(p)][0][0], p, owners[id(p)][0][1]) for name, p in model.named_parameters()}
+    return {name: _expected_shape(owners[id(p)][0][0], p, owners[id(p)][0][1])
+            for name, p in served_parameters(model).items()}
 
 
 class ShardedWeightUpdate:
@@ -130,7 +139,7 @@ class ShardedWeightUpdate:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        canonical = {id(p): name for name, p in model.named_parameters()}
+        canonical = {id(p): name for name, p in served_parameters(model).items()}
         self._expected = set(canonical.values())
         #: module name -> (module, names of its own parameters as model.named_parameters() lists them)
         self._modules = {name: (module, frozenset(canonical[id(p)] for _, p in module.named_parameters(recurse=False)))
@@ -151,7 +160,7 @@ class ShardedWeightUpdate:
             ValueError: a tensor of the wrong shape (name, expected and given shapes), or a
                 name given twice in this update. Nothing of the bucket is written then.
         """
-        params = dict(self.model.named_parameters())  # re-read: processing replaces emptied parameters
+        params = served_parameters(self.model)  # re-read: processing replaces emptied parameters
         owners = _param_owners(self.model)
         items = list(named_tensors)
         seen: set[str] = set()

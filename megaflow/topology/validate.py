@@ -181,7 +181,8 @@ def _check_lora(cfg: Config) -> None:
 
     rank at most the smaller size of every targeted linear; no mixture-of-experts model (the
     experts' linears get no adapters); no sequence parallelism (megaflow.megatron.lora); the
-    actor's ``sync`` merged (the adapter-only route is not wired in yet); with the actor's LoRA
+    actor's ``sync`` adapter only with the colocated engine (split placement, and so async
+    rollouts, sync merged weights); with the actor's LoRA
     the reference log-probs come from the actor with adapters disabled, so ``ref.enabled`` is
     false; no HF export and no checkpoints yet (their adapter-aware versions are not wired in).
 
@@ -212,8 +213,9 @@ def _check_lora(cfg: Config) -> None:
               f"{lora_roles[0]}.lora.rank")
     if cfg.actor.lora.rank == 0:
         return
-    check(cfg.actor.lora.sync == "merged", "actor.lora.sync",
-          "'adapter' (the engine loading the adapters alone) is not available yet: use 'merged'")
+    check(cfg.actor.lora.sync == "merged" or split_rollout_pool(cfg) is None, "actor.lora.sync",
+          "'adapter' (the engine loading the adapters alone) needs the colocated engine: with split placement "
+          "({0} set, and so with trainer.async_rollout) use 'merged'", "resources.placement.rollout")
     check(not cfg.ref.enabled, "ref.enabled",
           "must be false with {0} > 0: the reference log-probs come from the actor with its adapters disabled "
           "(the frozen base is the initial policy), no reference group is needed", "actor.lora.rank")

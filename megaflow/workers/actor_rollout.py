@@ -10,6 +10,8 @@ names and layouts (:mod:`megaflow.hybrid_engine.rollout_weights`) and pushed int
 engine, and the generation buffers are released again (train -> generate -> train). The
 engine's weight version increments and its prefix cache is reset on every sync; the
 controller checks with :func:`check_synced` that every rank serves the actor's version.
+With ``actor.lora.sync == "adapter"`` the resharder moves the frozen base once and every
+sync then publishes only the LoRA adapters (:class:`~megaflow.rollout.lora_sync.AdapterSync`).
 The shard travels in buckets of ``rollout.weight_sync_bucket_mb`` MiB, produced lazily
 from the resharder (at most one bucket alive). ``generate_sequences`` only generates: it
 refuses to run on weights older than the actor's.
@@ -36,6 +38,7 @@ from megaflow.workers.weight_sync import WeightSync
 if TYPE_CHECKING:
     from megaflow.hybrid_engine.reshard import MicroDPResharder, ReshardStats
     from megaflow.hybrid_engine.transport import TransportStats, WeightTransport
+    from megaflow.rollout.lora_sync import AdapterSync
     from megaflow.rollout.vllm_rollout import VLLMRollout
 
 #: Default of ``bucket_mb`` (``rollout.weight_sync_bucket_mb``): a 70B model's generation
@@ -73,6 +76,9 @@ class ActorRolloutWorker(ActorWorker):
         self._num_sends = 0
         self.last_reshard_stats: ReshardStats | None = None
         self.last_transport_stats: TransportStats | None = None
+        self.adapter_sync: AdapterSync | None = None  # actor.lora.sync == "adapter", on engine ranks
+        self._base_synced = False  # the engine holds the actor's frozen base (the adapter route)
+        self._adapter_seconds: float | None = None  # the last adapter-only sync's duration
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -89,8 +95,11 @@ class ActorRolloutWorker(ActorWorker):
                                          num_attention_heads=self.spec.num_heads,
                                          num_query_groups=self.spec.num_kv_heads, ep=info.ep_size)
         self.reshard_groups = build_reshard_groups(self.layout)
-        # LoRA (merged sync): the adapted weights go out as W + (alpha / r) B A, merged shard by shard
+        # LoRA, merged sync: the adapted weights go out as W + (alpha / r) B A, merged shard by shard;
+        # adapter sync: the frozen base W goes out (once), the adapters separately (_sync_adapter)
         base, merged = weight_sync_sources(self.engine.module)
+        if self._adapter_route:
+            merged = {}
         self.resharder = MicroDPResharder(self.reshard_groups, base, merged=merged,
                                           share_embeddings_and_output_weights=self.spec.tie_word_embeddings)
         placement = self.layout.ranks[self.rank]
@@ -103,6 +112,19 @@ class ActorRolloutWorker(ActorWorker):
 
             self.transport = ColocatedTransport(self.rollout)
             self._vllm_shapes = self.rollout.sharded_param_shapes()
+            if self._adapter_route:
+                from megaflow.rollout.lora_sync import AdapterSync
+
+                # colocated: rollouts always come from the newest policy (staleness 0); the engine was
+                # built with max_lora_versions = 2 (rollout_host.build_engine)
+                self.adapter_sync = AdapterSync(self.rollout, self.spec, alpha=self.config.actor.lora.alpha,
+                                                staleness=0, base_model=self.rollout.config.model_path)
+
+    @property
+    def _adapter_route(self) -> bool:
+        """``actor.lora.sync == "adapter"`` with adapters on: the engine serves base + LoRA adapter."""
+        lora = self.config.actor.lora
+        return lora.rank > 0 and lora.sync == "adapter"
 
     def _build_host(self, hf_config: Any, gen_replica: int) -> RolloutHost | None:
         """This rank's engine shard (:class:`~megaflow.workers.rollout_host.RolloutHost`)."""
@@ -134,14 +156,31 @@ class ActorRolloutWorker(ActorWorker):
         source has no transport but still runs the conversion's collectives). Unchanged
         weights send only that news. Parameters only are reloaded onto the device. Also runs
         when the engine discarded its weights (``rollout.sleep_level`` 2) with the actor unchanged.
-        """
-        from megaflow.hybrid_engine.rollout_weights import generation_buckets
 
+        ``actor.lora.sync == "adapter"``: the first sync (and one after the engine lost its
+        weights) sends the frozen base weights, every sync then publishes the LoRA adapters alone
+        (:meth:`_sync_adapter`); the base is not resharded again.
+        """
         engine_valid = self.rollout is None or self.rollout.weights_valid  # level-2 sleep discards them
         if self._synced_version == self._actor_version and engine_valid:
             if self.transport is not None:
                 self.transport.send_unchanged(self._actor_version)
             return
+        if not self._adapter_route or not self._base_synced or not engine_valid:
+            self._send_weights(bucket_bytes)
+            self._base_synced = True
+        else:  # adapter route, base in place: only the adapter moves
+            self.last_reshard_stats = self.last_transport_stats = None
+        if self._adapter_route:
+            self._sync_adapter()
+        self._synced_version = self._actor_version
+        self._num_sends += 1
+
+    def _send_weights(self, bucket_bytes: int) -> None:
+        """Reshard the actor's weights (merged, or the frozen base on the adapter route) into the
+        generation layout and send them through this rank's transport (collective)."""
+        from megaflow.hybrid_engine.rollout_weights import generation_buckets
+
         if self._vllm_shapes is None:
             raise RuntimeError("weight sync before the engine's shard shapes are known (init_model, or under "
                                "split placement init_weight_transport)")
@@ -161,8 +200,23 @@ class ActorRolloutWorker(ActorWorker):
         finally:
             self._after_phase()  # the training state goes back off the device while the engine generates
         self.last_reshard_stats = self.resharder.last_stats
-        self._synced_version = self._actor_version
-        self._num_sends += 1
+
+    def _sync_adapter(self) -> None:
+        """Adapter route: gather the actor's LoRA adapters over TP and PP (collective on every
+        rank) and publish them in the engine as the actor's version
+        (:meth:`~megaflow.rollout.lora_sync.AdapterSync.sync`, which generation uses from now on)."""
+        import time
+
+        from megaflow.models.transforms import kv_replication_factor
+        from megaflow.rollout.lora_sync import gather_adapter_pieces, local_adapter_tensors
+
+        start = time.perf_counter()
+        pieces = gather_adapter_pieces(local_adapter_tensors(self.engine.module), tp_group=self.info.tp_group,
+                                       pp_group=self.info.pp_group)
+        if self.adapter_sync is not None:
+            replication = kv_replication_factor(self.spec.num_kv_heads, self.spec.num_heads, self.info.tp_size)
+            self.adapter_sync.sync(pieces, self._actor_version, kv_replication=replication)
+        self._adapter_seconds = time.perf_counter() - start
 
     # ------------------------------------------------------------------ registered methods
     @register(Dispatch.ONE_TO_ALL)
@@ -246,10 +300,11 @@ class ActorRolloutWorker(ActorWorker):
         """What the last sync that moved weights moved: the reshard's figures, and the
         engine's bucket counts (colocated) or the transport's figures (a split source rank)."""
         s, t = self.last_reshard_stats, self.last_transport_stats
-        if s is None:  # no sync has moved weights yet
-            return {}
-        figures = {"timing_s/reshard": s.seconds, "reshard/bytes_received": float(s.bytes_received),
-                   "reshard/bytes_sent": float(s.bytes_sent)}
+        figures = {} if self._adapter_seconds is None else {"timing_s/adapter_sync": self._adapter_seconds}
+        if s is None:  # no sync has moved base weights yet, or an adapter-only sync
+            return figures
+        figures |= {"timing_s/reshard": s.seconds, "reshard/bytes_received": float(s.bytes_received),
+                    "reshard/bytes_sent": float(s.bytes_sent)}
         if self.rollout is not None and t is not None:
             figures.update({"rollout/weight_sync_buckets": float(t.num_buckets),
                             "rollout/weight_sync_bucket_bytes": float(t.largest_bucket)})

@@ -50,6 +50,18 @@ def engine_model_dir(hf_config: Any, rank: int) -> str:
     return path
 
 
+def adapter_engine_settings(cfg: Config) -> tuple[int, int]:
+    """The engine's ``(max_lora_rank, max_lora_versions)``: ``(0, 1)`` (no LoRA) unless
+    ``actor.lora.sync == "adapter"``, then adapters up to
+    ``actor.lora.rank``, and ``staleness + 2`` adapter slots
+    (:class:`~megaflow.rollout.lora_sync.AdapterSync`) with staleness 0: the route runs colocated only
+    (split placement, and so async rollouts, is refused at load), so rollouts use the newest adapter."""
+    lora = cfg.actor.lora
+    if lora.rank == 0 or lora.sync != "adapter":
+        return 0, 1
+    return lora.rank, 2
+
+
 def build_engine(cfg: Config, hf_config: Any, *, rank: int, tp_group_ranks: Sequence[Sequence[int]],
                  eos_token_ids: tuple[int, ...], pad_token_id: int) -> VLLMRollout:
     """The vLLM engine shard of one rank, with dummy weights.
@@ -70,6 +82,7 @@ def build_engine(cfg: Config, hf_config: Any, *, rank: int, tp_group_ranks: Sequ
     from megaflow.rollout.vllm_rollout import VLLMRollout, VLLMRolloutConfig
     from megaflow.topology.sizes import max_seq_len, rollout_sleep_level
 
+    lora_rank, lora_versions = adapter_engine_settings(cfg)
     engine_cfg = VLLMRolloutConfig(
         model_path=engine_model_dir(hf_config, rank), tp_size=cfg.rollout.tp,
         tp_group_ranks=tuple(tuple(g) for g in tp_group_ranks),
@@ -77,7 +90,7 @@ def build_engine(cfg: Config, hf_config: Any, *, rank: int, tp_group_ranks: Sequ
         kv_cache_bytes=None if cfg.resources.use_gpu else cpu_kv_cache_bytes(cfg),
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.trainer.seed,
         sleep_level=rollout_sleep_level(cfg), enforce_eager=cfg.rollout.enforce_eager,
-        logprobs_mode=f"{cfg.rollout.logprobs_mode}_logprobs")
+        logprobs_mode=f"{cfg.rollout.logprobs_mode}_logprobs", max_lora_rank=lora_rank, max_lora_versions=lora_versions)
     sampling = SamplingConfig(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                               top_k=cfg.rollout.top_k, response_length=cfg.rollout.response_length,
                               eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)

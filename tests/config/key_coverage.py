@@ -407,8 +407,8 @@ KEYS: dict[str, Consumed | Refused] = {
     "actor.lora.alpha": consumed(LORA + "test_nonzero_b_forward_equals_merged_weights"),
     "actor.lora.dropout": consumed(LORA + "test_target_modules_and_dropout_knobs"),
     "actor.lora.target_modules": consumed(LORA + "test_target_modules_and_dropout_knobs"),
-    # the adapter-only route (the engine loading the adapters alone) is not wired in yet
-    "actor.lora.sync": Refused("adapter", "is not available yet", extra=("actor.lora.rank=8", "trainer.save_freq=-1")),
+    "actor.lora.sync": consumed("tests/workers/test_lora_weight_sync.py::test_sync_serves_the_adapted_weights",
+                                LORA_CFG + "test_adapter_sync_loads_colocated_and_sizes_the_engine"),
     **{f"critic.lora.{key}": consumed(LORA + "test_critic_lora_keeps_the_value_head_trainable")
        for key in ("rank", "alpha", "dropout", "target_modules")},
 }

@@ -11,6 +11,9 @@ from megaflow.topology import load_run
 RECIPE = "tiny_arith_grpo"
 BASE = ("resources.use_gpu=false", "trainer.save_freq=-1")
 ON = ("actor.lora.rank=8",)
+SPLIT = ("resources.procs_per_node=4", "resources.pools={actor: {procs_per_node: 2}, gen: {procs_per_node: 2}}",
+         "resources.placement.actor=actor", "resources.placement.ref=actor", "resources.placement.critic=actor",
+         "resources.placement.reward_model=actor", "resources.placement.rollout=gen", "rollout.tp=1")
 PPO = ("algorithm.adv_estimator=gae", "critic.enabled=true", "critic.tp=2", "critic.lora.rank=4")
 
 
@@ -31,7 +34,7 @@ def _refused(*overrides: str) -> ConfigError:
     (("actor.lora.alpha=0",), "actor.lora.alpha", "> 0"),
     (("actor.lora.dropout=1.0",), "actor.lora.dropout", "[0, 1)"),
     (("actor.lora.dropout=-0.1",), "actor.lora.dropout", "[0, 1)"),
-    ((*ON, "actor.lora.sync=adapter"), "actor.lora.sync", "not available yet"),
+    ((*ON, "actor.lora.sync=adapter", *SPLIT), "actor.lora.sync", "resources.placement.rollout"),
     ((*ON, "algorithm.use_kl_loss=true", "ref.enabled=true"), "ref.enabled", "adapters disabled"),
     ((*ON, "trainer.export_hf=true"), "trainer.export_hf", "not available yet"),
     ((*ON, "trainer.save_freq=5"), "trainer.save_freq", "not available yet"),
@@ -46,6 +49,20 @@ def test_bad_lora_values_are_refused_naming_the_key(overrides, key, says):
     err = _refused(*overrides)
     assert err.key == key, str(err)
     assert says in str(err), str(err)
+
+
+def test_adapter_sync_loads_colocated_and_sizes_the_engine():
+    """actor.lora.sync=adapter loads colocated (the refusal is lifted) and builds the engine with
+    LoRA up to the adapter rank and 2 adapter slots (staleness 0 + 2); merged and LoRA off build
+    no LoRA into the engine; under split placement the same setting is refused (above)."""
+    from megaflow.workers.rollout_host import adapter_engine_settings
+
+    cfg = load_run(RECIPE, [*BASE, *ON, "actor.lora.sync=adapter"])
+    assert cfg.actor.lora.sync == "adapter"
+    assert adapter_engine_settings(cfg) == (8, 2)
+    assert adapter_engine_settings(load_run(RECIPE, [*BASE, *ON])) == (0, 1)
+    assert adapter_engine_settings(load_run(RECIPE, [*BASE, "actor.lora.sync=adapter"])) == (0, 1)
+    assert load_run(RECIPE, [*BASE, *ON, *SPLIT]).actor.lora.sync == "merged"  # merged runs split
 
 
 def test_lora_on_a_mixture_of_experts_model_is_refused_naming_the_rank():

