@@ -2,6 +2,7 @@
 same facts from a config, ``transformers`` (its config classes and a meta-device model) is
 the independent reference, and every feature megaflow cannot build is refused by all three
 with the field named."""
+import dataclasses
 import json
 
 import pytest
@@ -262,7 +263,14 @@ def test_router_replay_is_refused_for_a_dense_model_and_with_full_recompute(tiny
     with pytest.raises(ConfigError) as err:
         run_from_dict(tiny(**moe, actor={"tp": 1, "router_replay": "R3", "recompute_granularity": "full"}))
     assert err.value.key == "actor.router_replay" and "recompute_granularity" in str(err.value)
-    check_rollout_serves_model(run_from_dict(tiny(**moe, actor={"tp": 1, "router_replay": "R3"})))
+    cfg = run_from_dict(tiny(**moe, actor={"tp": 1, "router_replay": "R3"}))
+    check_rollout_serves_model(cfg)
+    # The multi-turn agent loop does not return the routed experts: refused before start.
+    agent = dataclasses.replace(cfg.rollout.agent, enabled=True)
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, agent=agent))
+    with pytest.raises(ConfigError) as err:
+        check_rollout_serves_model(cfg)
+    assert err.value.key == "actor.router_replay" and "agent loop" in str(err.value)
 
 
 def test_token_budget_micro_batches_with_expert_parallelism_are_refused(tiny):
