@@ -665,8 +665,9 @@ class ActorConfig(TrainedRoleConfig):
     (old log-probs and update) through the experts the rollout engine chose, read from the
     batch field ``routed_experts`` ``[batch, seq, moe_layers, topk]`` (megaflow.megatron.
     routing_replay; the router still gets a gradient at the replayed experts). ``off``: the
-    trainer's router decides. Refused for a dense model; a run with R3 is refused before
-    start until the rollout returns its routed experts. (R2, recording at the old-log-prob
+    trainer's router decides. With R3 the vLLM rollout returns ``routed_experts`` (prefix
+    caching off). Refused for a dense model, with full recomputation, and with the multi-turn
+    agent loop (rollout.agent.enabled). (R2, recording at the old-log-prob
     forward, is not built.)"""
 
     def validate(self) -> None:

@@ -94,6 +94,17 @@ def _router_aux_loss(model: torch.nn.Module, spec: RoleSpec) -> RouterAuxLoss | 
     return RouterAuxLoss(model, aux_coeff=aux, z_coeff=z) if aux or z else None
 
 
+def replayable_routing(routed: torch.Tensor) -> torch.Tensor:
+    """``routed`` ``[..., topk]`` with every entry that has no routing (negative:
+    :data:`megaflow.rollout.routing.NO_ROUTING`, the last token of each sequence, which the
+    engine samples but never feeds through the model) replaced by the distinct ids
+    ``0 .. topk - 1`` of its slot, so the replay gets valid expert ids. Such a position's
+    output scores no response token (position ``s`` scores the token at ``s + 1``), so the
+    choice does not change any log-prob."""
+    slots = torch.arange(routed.shape[-1], dtype=routed.dtype, device=routed.device).expand_as(routed)
+    return torch.where(routed < 0, slots, routed)
+
+
 def _routing_replay(model: torch.nn.Module, spec: RoleSpec) -> tuple[RoutingReplay, list[int]] | None:
     """The actor's :class:`RoutingReplay` with ``actor.router_replay=R3`` and the global (1-based)
     layer number of each of its MoE layers on this stage; None otherwise."""
@@ -249,6 +260,7 @@ class MegatronEngine:
         routed = mb.fields[ROUTED_EXPERTS_KEY]  # present: checked by left_align on every rank
         if routed.shape[2] < max(layers):
             raise ValueError(f"{ROUTED_EXPERTS_KEY} has {routed.shape[2]} MoE layers, the model {max(layers)}")
+        routed = replayable_routing(routed)
         targets = [routed[:, :, layer - 1].transpose(0, 1).reshape(-1, routed.shape[-1]) for layer in layers]
         return replay.replay(targets)
 

