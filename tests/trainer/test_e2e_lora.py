@@ -49,10 +49,19 @@ def _numeric_diffs(a: dict, b: dict) -> list[tuple[str, float, float]]:
             and a[k] != b[k]]
 
 
+def dcp_keys(directory: Path) -> list[str]:
+    """The tensor keys of a megatron-core distributed checkpoint (its metadata, no pickle run)."""
+    from megatron.core import dist_checkpointing
+
+    return sorted(dist_checkpointing.load_tensors_metadata(str(directory)))
+
+
 def test_lora_resume_continues_exactly(ray_session, tmp_path: Path):
     """A LoRA run saved at step 2 and resumed gives bit-identical metrics at steps 3 and 4 to an
     uninterrupted run: the checkpoint holds the adapters and their (only) optimizer state, and
     no file in it is a pickle that loading would execute."""
+    import json
+
     from megaflow.trainer.checkpoint import CheckpointManager
 
     full, _ = _train(tmp_path, "full", ["trainer.total_steps=4", "trainer.save_freq=-1"])
@@ -62,6 +71,13 @@ def test_lora_resume_continues_exactly(ray_session, tmp_path: Path):
     # checksums of every file; every DCP pickle and every *.pt read with restricted (no-code) readers
     CheckpointManager(run_dir / "checkpoints").verify(ckpt)
     assert not [p for p in ckpt.rglob("*") if p.suffix in (".pkl", ".pickle", ".bin")]
+    # adapter-only: no second copy of the frozen base; the record names the settings and the base
+    assert (ckpt / "actor" / "adapter").is_dir() and not (ckpt / "actor" / "model").exists()
+    record = json.loads((ckpt / "actor" / "lora.json").read_text())
+    assert record["settings"]["rank"] == 16 and record["base_model"]["key"] == "model.hf_config"
+    assert sorted(record["base_sha256"]) == ["tp0_pp0", "tp1_pp0"]
+    stored = dcp_keys(ckpt / "actor" / "adapter")
+    assert stored and all(".lora_a." in k or ".lora_b." in k for k in stored), stored
     resumed, _ = _train(tmp_path, "resumed", ["trainer.total_steps=4", "trainer.save_freq=2", "trainer.resume=auto",
                                               "trainer.export_hf=true"])
     assert resumed[3]["actor/kl_loss"] > 0.0  # the adapters were restored, not re-initialised (B = 0: KL 0)
