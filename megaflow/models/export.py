@@ -5,13 +5,20 @@ Collective over the model's ranks: tensors are gathered one at a time
 safetensors shards, followed by ``config.json`` and the tokenizer files. The result loads
 with ``transformers.AutoModelForCausalLM.from_pretrained`` (or
 ``AutoModelForSequenceClassification`` for a critic / reward model).
+
+A LoRA-trained model exports its frozen base as the HF checkpoint (the adapter parameters
+are not merged in) and, given ``adapter``, the adapters in Hugging Face PEFT layout in the
+``adapter/`` subdirectory (``adapter_config.json`` + ``adapter_model.safetensors``,
+:mod:`megaflow.models.peft_io`): ``PeftModel.from_pretrained(AutoModelForCausalLM
+.from_pretrained(out_dir), out_dir / "adapter")`` is the trained policy, and
+``tools/merge_lora.py`` folds it into one full checkpoint.
 """
 from __future__ import annotations
 
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +27,11 @@ from megaflow.models.hf_mapping import ModelSpec, expected_hf_keys, hf_shape
 from megaflow.models.weights import is_export_writer, iter_hf_tensors, plan_export, unwrap_model_chunks
 from megaflow.utils.atomic_dir import check_output_dir, commit_directory, temporary_sibling
 
+if TYPE_CHECKING:
+    from megaflow.models.peft_io import PeftAdapter
+
+#: Subdirectory of an HF export holding a LoRA adapter in PEFT layout.
+ADAPTER_SUBDIR = "adapter"
 _ARCH_PREFIX = {"llama": "Llama", "qwen2": "Qwen2"}
 
 
@@ -47,7 +59,8 @@ def export_hf_dir(model_chunks: Any, hf_config: Any, parallel_info: Any,
                   out_dir: str | os.PathLike, *, dtype: torch.dtype | None = None,
                   hf_files_from: str | os.PathLike | None = None, atomic: bool = True,
                   overwrite: bool = False, max_shard_bytes: int = 2 * 1024**3,
-                  progress: bool = False) -> Path | None:
+                  progress: bool = False, adapter: PeftAdapter | None = None,
+                  adapter_dropout: float = 0.0) -> Path | None:
     """Write the model as an HF checkpoint directory (collective; see module docstring).
 
     Args:
@@ -62,6 +75,9 @@ def export_hf_dir(model_chunks: Any, hf_config: Any, parallel_info: Any,
         overwrite: replace an existing ``out_dir``.
         max_shard_bytes: safetensors shard size bound.
         progress: tqdm bar on the writer rank.
+        adapter: LoRA adapters of the model in PEFT layout, written (in ``dtype`` when given)
+            to ``out_dir/adapter`` inside the same atomic directory (module docstring).
+        adapter_dropout: ``lora_dropout`` recorded in the adapter's config.
 
     Returns:
         ``out_dir`` on the writer rank, None on the others.
@@ -105,6 +121,10 @@ def export_hf_dir(model_chunks: Any, hf_config: Any, parallel_info: Any,
         hf_config_for_export(hf_config, spec, written_dtype).save_pretrained(work)
         if hf_files_from is not None:
             copy_tokenizer_files(hf_files_from, work)
+        if adapter is not None:
+            from megaflow.models.peft_io import write_peft_adapter
+
+            write_peft_adapter(adapter, work / ADAPTER_SUBDIR, base_model=final, dropout=adapter_dropout, dtype=dtype)
         if atomic:
             commit_directory(work, final)
     except BaseException:
@@ -114,4 +134,4 @@ def export_hf_dir(model_chunks: Any, hf_config: Any, parallel_info: Any,
     return final
 
 
-__all__ = ["export_hf_dir", "hf_config_for_export"]
+__all__ = ["ADAPTER_SUBDIR", "export_hf_dir", "hf_config_for_export"]

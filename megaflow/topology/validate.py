@@ -206,11 +206,6 @@ def _check_lora(cfg: Config) -> None:
                   "it adds parameters but no expressiveness")
         check(not getattr(cfg, role).sequence_parallel, f"{role}.sequence_parallel",
               "LoRA adapters do not support sequence parallelism yet: set it false or {0}=0", f"{role}.lora.rank")
-    lora_roles = [r for r in ("actor", "critic") if r in enabled_roles(cfg) and getattr(cfg, r).lora.rank > 0]
-    if lora_roles:
-        check(cfg.trainer.save_freq == -1, "trainer.save_freq",
-              "checkpoints of LoRA adapters are not available yet: set it -1 (never) or {0}=0",
-              f"{lora_roles[0]}.lora.rank")
     if cfg.actor.lora.rank == 0:
         return
     check(cfg.actor.lora.sync == "merged" or split_rollout_pool(cfg) is None, "actor.lora.sync",
@@ -219,8 +214,6 @@ def _check_lora(cfg: Config) -> None:
     check(not cfg.ref.enabled, "ref.enabled",
           "must be false with {0} > 0: the reference log-probs come from the actor with its adapters disabled "
           "(the frozen base is the initial policy), no reference group is needed", "actor.lora.rank")
-    check(not cfg.trainer.export_hf, "trainer.export_hf",
-          "exporting a LoRA-trained actor is not available yet: set it false or {0}=0", "actor.lora.rank")
 
 
 def _check_colocated_meshes(cfg: Config) -> None:

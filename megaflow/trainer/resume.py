@@ -158,7 +158,7 @@ def check_resume(cfg, manager: CheckpointManager | None = None) -> ResumePoint |
                                "its optimizer state only loads at the tp/pp/cp/vpp/ep sizes it was saved with (at "
                                "any dp). Resume with the saved sizes, or start a new run (another "
                                "trainer.experiment_name) from its model (model.path="
-                               + str(path / "actor" / "model") + ")")
+                               + str(path / "actor" / "model") + "; a LoRA checkpoint holds adapters only)")
     saved_yaml = path / "config.yaml"
     if saved_yaml.is_file() and not getattr(cfg.trainer, "resume_ignore_config_diff", False):
         from megaflow.config import config_to_dict

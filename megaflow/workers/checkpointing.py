@@ -19,6 +19,17 @@ expert-data-parallel group (``dp * cp / ep`` ranks) in buckets of this EP rank's
 so it loads only at the saved ``ep`` too (checked before start by the trainer, and here by
 :func:`load_engine_checkpoint`, naming ``<role>.ep``); a checkpoint without ``ep`` was
 written at ep = 1.
+LoRA (``<role>.lora.rank > 0``): the checkpoint is adapter-only. ``model/`` is replaced by::
+
+    adapter/         megatron-core distributed checkpoint of the adapter parameters only
+                     (the ``lora_a``/``lora_b`` entries of ``model.sharded_state_dict()``)
+    lora.json        the LoRA settings (rank, alpha, dropout, target_modules), the base's
+                     source (``<role>``'s model path or key) and the sha256 of the frozen base
+                     parameters per (tp, pp) rank
+
+The optimizer holds the adapters' state only (the base is frozen). A load rebuilds the base
+from the run's model source, as at the start, and refuses a checkpoint whose LoRA settings or
+base fingerprint differ, naming the key (``<role>.lora.<setting>`` or the model source's key).
 Atomicity and the manifest are the caller's (the trainer's checkpoint manager writes into
 a temporary directory, seals it and renames it). No file is unpickled without the
 restricted readers of :mod:`megaflow.utils.integrity`.
@@ -34,6 +45,8 @@ import torch
 import torch.distributed as dist
 
 MODEL_DIR, OPTIMIZER_DIR, SCHEDULER_FILE, LAYOUT_FILE = "model", "optimizer", "scheduler.json", "layout.json"
+ADAPTER_DIR, LORA_FILE = "adapter", "lora.json"
+_LORA_KEYS = ("rank", "alpha", "dropout", "target_modules")
 # The distributed optimizer's state saved per DP shard; it loads at any DP size and the
 # saved model-parallel sizes.
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -59,8 +72,16 @@ def save_engine_checkpoint(engine, path: str | os.PathLike, hf_config, *,
     from megaflow.models.checkpoint import save_checkpoint, save_sharded
 
     root = Path(path).absolute()
-    save_checkpoint(engine.module, root / MODEL_DIR, hf_config, engine.info,
-                    hf_files_from=hf_files_from, atomic=False, overwrite=True)
+    lora = _lora_record(engine)
+    if lora is not None:
+        if dist.get_rank() == 0:
+            (root / ADAPTER_DIR).mkdir(parents=True, exist_ok=True)
+            (root / LORA_FILE).write_text(json.dumps(lora, indent=1, sort_keys=True))
+        dist.barrier()
+        save_sharded(_adapter_sharded_state_dict(engine), root / ADAPTER_DIR)
+    else:
+        save_checkpoint(engine.module, root / MODEL_DIR, hf_config, engine.info,
+                        hf_files_from=hf_files_from, atomic=False, overwrite=True)
     if engine.optimizer is not None:
         if dist.get_rank() == 0:
             (root / OPTIMIZER_DIR).mkdir(parents=True, exist_ok=True)
@@ -89,9 +110,12 @@ def load_engine_checkpoint(engine, path: str | os.PathLike) -> None:
     from megaflow.utils.integrity import check_dcp_pickles
 
     root = Path(path)
-    if not (root / MODEL_DIR).is_dir():
-        raise FileNotFoundError(f"{root} has no {MODEL_DIR}/ (not an engine checkpoint)")
-    load_checkpoint(engine.module, root / MODEL_DIR)
+    if (root / ADAPTER_DIR).is_dir():
+        _load_adapters(engine, root)
+    elif not (root / MODEL_DIR).is_dir():
+        raise FileNotFoundError(f"{root} has no {MODEL_DIR}/ or {ADAPTER_DIR}/ (not an engine checkpoint)")
+    else:
+        load_checkpoint(engine.module, root / MODEL_DIR)
     if engine.optimizer is None:
         return
     if not (root / OPTIMIZER_DIR).is_dir() or not (root / SCHEDULER_FILE).is_file():
@@ -106,6 +130,94 @@ def load_engine_checkpoint(engine, path: str | os.PathLike) -> None:
         engine.optimizer.load_state_dict(loaded)
     _restore_adam_steps(engine.optimizer, loaded)
     engine.scheduler.load_state_dict(json.loads((root / SCHEDULER_FILE).read_text()))
+
+
+def _chunks(engine) -> list[Any]:
+    from megaflow.models.weights import unwrap_model_chunks
+
+    return list(unwrap_model_chunks(engine.module))
+
+
+def _adapter_sharded_state_dict(engine) -> dict[str, Any]:
+    """The adapter entries of every chunk's ``sharded_state_dict()`` (keyed like
+    :func:`megaflow.models.checkpoint.save_checkpoint`'s: ``model`` or ``model<i>``)."""
+    from megaflow.megatron.lora import is_adapter_name
+
+    chunks = _chunks(engine)
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    return {key: {n: t for n, t in chunk.sharded_state_dict().items() if is_adapter_name(n)}
+            for key, chunk in zip(keys, chunks, strict=True)}
+
+
+def _base_sha256(engine) -> str:
+    """sha256 over this rank's frozen (non-adapter) parameters, by name, in their stored bytes."""
+    import hashlib
+
+    from megaflow.megatron.lora import is_adapter_name
+
+    digest = hashlib.sha256()
+    for i, chunk in enumerate(_chunks(engine)):
+        for name, param in sorted(chunk.named_parameters()):
+            if not is_adapter_name(name):
+                digest.update(f"{i}.{name}".encode())
+                digest.update(param.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _lora_record(engine) -> dict[str, Any] | None:
+    """What ``lora.json`` holds for ``engine`` (collective: the base fingerprints are gathered),
+    or None without LoRA."""
+    lora = getattr(engine.spec.section, "lora", None)
+    if lora is None or lora.rank == 0:
+        return None
+    info = engine.info
+    mine = (f"tp{info.tp_rank}_pp{info.pp_rank}", _base_sha256(engine))
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    source = engine.spec.model_source
+    settings = {k: list(v) if isinstance(v, tuple | list) else v for k in _LORA_KEYS for v in [getattr(lora, k)]}
+    return {"settings": settings, "base_model": {"key": source.key, "path": source.path},
+            "base_sha256": dict(sorted(every))}
+
+
+def _check_lora_record(engine, root: Path, saved: dict[str, Any], now: dict[str, Any] | None) -> None:
+    """Refuse an adapter checkpoint for another LoRA setting or another base.
+
+    Raises:
+        ValueError: naming ``<role>.lora.rank`` (LoRA off now), ``<role>.lora.<setting>`` or the
+            model source's key (the frozen base differs from the one the adapters were trained on).
+    """
+    role = engine.spec.role
+    if now is None:
+        raise ValueError(f"{role}.lora.rank: {root} holds LoRA adapters only and this run has no LoRA")
+    for key in _LORA_KEYS:
+        if saved["settings"].get(key) != now["settings"][key]:
+            raise ValueError(f"{role}.lora.{key}: the adapters in {root} were saved with {saved['settings'].get(key)!r}"
+                             f" and this run has {now['settings'][key]!r}")
+    source = now["base_model"]
+    for where, digest in now["base_sha256"].items():
+        if saved["base_sha256"].get(where) != digest:
+            raise ValueError(f"{source['key']}: the frozen base ({source['path'] or 'random init'}) differs from "
+                             f"the one the adapters in {root} were trained on ({saved['base_model']}; base weights "
+                             f"of rank {where} have another sha256)")
+
+
+def _load_adapters(engine, root: Path) -> None:
+    """Load the adapter-only model part into ``engine`` after checking ``lora.json`` (collective)."""
+    from megatron.core import dist_checkpointing
+
+    from megaflow.models.checkpoint import verify_on_rank0
+    from megaflow.utils.integrity import check_dcp_pickles, read_json
+
+    _check_lora_record(engine, root, read_json(root / LORA_FILE), _lora_record(engine))
+    verify_on_rank0(check_dcp_pickles, root / ADAPTER_DIR)  # before megatron-core unpickles anything
+    sharded = _adapter_sharded_state_dict(engine)
+    loaded = dist_checkpointing.load(sharded, str(root / ADAPTER_DIR))
+    with torch.no_grad():
+        for key, chunk in zip(sharded, _chunks(engine), strict=True):
+            params = dict(chunk.named_parameters())
+            for name, tensor in loaded[key].items():
+                params[name].copy_(tensor)
 
 
 def _check_saved_expert_parallel(root: Path, engine) -> None:

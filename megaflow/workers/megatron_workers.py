@@ -202,15 +202,38 @@ class MegatronWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, path: str, overwrite: bool = False) -> None:
         """Write the model as a Hugging Face checkpoint directory at ``path`` (collective;
-        safetensors + config, tokenizer files copied from ``model_path`` when there is one)."""
+        safetensors + config, tokenizer files copied from ``model_path`` when there is one).
+        With ``<role>.lora.rank > 0``: the frozen base there and the adapters in PEFT layout
+        in ``path/adapter`` (:func:`megaflow.models.export.export_hf_dir`)."""
         from megaflow.models.export import export_hf_dir
 
         self._before_phase()
         try:
+            lora = getattr(self.role_spec.section, "lora", None)
             export_hf_dir(self.engine.module, self.role_spec.hf_config(), self.info, path,
-                          hf_files_from=self.role_spec.model_source.path, overwrite=overwrite)
+                          hf_files_from=self.role_spec.model_source.path, overwrite=overwrite,
+                          adapter=self._peft_adapter(), adapter_dropout=lora.dropout if lora is not None else 0.0)
         finally:
             self._after_phase()
+
+    def _peft_adapter(self) -> Any:
+        """The model's LoRA adapters in PEFT layout on every rank (collective over TP and PP;
+        :func:`megaflow.rollout.lora_sync.gather_adapter_pieces`), or None without LoRA."""
+        from megaflow.megatron.lora import has_lora
+
+        lora = getattr(self.role_spec.section, "lora", None)
+        if lora is None or not has_lora(self.engine.module):
+            return None
+        from megaflow.models.hf_mapping import ModelSpec
+        from megaflow.models.peft_io import megatron_to_peft
+        from megaflow.models.transforms import kv_replication_factor
+        from megaflow.rollout.lora_sync import gather_adapter_pieces, local_adapter_tensors
+
+        pieces = gather_adapter_pieces(local_adapter_tensors(self.engine.module), tp_group=self.info.tp_group,
+                                       pp_group=self.info.pp_group)
+        spec = ModelSpec.from_hf_config(self.role_spec.hf_config())
+        replication = kv_replication_factor(spec.num_kv_heads, spec.num_heads, self.info.tp_size)
+        return megatron_to_peft(pieces, spec, alpha=lora.alpha, kv_replication=replication)
 
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:

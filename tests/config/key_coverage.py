@@ -292,7 +292,8 @@ KEYS: dict[str, Consumed | Refused] = {
     # ------------------------------------------------------------------ trainer
     "trainer.total_steps": consumed(TOPO + "test_num_training_steps"),
     "trainer.total_epochs": consumed(TOPO + "test_num_training_steps"),
-    "trainer.save_freq": consumed(E2E_TINY + "test_resume_continues_exactly"),
+    "trainer.save_freq": consumed(E2E_TINY + "test_resume_continues_exactly",
+                                  "tests/trainer/test_e2e_lora.py::test_lora_resume_continues_exactly"),
     "trainer.test_freq": consumed(KE + "test_validation_runs_only_with_val_files_and_a_cadence_or_a_pre_train_check"),
     "trainer.val_before_train": consumed(
         KE + "test_validation_runs_only_with_val_files_and_a_cadence_or_a_pre_train_check"),
@@ -306,7 +307,8 @@ KEYS: dict[str, Consumed | Refused] = {
                                "tests/trainer/test_resume_checks.py::test_bad_resume_value_is_refused_at_load"),
     "trainer.resume_ignore_config_diff": consumed("tests/trainer/test_resume_checks.py::test_finished_run_says_so"),
     "trainer.max_ckpt_to_keep": consumed("tests/trainer/test_checkpoint.py::test_keep_last_prunes_old_complete_only"),
-    "trainer.export_hf": consumed(E2E_TINY + "test_default_recipe_learns_on_policy"),
+    "trainer.export_hf": consumed(E2E_TINY + "test_default_recipe_learns_on_policy",
+                                  "tests/megatron/test_lora_export.py::test_exported_peft_adapter_matches_megaflow_log_probs"),
     "trainer.logger": consumed(KE + "test_trainer_logger_picks_the_runs_metric_sinks"),
     "trainer.generations_every": consumed(
         "tests/trainer/test_generations.py::test_training_logs_samples_every_n_steps_and_after_the_last"),

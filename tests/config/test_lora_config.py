@@ -36,9 +36,6 @@ def _refused(*overrides: str) -> ConfigError:
     (("actor.lora.dropout=-0.1",), "actor.lora.dropout", "[0, 1)"),
     ((*ON, "actor.lora.sync=adapter", *SPLIT), "actor.lora.sync", "resources.placement.rollout"),
     ((*ON, "algorithm.use_kl_loss=true", "ref.enabled=true"), "ref.enabled", "adapters disabled"),
-    ((*ON, "trainer.export_hf=true"), "trainer.export_hf", "not available yet"),
-    ((*ON, "trainer.save_freq=5"), "trainer.save_freq", "not available yet"),
-    ((*PPO, "trainer.save_freq=5"), "trainer.save_freq", "critic.lora.rank"),
     ((*PPO, "critic.lora.rank=129"), "critic.lora.rank", "exceeds"),
     (("critic.lora.alpha=-1",), "critic.lora.alpha", "> 0"),
     (("critic.lora.dropout=2",), "critic.lora.dropout", "[0, 1)"),
@@ -63,6 +60,14 @@ def test_adapter_sync_loads_colocated_and_sizes_the_engine():
     assert adapter_engine_settings(load_run(RECIPE, [*BASE, *ON])) == (0, 1)
     assert adapter_engine_settings(load_run(RECIPE, [*BASE, "actor.lora.sync=adapter"])) == (0, 1)
     assert load_run(RECIPE, [*BASE, *ON, *SPLIT]).actor.lora.sync == "merged"  # merged runs split
+
+
+def test_lora_runs_save_checkpoints_and_export():
+    """The refusals of trainer.save_freq and trainer.export_hf with LoRA are lifted (the checkpoint
+    and the PEFT export are tested in tests/trainer/test_e2e_lora.py and tests/megatron/test_lora_export.py)."""
+    cfg = load_run(RECIPE, [*BASE, *ON, "trainer.save_freq=5", "trainer.export_hf=true"])
+    assert (cfg.trainer.save_freq, cfg.trainer.export_hf, cfg.actor.lora.rank) == (5, True, 8)
+    assert load_run(RECIPE, [*BASE, *PPO, "trainer.save_freq=5"]).critic.lora.rank == 4
 
 
 def test_lora_on_a_mixture_of_experts_model_is_refused_naming_the_rank():
