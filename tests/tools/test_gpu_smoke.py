@@ -100,8 +100,12 @@ def test_model_tflops_and_the_1b_plan_by_hand():
     plan = smoke.planned_memory(cfg)
     assert plan["params"] == 2 * n
     # bf16 params, fp32 grads, fp32 master + 2 Adam moments (dp=1: not sharded); full
-    # recomputation keeps each layer's bf16 input; the final norm's (3h+1) and fp32 logits + grad
-    activations = layers * 2 * b * s * h + 2 * b * s * (3 * h + 1) + 2 * 4 * b * s * vocab
+    # recomputation keeps each layer's bf16 input; the final norm's (3h+1); the fp32 log-prob head
+    # with T = b*s tokens and R = b*s/2 response tokens: the logits and their contiguous copy (2T),
+    # the response rows' logits, exp and a temporary (T + 3R), backward's 3R: max = T + 3R = 2.5T
+    tokens, response = b * s, b * s // 2
+    head = 4 * vocab * max(2 * tokens, tokens + 3 * response, 3 * response)
+    activations = layers * 2 * b * s * h + 2 * b * s * (3 * h + 1) + head
     assert plan["update"] == pytest.approx(2 * n + 4 * n + 12 * n + activations)
     assert plan["log-prob forward"] > plan["params"]
 

@@ -46,9 +46,18 @@ def _wait_for_step_1(proc: subprocess.Popen, run_dir: Path) -> None:
 def _run_processes(proc: subprocess.Popen) -> list[psutil.Process]:
     """Every process the controller started (Ray's gcs, raylet, agents, workers, engines, the watchdog)."""
     procs = psutil.Process(proc.pid).children(recursive=True)
-    names = " ".join(p.name() + " " + " ".join(p.cmdline()[:1]) for p in procs)
-    assert "raylet" in names and "watchdog" in " ".join(" ".join(p.cmdline()) for p in procs), names
+    names = " ".join(p.name() + " " + " ".join(_cmdline(p)[:1]) for p in procs)
+    assert "raylet" in names and "watchdog" in " ".join(" ".join(_cmdline(p)) for p in procs), names
     return procs
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    """``process``'s command line; empty for one that has exited (a zombie not yet reaped by its
+    parent, or gone) since the children were listed."""
+    try:
+        return process.cmdline()
+    except (psutil.ZombieProcess, psutil.NoSuchProcess):
+        return []
 
 
 def _verified_checkpoints(run_dir: Path) -> list[int]:

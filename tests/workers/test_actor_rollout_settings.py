@@ -135,7 +135,8 @@ def test_the_actor_re_syncs_an_engine_that_discarded_its_weights(monkeypatch):
         _synced_version=4, _actor_version=4, rollout=engine, transport=sent, spec=None, _vllm_shapes={},
         layout=SimpleNamespace(gen_tp=1), _gen_tp_rank=0, _gather_gen_tp=None, _num_sends=0,
         _before_phase=lambda kinds: None, _after_phase=lambda: None,
-        resharder=SimpleNamespace(last_stats="stats"))
+        resharder=SimpleNamespace(last_stats="stats"), _adapter_route=False, _base_synced=False)
+    fake._send_weights = lambda bucket_bytes: ActorRolloutWorker._send_weights(fake, bucket_bytes)
     ActorRolloutWorker._sync_rollout_weights(fake, 1 << 20)
     assert sent.sent == [] and sent.unchanged == [4]  # same version, weights held: nothing to do
     engine.weights_valid = False  # sleep_level=2 after the last generation
