@@ -9,7 +9,6 @@ finished; on any error it is removed, so no partial output directory is left beh
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -27,7 +26,7 @@ from megaflow.models.checkpoint import (
     verify_checkpoint_files,
 )
 from megaflow.models.export import export_hf_dir
-from megaflow.models.hf_io import CheckpointError, HFWeights
+from megaflow.models.hf_io import check_hf_dir, read_hf_config
 from megaflow.models.hf_mapping import ModelSpec
 from megaflow.models.weights import load_hf_weights
 from megaflow.utils.atomic_dir import check_output_dir, commit_directory, temporary_sibling
@@ -45,45 +44,6 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if key not in DTYPES:
         raise ValueError(f"dtype {name!r} is not supported; choose from {sorted(DTYPES)}")
     return DTYPES[key]
-
-
-def read_hf_config(hf_dir: str | os.PathLike) -> dict:
-    """``config.json`` of an HF directory as transformers interprets it (defaults filled)."""
-    from transformers import AutoConfig
-
-    config = Path(hf_dir) / "config.json"
-    if not Path(hf_dir).is_dir():
-        raise CheckpointError(f"HF checkpoint directory {hf_dir} does not exist")
-    if not config.is_file():
-        raise CheckpointError(f"{hf_dir} has no config.json")
-    try:
-        fields = json.loads(config.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{config} is not valid JSON: {err}") from None
-    if not isinstance(fields, dict):
-        raise CheckpointError(f"{config} holds a JSON {type(fields).__name__}, not an object of config fields")
-    try:
-        return AutoConfig.from_pretrained(hf_dir, local_files_only=True).to_dict()
-    except (OSError, ValueError, KeyError) as err:  # an unknown model_type, a bad field
-        raise CheckpointError(f"{config}: transformers cannot read it: {err}") from None
-
-
-def check_hf_dir(hf_dir: str | os.PathLike) -> tuple[dict, ModelSpec]:
-    """The checks a conversion makes of an HF directory before it writes anything (the
-    trainer's pre-start checks of ``model.path`` reuse them).
-
-    Returns:
-        ``(hf_config, spec)``: config.json as transformers reads it, and its ModelSpec.
-
-    Raises:
-        CheckpointError: no directory, no or invalid config.json, no safetensors files, an
-            unreadable (truncated) file or index, missing/extra/mis-shaped tensors.
-        UnsupportedModelError / ValueError: an architecture or feature megaflow does not map.
-    """
-    hf_config = read_hf_config(hf_dir)
-    spec = ModelSpec.from_hf_config(hf_config)
-    HFWeights(hf_dir).validate(spec)
-    return hf_config, spec
 
 
 def _check_sizes(tp: int, pp: int) -> None:

@@ -230,5 +230,45 @@ def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list
     return copied
 
 
+
+def read_hf_config(hf_dir: str | os.PathLike) -> dict:
+    """``config.json`` of an HF directory as transformers interprets it (defaults filled)."""
+    from transformers import AutoConfig
+
+    config = Path(hf_dir) / "config.json"
+    if not Path(hf_dir).is_dir():
+        raise CheckpointError(f"HF checkpoint directory {hf_dir} does not exist")
+    if not config.is_file():
+        raise CheckpointError(f"{hf_dir} has no config.json")
+    try:
+        fields = json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{config} is not valid JSON: {err}") from None
+    if not isinstance(fields, dict):
+        raise CheckpointError(f"{config} holds a JSON {type(fields).__name__}, not an object of config fields")
+    try:
+        return AutoConfig.from_pretrained(hf_dir, local_files_only=True).to_dict()
+    except (OSError, ValueError, KeyError) as err:  # an unknown model_type, a bad field
+        raise CheckpointError(f"{config}: transformers cannot read it: {err}") from None
+
+
+def check_hf_dir(hf_dir: str | os.PathLike) -> tuple[dict, ModelSpec]:
+    """The checks a conversion makes of an HF directory before it writes anything (the
+    trainer's pre-start checks of ``model.path`` reuse them).
+
+    Returns:
+        ``(hf_config, spec)``: config.json as transformers reads it, and its ModelSpec.
+
+    Raises:
+        CheckpointError: no directory, no or invalid config.json, no safetensors files, an
+            unreadable (truncated) file or index, missing/extra/mis-shaped tensors.
+        UnsupportedModelError / ValueError: an architecture or feature megaflow does not map.
+    """
+    hf_config = read_hf_config(hf_dir)
+    spec = ModelSpec.from_hf_config(hf_config)
+    HFWeights(hf_dir).validate(spec)
+    return hf_config, spec
+
+
 __all__ = ["CheckpointError", "HFWeights", "HFShardWriter", "copy_tokenizer_files",
-           "TOKENIZER_FILES"]
+           "TOKENIZER_FILES", "read_hf_config", "check_hf_dir"]

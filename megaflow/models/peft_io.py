@@ -387,8 +387,7 @@ def merge_adapter_into_hf_dir(hf_dir: str | os.PathLike, adapter_dir: str | os.P
             do not fit the base weight (module named).
         FileExistsError: ``out_dir`` exists without ``overwrite``.
     """
-    from megaflow.models.convert import check_hf_dir
-    from megaflow.models.hf_io import HFShardWriter, HFWeights, copy_tokenizer_files
+    from megaflow.models.hf_io import HFShardWriter, HFWeights, check_hf_dir, copy_tokenizer_files
     from megaflow.utils.atomic_dir import atomic_directory
 
     check_hf_dir(hf_dir)
