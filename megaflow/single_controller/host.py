@@ -20,10 +20,10 @@ from ray._raylet import setproctitle  # type: ignore[attr-defined]  # Cython: no
 from megaflow.single_controller.collect import ChunkOutput
 from megaflow.single_controller.errors import WorkerError
 from megaflow.single_controller.futures import resolve_arguments
+from megaflow.single_controller.store import reserve_port
 from megaflow.single_controller.worker import WorkerMetadata
 from megaflow.utils import startup_gc
 from megaflow.utils.device import rank_device_env
-from megaflow.utils.launch import find_free_port
 
 
 class WorkerHost:
@@ -58,13 +58,14 @@ class WorkerHost:
         self._roles: dict[str, Any] = {}
 
     def metadata(self, with_port: bool) -> tuple[WorkerMetadata, int | None]:
-        """This rank's :class:`WorkerMetadata`, and a free port on this node when asked."""
+        """This rank's :class:`WorkerMetadata`, and, when asked, a port on this node that this
+        process holds for its rendezvous store (:func:`~megaflow.single_controller.store.reserve_port`)."""
         ctx = ray.get_runtime_context()
         meta = WorkerMetadata(rank=self._rank, world_size=self._world_size, local_rank=self._local_rank,
                               node_index=self._node_index, node_id=ctx.get_node_id(), node_ip=self._node_ip,
                               hostname=socket.gethostname(), pid=os.getpid(),
                               gpu_ids=tuple(str(g) for g in ctx.get_accelerator_ids().get("GPU", [])))
-        return meta, (find_free_port(self._node_ip) if with_port else None)
+        return meta, (reserve_port(self._node_ip) if with_port else None)
 
     def _where(self, role: str) -> str:
         cls = type(self._roles[role]).__name__ if role in self._roles else "?"

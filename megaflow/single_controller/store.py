@@ -6,6 +6,12 @@ binds 127.0.0.1, :mod:`megaflow.launch.local`), :func:`open_tcp_store` binds the
 socket to that address itself and hands it to the store (``master_listen_fd``), so that
 nothing of a local run listens beyond loopback; on a cluster the store keeps torch's own
 socket, which the other nodes reach.
+
+A group's rendezvous port is chosen by rank 0's process before the group's ranks exist
+(:meth:`megaflow.single_controller.host.WorkerHost.metadata`). :func:`reserve_port` binds
+and listens on it there and then, and :func:`open_tcp_store` hands that very socket to the
+master store, so that nothing else on the node (an outgoing gloo connection drawing an
+ephemeral port, another run) can take the port in between.
 """
 from __future__ import annotations
 
@@ -39,22 +45,42 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+#: Listening sockets of :func:`reserve_port`, by port, until :func:`open_tcp_store` takes one.
+_RESERVED: dict[int, socket.socket] = {}
+
+
+def reserve_port(host: str) -> int:
+    """A free TCP port on ``host`` (an address of this machine), bound and listening from now on
+    in this process: the master :func:`open_tcp_store` of this process on that port takes the
+    socket over. Connections that arrive before wait in the socket's backlog.
+
+    Raises:
+        OSError: ``host`` is not an address of this machine.
+    """
+    sock = _listening_socket(host, 0)
+    port = sock.getsockname()[1]
+    _RESERVED[port] = sock
+    return port
+
+
 def open_tcp_store(host: str, port: int, world_size: int | None, *, is_master: bool,
                    timeout: timedelta) -> dist.TCPStore:
     """A ``TCPStore`` at ``host:port``: the server (``is_master``) or a client.
 
     Args:
-        port: 0 with ``is_master`` picks a free port (``store.port`` tells which).
+        port: 0 with ``is_master`` picks a free port (``store.port`` tells which); a port that
+            :func:`reserve_port` holds in this process is served on the reserved socket.
         world_size: members that will connect (None: not known, no wait for them).
 
     Raises:
         OSError: the master cannot bind ``host:port``.
     """
-    if not (is_master and is_loopback(host)):
+    reserved = _RESERVED.pop(port, None) if is_master and port else None
+    if reserved is None and not (is_master and is_loopback(host)):
         return dist.TCPStore(host, port, world_size, is_master, timeout, wait_for_workers=False)
-    sock = _listening_socket(host, port)
+    sock = reserved if reserved is not None else _listening_socket(host, port)
     return dist.TCPStore(host, sock.getsockname()[1], world_size, True, timeout, wait_for_workers=False,
                          master_listen_fd=sock.detach())
 
 
-__all__ = ["is_loopback", "open_tcp_store"]
+__all__ = ["is_loopback", "open_tcp_store", "reserve_port"]

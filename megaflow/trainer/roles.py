@@ -88,20 +88,38 @@ def build_worker_groups(cfg: Config, tokenizer: Any, total_steps: int | None = N
     (:func:`megaflow.trainer.rollout_source.connect_split`).
     ``total_steps``: training steps of the run (the trained roles' LR decay horizon,
     :attr:`~megaflow.topology.role_spec.RoleSpec.lr_decay_steps`); None: ``trainer.total_steps``.
+    A rank that fails to start leaves no processes or (named) placement groups behind, so a
+    later build in the same Ray session (a retry, the next test) can reuse the names.
 
     Raises:
         WorkerError: a rank failed to start, naming the role and rank.
     """
+    views: dict[str, Any] = {}
+    pools: list[ResourcePool] = []
+    try:
+        _spawn_groups(cfg, tokenizer, total_steps, views, pools)
+        return _start_groups(cfg, views, pools)
+    except BaseException:
+        for view in views.values():
+            try:
+                view.shutdown()
+            except Exception:  # noqa: BLE001 - best effort while the original error propagates
+                pass
+        for pool in pools:
+            pool.remove()
+        raise
+
+
+def _spawn_groups(cfg: Config, tokenizer: Any, total_steps: int | None, views: dict[str, Any],
+                  pools: list[ResourcePool]) -> None:
+    """Create each pool in use and its worker group, appending to ``pools`` and filling
+    ``views`` (role -> group or view of a colocated group) as they come."""
     from megaflow.single_controller import ClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
     from megaflow.topology.sizes import pools_in_use, split_rollout_pool
     from megaflow.workers.rollout_worker import RolloutWorker, SplitActorWorker
 
-    res = cfg.resources
     split = split_rollout_pool(cfg)
-    by_pool = pools_in_use(cfg)  # split placement: ("rollout",) alone on its pool (validated)
-    views: dict[str, Any] = {}
-    pools = []
-    for pool_name, roles in by_pool.items():
+    for pool_name, roles in pools_in_use(cfg).items():  # split placement: ("rollout",) alone on its pool
         pool = resource_pool(cfg, pool_name)
         pools.append(pool)
         members = {role: _role_init_args(cfg, "actor" if role == "rollout" else role, tokenizer, total_steps)
@@ -116,6 +134,13 @@ def build_worker_groups(cfg: Config, tokenizer: Any, total_steps: int | None = N
         else:
             group = RayWorkerGroup(pool, create_colocated_worker_cls(members), name_prefix=pool_name)
             views.update(group.spawn(prefix_set=set(members)))
+
+
+def _start_groups(cfg: Config, views: dict[str, Any], pools: list[ResourcePool]) -> WorkerGroups:
+    """The typed proxies over ``views``, with every role's model initialised (and, with split
+    placement, the weight transport connected)."""
+    from megaflow.topology.sizes import split_rollout_pool
+
     # Every role's init_model is started before any is awaited: roles on different pools build
     # their process groups and models at the same time; colocated roles share their processes,
     # whose Ray actors run the calls one after another in this order.
@@ -129,7 +154,7 @@ def build_worker_groups(cfg: Config, tokenizer: Any, total_steps: int | None = N
     pending = [proxy.init_model_async() for proxy in starting if proxy is not None]
     for future in pending:
         future.get()
-    if split is not None:
+    if split_rollout_pool(cfg) is not None:
         from megaflow.hybrid_engine import plan_hybrid_layout
         from megaflow.topology.sizes import role_parallel
         from megaflow.trainer.rollout_source import connect_split
@@ -137,7 +162,7 @@ def build_worker_groups(cfg: Config, tokenizer: Any, total_steps: int | None = N
         par = role_parallel(cfg, "actor")
         layout = plan_hybrid_layout(par.tp, par.pp, par.dp, cfg.rollout.tp)  # as the actor plans it
         assert groups.rollout is not None  # (split placement: the rollout role has its own pool, pools_in_use)
-        connect_split(groups.actor, groups.rollout, layout, backend="nccl" if res.use_gpu else "gloo")
+        connect_split(groups.actor, groups.rollout, layout, backend="nccl" if cfg.resources.use_gpu else "gloo")
     # The processes' start-up ends here: garbage collection, paused since they started, resumes
     # (a no-op call on the second view of colocated roles).
     for view in views.values():

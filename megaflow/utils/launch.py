@@ -2,8 +2,10 @@
 
 Used by tests and benchmarks to exercise distributed code on CPU (gloo) without Ray:
 processes are started with the ``spawn`` method (fork-started gloo worlds can deadlock
-inside a large pytest session), each world gets its own free TCP port, and a rank that
-raises makes the whole call raise with that rank's traceback instead of hanging.
+inside a large pytest session), each world rendezvous at a ``TCPStore`` that the calling
+process serves on a port the kernel picked (so no other process can take the port between
+choosing and listening), and a rank that raises makes the whole call raise with that rank's
+traceback instead of hanging.
 """
 from __future__ import annotations
 
@@ -41,8 +43,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
     torch.set_num_threads(num_threads)
     out_path = os.path.join(out_dir, f"rank{rank}.pkl")
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, None, False, timeout)  # a client of the parent's store
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         result = ("ok", fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
         result = ("error", traceback.format_exc())
@@ -81,7 +84,11 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    port = find_free_port()
+    from megaflow.single_controller.store import open_tcp_store
+
+    # the rendezvous store lives in this process, on a port it already listens on
+    store = open_tcp_store("127.0.0.1", 0, None, is_master=True, timeout=timedelta(seconds=timeout_s))
+    port = store.port
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="megaflow_dist_") as out_dir:
         procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, out_dir,

@@ -33,3 +33,19 @@ def test_a_routable_master_keeps_torchs_socket():
                                             ("localhost", True), ("10.0.0.1", False), ("node-1", False)])
 def test_is_loopback(host, expected):
     assert is_loopback(host) is expected
+
+
+def test_a_reserved_port_is_held_until_the_master_store_serves_on_it():
+    import socket
+
+    from megaflow.single_controller import store as store_mod
+
+    port = store_mod.reserve_port("127.0.0.1")
+    assert _listening_ports()[port] == "127.0.0.1"  # held from the moment it is chosen
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", port))  # nobody else can take it meanwhile
+    master = open_tcp_store("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=30))
+    assert master.port == port and port not in store_mod._RESERVED
+    client = open_tcp_store("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=30))
+    client.set("key", "value")
+    assert master.get("key") == b"value"
