@@ -117,7 +117,7 @@ lint: install
 	$(PY) -m mypy
 
 test: install lint
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests --durations=40 $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
