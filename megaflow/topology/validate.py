@@ -166,7 +166,9 @@ def _check_router_aux_losses(cfg: Config, spec: ModelSpec, role: str) -> None:
 
 def _check_router_replay(cfg: Config, spec: ModelSpec) -> None:
     """``actor.router_replay`` other than off needs a mixture-of-experts actor and no full
-    recomputation (a recomputed layer would route again without the replayed experts)."""
+    recomputation (a recomputed layer would route again without the replayed experts); R2 needs
+    the old-log-prob forward it records at (no ``actor.on_policy_old_log_probs``, no
+    ``algorithm.rollout_correction.bypass``)."""
     if cfg.actor.router_replay == "off":
         return
     check(spec.is_moe, "actor.router_replay", f"replays expert routing, and {{0}} is a dense {spec.model_type!r} "
@@ -174,6 +176,13 @@ def _check_router_replay(cfg: Config, spec: ModelSpec) -> None:
     check(cfg.actor.recompute_granularity != "full", "actor.router_replay",
           "cannot be combined with {0}='full' (a recomputed layer routes again, without the replayed experts)",
           "actor.recompute_granularity")
+    if cfg.actor.router_replay == "R2":  # R2 records at the old-log-prob forward: it must run
+        check(not cfg.actor.on_policy_old_log_probs, "actor.router_replay",
+              "R2 records the routing at the old-log-prob forward, which {0}=true skips; use R3 or off",
+              "actor.on_policy_old_log_probs")
+        check(not cfg.algorithm.rollout_correction.bypass, "actor.router_replay",
+              "R2 records the routing at the old-log-prob forward, which {0}=true skips (old log-probs = the "
+              "rollout's); use R3 or off", "algorithm.rollout_correction.bypass")
 
 
 def _check_lora(cfg: Config) -> None:
