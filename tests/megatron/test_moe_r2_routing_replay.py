@@ -107,6 +107,7 @@ def _cat(per_rank, key, field=None):
 
 
 def test_r2_records_the_routers_choice_and_the_update_replays_it(runs):
+    """actor.router_replay=R2: compute_log_prob's recording, replayed by the update."""
     per_rank, own, batch = runs
     mask, real = batch["response_mask"], batch["attention_mask"].bool()
     for name, _, _, _ in LAYOUTS:
