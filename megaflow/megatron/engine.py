@@ -294,9 +294,12 @@ class MegatronEngine:
 
     def _stage_routing(self, own: list[torch.Tensor], layers: list[int], rows: int, width: int) -> torch.Tensor:
         """This stage's recorded ``[s * b, topk]`` per MoE layer as ``[b, s, num_layers, topk]``
-        int64 (global layer number - 1; 0 at the other stages' layers)."""
+        in the compact dtype (global layer number - 1; 0 at the other stages' layers)."""
+        from megaflow.rollout.routing import routed_experts_dtype
+
         topk = own[0].shape[-1]
-        out = torch.zeros((rows, width, self.module.config.num_layers, topk), dtype=torch.int64)
+        dtype = routed_experts_dtype(int(self.module.config.num_moe_experts))
+        out = torch.zeros((rows, width, self.module.config.num_layers, topk), dtype=dtype)
         for layer, ids in zip(layers, own, strict=True):
             out[:, :, layer - 1] = ids.detach().cpu().reshape(width, rows, topk).transpose(0, 1)
         return out
@@ -307,7 +310,7 @@ class MegatronEngine:
         topk]`` (:data:`~megaflow.megatron.batch.OLD_ROUTED_EXPERTS_KEY`): micro-batches widened
         to the pass's width, back in row order, the pipeline stages' layers summed over PP (each
         stage fills only its own), -1 where a position holds no token."""
-        from megaflow.rollout.routing import NO_ROUTING, routed_experts_dtype
+        from megaflow.rollout.routing import NO_ROUTING
 
         assert self._recorded is not None
         width = aligned.seq_len
@@ -318,11 +321,11 @@ class MegatronEngine:
             restored[order] = routing
             routing = restored
         routing = routing[: aligned.num_rows]
-        if self.info.pp_size > 1:
-            routing = routing.to(self.device)
-            dist.all_reduce(routing, group=self.info.pp_group)
-        dtype = routed_experts_dtype(int(self.module.config.num_moe_experts))
-        return unalign_positions(routing.cpu().to(dtype), attention_mask, NO_ROUTING)
+        if self.info.pp_size > 1:  # summed in int32 (backends differ in their small integer types)
+            summed = routing.to(self.device, torch.int32)
+            dist.all_reduce(summed, group=self.info.pp_group)
+            routing = summed.cpu().to(routing.dtype)
+        return unalign_positions(routing, attention_mask, NO_ROUTING)
 
     def _head_outputs(self, mb: LeftAlignedBatch, output: torch.Tensor, sampling: Mapping[str, Any],
                       with_entropy: bool) -> dict[str, torch.Tensor]:
