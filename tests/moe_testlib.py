@@ -90,3 +90,53 @@ def hf_routed_experts(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, tor
         ids.append(top.indices[..., :k])
         margins.append(top.values[..., k - 1] - top.values[..., k])
     return torch.stack(ids, dim=2), torch.stack(margins, dim=2)
+
+
+#: Row order of ``megatron_testlib.make_batch(0)`` that gives two DP ranks different longest
+#: rows (lengths 13, 13, 4 | 9, 10, 8), so EP = 2 needs the engine's common width.
+UNEVEN_DP_ORDER = (0, 4, 5, 1, 2, 3)
+
+
+def saved_moe_case(hf_dir, batch: dict, vocab_size: int):
+    """A :func:`tiny_moe_model` saved under ``hf_dir``, ``batch`` in :data:`UNEVEN_DP_ORDER`, and
+    ``transformers``' own top-k routing of it ``[batch, seq, layers, topk]`` (int64, from the
+    router logits, unordered within k).
+
+    Returns:
+        ``(model, batch, routing)``.
+    """
+    hf = tiny_moe_model(vocab_size)
+    hf.save_pretrained(hf_dir)
+    batch = {k: v[list(UNEVEN_DP_ORDER)] for k, v in batch.items()}
+    with torch.no_grad():
+        logits = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    position_ids=batch["position_ids"], output_router_logits=True).router_logits
+    shape = (*batch["input_ids"].shape, -1)
+    k = hf.config.num_experts_per_tok
+    return hf, batch, torch.stack([layer.float().topk(k, dim=-1).indices.view(shape) for layer in logits], dim=2)
+
+
+def moe_actor_engine(hf_dir, overrides: list[str], vocab_size: int):
+    """In a 2-process gloo world: the actor's MegatronEngine of the model saved at ``hf_dir``
+    (:func:`saved_moe_case`) at 32-token sequences, TP = 1 and ``overrides``; initialises
+    megatron's parallel state (the caller destroys it).
+
+    Returns:
+        ``(engine, info)``.
+    """
+    from role_testlib import role_spec, seq_len_overrides
+    from transformers import AutoConfig
+
+    from megaflow.megatron import parallel
+    from megaflow.megatron.engine import MegatronEngine
+    from megaflow.megatron.model import build_gpt_model
+    from megaflow.models.weights import load_hf_weights
+
+    spec = role_spec("actor", ["resources.procs_per_node=2", "actor.tp=1", *seq_len_overrides(32), *overrides],
+                     hf_config=tiny_moe_config(vocab_size))
+    par = spec.parallel
+    info = parallel.initialize_parallel(tp=par.tp, pp=par.pp, ep=par.ep, seed=1)
+    config = AutoConfig.from_pretrained(hf_dir)
+    model = build_gpt_model(config, **spec.model_overrides)
+    load_hf_weights(model, hf_dir, config, info)
+    return MegatronEngine(model, info, spec, vocab_size=vocab_size), info

@@ -55,6 +55,7 @@ from megaflow.algorithms.rollout_correction import (
     rejection_mask,
     rollout_correction_metrics,
 )
+from megaflow.algorithms.routing_agreement import routing_agreement
 from megaflow.algorithms.value_loss import clipped_value_loss
 
 __all__ = [
@@ -72,6 +73,7 @@ __all__ = [
     "importance_weights",
     "rejection_mask",
     "rollout_correction_metrics",
+    "routing_agreement",
     "ADVANTAGE_ESTIMATORS",
     "AdvantageEstimator",
     "AdvantageInputs",

@@ -660,15 +660,18 @@ class ActorConfig(TrainedRoleConfig):
     """Mixture-of-experts models: coefficient of the router z-loss (ST-MoE, Zoph et al. 2022,
     eq. 5: squared log-sum-exp of the router logits, token mean per sequence, mean over the
     mini-batch's sequences, summed over the MoE layers); 0 disables. Refused for a dense model."""
-    router_replay: Literal["off", "R3"] = "off"
-    """Mixture-of-experts models: ``R3`` routes every token of every trainer forward of the step
-    (old log-probs and update) through the experts the rollout engine chose, read from the
-    batch field ``routed_experts`` ``[batch, seq, moe_layers, topk]`` (megaflow.megatron.
-    routing_replay; the router still gets a gradient at the replayed experts). ``off``: the
-    trainer's router decides. With R3 the vLLM rollout returns ``routed_experts`` (prefix
-    caching off). Refused for a dense model, with full recomputation, and with the multi-turn
-    agent loop (rollout.agent.enabled). (R2, recording at the old-log-prob
-    forward, is not built.)"""
+    router_replay: Literal["off", "R2", "R3"] = "off"
+    """Mixture-of-experts models (megaflow.megatron.routing_replay; the router still gets a
+    gradient at the replayed experts). ``R3`` routes every token of every trainer forward of the
+    step (old log-probs and update) through the experts the rollout engine chose, read from the
+    batch field ``routed_experts`` ``[batch, seq, moe_layers, topk]``; the vLLM rollout then
+    returns ``routed_experts`` (prefix caching off). ``R2`` records the actor's own routing at the
+    old-log-prob forward (``compute_log_prob`` returns it as ``old_routed_experts``, same layout)
+    and replays it in every forward of the step's update; it needs no engine routing, and is
+    refused with ``actor.on_policy_old_log_probs`` and ``algorithm.rollout_correction.bypass``
+    (no old-log-prob forward to record). ``off``: the trainer's router decides. Refused for a
+    dense model, with full recomputation, and R3 with the multi-turn agent loop
+    (rollout.agent.enabled)."""
 
     def validate(self) -> None:
         super().validate()

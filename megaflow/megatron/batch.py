@@ -27,7 +27,13 @@ REQUIRED_KEYS = ("input_ids", "attention_mask", "responses")
 #: the tokens: ``routed_experts`` ``[batch, seq, moe_layers, topk]``, entry ``t`` the expert ids
 #: the rollout engine routed the token at position ``t`` to (any integer dtype; 0 on padding).
 ROUTED_EXPERTS_KEY = "routed_experts"
-POSITION_FIELDS = (ROUTED_EXPERTS_KEY,)
+#: The same layout for the experts the actor's own router chose at the old-log-prob forward
+#: (``compute_log_prob``): ``old_routed_experts`` ``[batch, seq, moe_layers, topk]``, layer index =
+#: global layer number - 1, ``-1`` outside each row's tokens. ``actor.router_replay=R2`` replays
+#: it in every forward of the update; the ``moe/routing_agreement`` metric compares it with
+#: ``routed_experts``.
+OLD_ROUTED_EXPERTS_KEY = "old_routed_experts"
+POSITION_FIELDS = (ROUTED_EXPERTS_KEY, OLD_ROUTED_EXPERTS_KEY)
 
 
 @dataclasses.dataclass
@@ -170,6 +176,26 @@ def _align_positions(field: torch.Tensor, index: torch.Tensor, inside: torch.Ten
     shape = (rows, width, *([1] * len(trailing)))
     gathered = field.cpu().gather(1, index.reshape(shape).expand(rows, width, *trailing))
     return torch.where(inside.reshape(shape), gathered, torch.zeros((), dtype=field.dtype))
+
+
+def unalign_positions(aligned: torch.Tensor, attention_mask: torch.Tensor, fill: int) -> torch.Tensor:
+    """The inverse of the left alignment for a position field: ``aligned`` ``[batch, width, ...]``
+    (entry ``j`` of row ``i`` belongs to that row's ``j``-th real token) placed back at the
+    token positions of the verl layout of ``attention_mask`` ``[batch, seq]`` (left-padded
+    prompt, right-padded response); ``fill`` where a position holds no real token.
+
+    Raises:
+        ValueError: ``aligned`` is narrower than the longest row or has other rows.
+    """
+    mask = attention_mask.cpu().bool()
+    lengths = mask.sum(dim=1)
+    if aligned.shape[0] != mask.shape[0] or aligned.shape[1] < int(lengths.max()):
+        raise ValueError(f"aligned field {tuple(aligned.shape)} does not cover the rows of attention_mask "
+                         f"{tuple(mask.shape)} (longest row {int(lengths.max())} tokens)")
+    out = torch.full((*mask.shape, *aligned.shape[2:]), fill, dtype=aligned.dtype)
+    rank = mask.long().cumsum(dim=1) - 1  # position p of a real token is the row's rank[p]-th token
+    out[mask] = aligned[mask.nonzero()[:, 0], rank[mask]]
+    return out
 
 
 def left_align_batch(batch: Mapping[str, torch.Tensor], *, max_seq_len: int,

@@ -24,7 +24,14 @@ import torch.distributed as dist
 
 from megaflow.config.schema import ActorConfig, CriticConfig, RefConfig
 from megaflow.megatron import cpu_compat
-from megaflow.megatron.batch import ROUTED_EXPERTS_KEY, LeftAlignedBatch, left_align_batch, token_budget_groups
+from megaflow.megatron.batch import (
+    OLD_ROUTED_EXPERTS_KEY,
+    ROUTED_EXPERTS_KEY,
+    LeftAlignedBatch,
+    left_align_batch,
+    token_budget_groups,
+    unalign_positions,
+)
 from megaflow.megatron.denominators import GlobalDenominators
 from megaflow.megatron.logprobs import chunked_vocab_parallel_log_probs, vocab_parallel_log_probs
 from megaflow.megatron.parallel import ParallelInfo
@@ -106,9 +113,9 @@ def replayable_routing(routed: torch.Tensor) -> torch.Tensor:
 
 
 def _routing_replay(model: torch.nn.Module, spec: RoleSpec) -> tuple[RoutingReplay, list[int]] | None:
-    """The actor's :class:`RoutingReplay` with ``actor.router_replay=R3`` and the global (1-based)
-    layer number of each of its MoE layers on this stage; None otherwise."""
-    if spec.role != "actor" or spec.actor.router_replay != "R3":
+    """The actor's :class:`RoutingReplay` with ``actor.router_replay`` R2 or R3 and the global
+    (1-based) layer number of each of its MoE layers on this stage; None otherwise."""
+    if spec.role != "actor" or spec.actor.router_replay == "off":
         return None
     layers: list[int] = [getattr(m, "layer_number") for m in model.modules()  # noqa: B009 (an int on megatron layers)
                          if getattr(m, "router_replay", None) is not None]
@@ -151,6 +158,9 @@ class MegatronEngine:
         self._offloaded: set[str] = set()
         self.router_aux = _router_aux_loss(model, spec)
         self.routing_replay = _routing_replay(model, spec)
+        self.router_replay = spec.actor.router_replay if self.routing_replay is not None else "off"
+        self._replay_key: str | None = None  # the batch field the running pass replays
+        self._recorded: list[torch.Tensor] | None = None  # the running pass's routing, per micro-batch
         if self.logits_chunk_tokens is not None and info.is_last_pp_stage:
             _output_layer_returns_hidden(self.module)
         if spec.trains:
@@ -241,28 +251,81 @@ class MegatronEngine:
             self.router_aux.micro_batch(mb.lengths, counted, mb.seq_len)
         ids = mb.input_ids.to(self.device, non_blocking=True)
         positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-        with self._replayed_routing(mb):
+        with self._routing(mb):
             output = model(ids, positions, cpu_compat.attention_mask_argument(ids.shape[1], self.device))
         return output, partial(head, mb)
 
-    def _replayed_routing(self, mb: LeftAlignedBatch):
-        """With ``actor.router_replay=R3``, route this micro-batch's tokens through its
-        ``routed_experts`` (``[b, s, moe_layers, topk]``, aligned with the tokens): each MoE
-        layer of this stage gets its global layer's ``[s * b, topk]`` ids in the router's
-        token order (sequence-major); a null context otherwise.
+    def _replay_field(self, update: bool) -> str | None:
+        """The batch field a pass replays: ``routed_experts`` in every pass with R3,
+        ``old_routed_experts`` in the update with R2; None otherwise."""
+        if self.router_replay == "R3":
+            return ROUTED_EXPERTS_KEY
+        return OLD_ROUTED_EXPERTS_KEY if self.router_replay == "R2" and update else None
+
+    @contextlib.contextmanager
+    def _routing(self, mb: LeftAlignedBatch):
+        """The routing of one micro-batch's forward: replayed from the field :attr:`_replay_key`
+        (``[b, s, moe_layers, topk]``, aligned with the tokens: each MoE layer of this stage
+        gets its global layer's ``[s * b, topk]`` ids in the router's token order,
+        sequence-major), and/or recorded into :attr:`_recorded` (the router's own top-k; when
+        replaying, the top-k it would choose given the replayed layer inputs).
 
         Raises:
-            ValueError: ``routed_experts`` has fewer MoE layers than the model.
+            ValueError: the replayed field has fewer MoE layers than the model.
         """
-        if self.routing_replay is None:
-            return contextlib.nullcontext()
+        if self.routing_replay is None or (self._replay_key is None and self._recorded is None):
+            yield
+            return
         replay, layers = self.routing_replay
-        routed = mb.fields[ROUTED_EXPERTS_KEY]  # present: checked by left_align on every rank
-        if routed.shape[2] < max(layers):
-            raise ValueError(f"{ROUTED_EXPERTS_KEY} has {routed.shape[2]} MoE layers, the model {max(layers)}")
-        routed = replayable_routing(routed)
-        targets = [routed[:, :, layer - 1].transpose(0, 1).reshape(-1, routed.shape[-1]) for layer in layers]
-        return replay.replay(targets)
+        record = self._recorded is not None
+        if self._replay_key is None:
+            context = replay.record()
+        else:
+            routed = mb.fields[self._replay_key]  # present: checked by left_align on every rank
+            if routed.shape[2] < max(layers):
+                raise ValueError(f"{self._replay_key} has {routed.shape[2]} MoE layers, the model {max(layers)}")
+            routed = replayable_routing(routed)
+            targets = [routed[:, :, layer - 1].transpose(0, 1).reshape(-1, routed.shape[-1]) for layer in layers]
+            context = replay.replay(targets, record_own=record)
+        with context as own:
+            yield
+        if self._recorded is not None:
+            self._recorded.append(self._stage_routing(own, layers, mb.num_rows, mb.seq_len))
+
+    def _stage_routing(self, own: list[torch.Tensor], layers: list[int], rows: int, width: int) -> torch.Tensor:
+        """This stage's recorded ``[s * b, topk]`` per MoE layer as ``[b, s, num_layers, topk]``
+        in the compact dtype (global layer number - 1; 0 at the other stages' layers)."""
+        from megaflow.rollout.routing import routed_experts_dtype
+
+        topk = own[0].shape[-1]
+        dtype = routed_experts_dtype(int(self.module.config.num_moe_experts))
+        out = torch.zeros((rows, width, self.module.config.num_layers, topk), dtype=dtype)
+        for layer, ids in zip(layers, own, strict=True):
+            out[:, :, layer - 1] = ids.detach().cpu().reshape(width, rows, topk).transpose(0, 1)
+        return out
+
+    def _recorded_routing(self, aligned: LeftAlignedBatch, order: torch.Tensor | None,
+                          attention_mask: torch.Tensor) -> torch.Tensor:
+        """The pass's recorded routing in the batch's verl layout ``[batch, seq, num_layers,
+        topk]`` (:data:`~megaflow.megatron.batch.OLD_ROUTED_EXPERTS_KEY`): micro-batches widened
+        to the pass's width, back in row order, the pipeline stages' layers summed over PP (each
+        stage fills only its own), -1 where a position holds no token."""
+        from megaflow.rollout.routing import NO_ROUTING
+
+        assert self._recorded is not None
+        width = aligned.seq_len
+        parts = [torch.nn.functional.pad(r, (0, 0, 0, 0, 0, width - r.shape[1])) for r in self._recorded]
+        routing = torch.cat(parts)
+        if order is not None:  # token-budget groups: back to the batch's row order
+            restored = torch.empty_like(routing)
+            restored[order] = routing
+            routing = restored
+        routing = routing[: aligned.num_rows]
+        if self.info.pp_size > 1:  # summed in int32 (backends differ in their small integer types)
+            summed = routing.to(self.device, torch.int32)
+            dist.all_reduce(summed, group=self.info.pp_group)
+            routing = summed.cpu().to(routing.dtype)
+        return unalign_positions(routing, attention_mask, NO_ROUTING)
 
     def _head_outputs(self, mb: LeftAlignedBatch, output: torch.Tensor, sampling: Mapping[str, Any],
                       with_entropy: bool) -> dict[str, torch.Tensor]:
@@ -306,9 +369,11 @@ class MegatronEngine:
             data_iterator=iter(chunks), model=self.model, num_microbatches=len(chunks),
             seq_length=seq_len, micro_batch_size=micro_batch_size, forward_only=forward_only)
 
-    def left_align(self, batch: Mapping[str, torch.Tensor]) -> LeftAlignedBatch:
+    def left_align(self, batch: Mapping[str, torch.Tensor], *, update: bool = True) -> LeftAlignedBatch:
         """Validate and left-align ``batch`` (:func:`~megaflow.megatron.batch.left_align_batch`
-        at this engine's sequence limit, vocabulary and width multiple).
+        at this engine's sequence limit, vocabulary and width multiple) for an update
+        (``update``) or a forward pass, which differ in the routing field they replay
+        (``actor.router_replay``).
 
         Every rank raises if any rank's batch is invalid: the ranks agree (one all-reduce of
         a flag) before any collective of the pass, so a bad batch on one DP rank is an
@@ -319,9 +384,10 @@ class MegatronEngine:
         """
         error: ValueError | None = None
         try:
-            if self.routing_replay is not None and ROUTED_EXPERTS_KEY not in batch:
-                raise ValueError(f"actor.router_replay=R3 replays the batch field {ROUTED_EXPERTS_KEY!r}, which this "
-                                 f"batch lacks (it has {sorted(batch)})")
+            field = self._replay_field(update)
+            if field is not None and field not in batch:
+                raise ValueError(f"actor.router_replay={self.router_replay} replays the batch field {field!r}, which "
+                                 f"this batch lacks (it has {sorted(batch)})")
             aligned = left_align_batch(batch, max_seq_len=self.sizes.max_seq_len, vocab_size=self.vocab_size,
                                 width_multiple=self.info.tp_size if self.module.config.sequence_parallel else 1)
         except ValueError as exc:
@@ -350,8 +416,8 @@ class MegatronEngine:
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
     def forward(self, batch: Mapping[str, torch.Tensor], *, temperature: float = 1.0, top_p: float = 1.0,
-                top_k: int = -1, with_entropy: bool = False, micro_batch_size: int | None = None
-                ) -> dict[str, torch.Tensor] | None:
+                top_k: int = -1, with_entropy: bool = False, micro_batch_size: int | None = None,
+                record_routing: bool = False) -> dict[str, torch.Tensor] | None:
         """Forward-only per-response-token outputs, in micro-batches.
 
         Args:
@@ -365,13 +431,21 @@ class MegatronEngine:
             with_entropy: also return ``entropy``; actor only.
             micro_batch_size: rows per micro-batch; None: the role's forward micro-batch size,
                 or its token budget with ``use_dynamic_bsz``.
+            record_routing: the old-log-prob forward of a mixture-of-experts actor with
+                ``actor.router_replay`` R2 or R3: record the router's own top-k experts when
+                R2 is on (the update replays them) or the batch has the engine's
+                ``routed_experts`` (the routing-agreement metric; R3 records the choice each
+                router would make at the replayed layer inputs). Ignored otherwise.
 
         Returns:
             On the last pipeline stage, a dict of float32 CPU tensors ``[batch, R]``:
             ``log_probs`` (+ ``entropy``) for an actor; ``values`` for a critic (head of the
             hidden state before each response token, aligned like log-probs); ``scores`` for
             a reward model (head of the hidden state at each response token; the sequence
-            score is the entry of the last real token). Zero on response padding. None on
+            score is the entry of the last real token). Zero on response padding. With a
+            recording (``record_routing``) also ``old_routed_experts`` ``[batch, seq,
+            num_layers, topk]`` (:data:`~megaflow.megatron.batch.OLD_ROUTED_EXPERTS_KEY`, the
+            compact dtype of :func:`~megaflow.rollout.routing.routed_experts_dtype`). None on
             other stages.
 
         Raises:
@@ -380,12 +454,16 @@ class MegatronEngine:
         """
         self._require_loaded("params")
         mbs = micro_batch_size or self.sizes.forward_micro_batch_size
-        aligned = self.left_align(batch)
+        aligned = self.left_align(batch, update=False)
         budget = None if micro_batch_size else self.sizes.forward_max_tokens
         chunks, order = self._micro_batches(aligned, mbs, budget)
         head = partial(self._forward_head, dict(temperature=temperature, top_p=top_p, top_k=top_k), with_entropy)
         self.model.eval()
-        store = self._run(chunks, True, head, aligned.seq_len, mbs)
+        record = record_routing and self.routing_replay is not None and (
+            self.router_replay == "R2" or ROUTED_EXPERTS_KEY in batch)
+        with self._pass_routing(self._replay_field(update=False), record):
+            store = self._run(chunks, True, head, aligned.seq_len, mbs)
+            routing = self._recorded_routing(aligned, order, batch["attention_mask"]) if record else None
         if not self.info.is_last_pp_stage:
             return None
         outputs = {k: torch.cat([d[k] for d in store]) for k in store[0]}
@@ -394,7 +472,18 @@ class MegatronEngine:
             for k, v in outputs.items():
                 restored[k][order.to(v.device)] = v
             outputs = restored
-        return {k: v[: aligned.num_rows].cpu() for k, v in outputs.items()}
+        outputs = {k: v[: aligned.num_rows].cpu() for k, v in outputs.items()}
+        return outputs if routing is None else {**outputs, OLD_ROUTED_EXPERTS_KEY: routing}
+
+    @contextlib.contextmanager
+    def _pass_routing(self, replay_key: str | None, record: bool):
+        """For one pass: replay the batch field ``replay_key`` (None: the router decides) and,
+        with ``record``, collect each micro-batch's routing in :attr:`_recorded`."""
+        self._replay_key, self._recorded = replay_key, [] if record else None
+        try:
+            yield
+        finally:
+            self._replay_key, self._recorded = None, None
 
     def _forward_head(self, sampling, with_entropy, mb, output):
         outputs = self._head_outputs(mb, output, sampling, with_entropy)
@@ -457,7 +546,7 @@ class MegatronEngine:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.scheduler.step(1)  # the k-th update uses the LR of step k (warm-up starts > 0)
-        with self._router_aux_step(denominators):
+        with self._router_aux_step(denominators), self._pass_routing(self._replay_field(update=True), False):
             store = self._run(chunks, False, head, aligned.seq_len, mbs)
         update_successful, grad_norm, _ = self.optimizer.step()
         metrics = self._reduce_metrics(store)

@@ -32,6 +32,19 @@ def _router_replays(model: torch.nn.Module) -> list:
     return replays
 
 
+def _recording_replay_topk(replay):
+    """``replay.get_replay_topk`` that records the default top-k indices of the scores, then
+    replays (megatron-core's ``RouterReplay.get_replay_topk``)."""
+    method = type(replay).get_replay_topk
+
+    def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        replay.record_indices(own.detach())
+        return method(replay, scores, topk, num_groups, group_topk, default_compute_topk)
+
+    return get_replay_topk
+
+
 class RoutingReplay:
     """Record / replay the top-k experts of one model's MoE layers (this pipeline stage's).
 
@@ -69,9 +82,14 @@ class RoutingReplay:
             recorded.extend(r.get_recorded_indices() for r in self._replays)
 
     @contextlib.contextmanager
-    def replay(self, targets: Sequence[torch.Tensor]) -> Iterator[None]:
+    def replay(self, targets: Sequence[torch.Tensor], *, record_own: bool = False) -> Iterator[list[torch.Tensor]]:
         """Within the block, one forward routes every token of MoE layer ``i`` to
         ``targets[i]`` (``[tokens, topk]`` expert ids, as :meth:`record` yields them).
+
+        With ``record_own`` the yielded list is filled on exit with the top-k each router would
+        have chosen itself (``[tokens, topk]`` per MoE layer, megatron-core's own top-k of the
+        same scores), i.e. the router's choice given the layer input of the replayed forward;
+        otherwise it stays empty.
 
         Raises:
             ValueError: not one target per MoE layer of this model.
@@ -82,8 +100,27 @@ class RoutingReplay:
             raise ValueError(f"{len(targets)} routing targets for {len(self._replays)} MoE layers")
         for replay, target in zip(self._replays, targets, strict=True):
             replay.set_target_indices(target.long())
-        with self._action(RouterReplayAction.REPLAY_FORWARD):
+        own: list[torch.Tensor] = []
+        with self._action(RouterReplayAction.REPLAY_FORWARD), self._own_choice(record_own):
+            yield own
+            if record_own:
+                own.extend(r.get_recorded_indices() for r in self._replays)
+
+    @contextlib.contextmanager
+    def _own_choice(self, active: bool) -> Iterator[None]:
+        """While active, each replaying router also records the top-k it would choose itself: its
+        ``get_replay_topk`` (an instance attribute shadowing megatron-core's method, removed on
+        exit) runs the default top-k on the scores before replaying."""
+        if not active:
             yield
+            return
+        for replay in self._replays:
+            replay.get_replay_topk = _recording_replay_topk(replay)
+        try:
+            yield
+        finally:
+            for replay in self._replays:
+                del replay.get_replay_topk
 
     @contextlib.contextmanager
     def _action(self, action) -> Iterator[None]:

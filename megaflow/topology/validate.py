@@ -165,22 +165,30 @@ def _check_router_aux_losses(cfg: Config, spec: ModelSpec, role: str) -> None:
 
 
 def _check_router_replay(cfg: Config, spec: ModelSpec) -> None:
-    """``actor.router_replay`` other than off needs single-turn rollouts, a mixture-of-experts
-    actor and no full recomputation (a recomputed layer would route again without the replayed
-    experts). The agent loop (``rollout.agent.enabled``) is refused whatever the model: its
-    observation tokens are appended to the response without an engine forward, so the engine
-    has no routing of them to replay (and the loop returns no routed experts at all)."""
+    """``actor.router_replay`` other than off needs a mixture-of-experts actor and no full
+    recomputation (a recomputed layer would route again without the replayed experts). R3 needs
+    single-turn rollouts: the agent loop (``rollout.agent.enabled``) is refused whatever the
+    model, since its observation tokens are appended to the response without an engine forward,
+    so the engine has no routing of them to replay. R2 needs the old-log-prob forward it records
+    at (no ``actor.on_policy_old_log_probs``, no ``algorithm.rollout_correction.bypass``)."""
     if cfg.actor.router_replay == "off":
         return
-    check(not cfg.rollout.agent.enabled, "actor.router_replay",
-          f"{cfg.actor.router_replay} cannot be combined with {{0}}=true: the agent loop's observation tokens are "
-          "not routed by the engine, so there is no routing to replay; use off or set {0}=false",
+    check(cfg.actor.router_replay != "R3" or not cfg.rollout.agent.enabled, "actor.router_replay",
+          "R3 cannot be combined with {0}=true: the agent loop's observation tokens are not routed by the "
+          "engine, so there is no routing to replay; use R2 (the trainer's own routing) or off, or set {0}=false",
           "rollout.agent.enabled")
     check(spec.is_moe, "actor.router_replay", f"replays expert routing, and {{0}} is a dense {spec.model_type!r} "
                                               "model; use off", spec.source)
     check(cfg.actor.recompute_granularity != "full", "actor.router_replay",
           "cannot be combined with {0}='full' (a recomputed layer routes again, without the replayed experts)",
           "actor.recompute_granularity")
+    if cfg.actor.router_replay == "R2":  # R2 records at the old-log-prob forward: it must run
+        check(not cfg.actor.on_policy_old_log_probs, "actor.router_replay",
+              "R2 records the routing at the old-log-prob forward, which {0}=true skips; use R3 or off",
+              "actor.on_policy_old_log_probs")
+        check(not cfg.algorithm.rollout_correction.bypass, "actor.router_replay",
+              "R2 records the routing at the old-log-prob forward, which {0}=true skips (old log-probs = the "
+              "rollout's); use R3 or off", "algorithm.rollout_correction.bypass")
 
 
 def _check_lora(cfg: Config) -> None:

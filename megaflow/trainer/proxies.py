@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from megaflow.agent.vllm_agent import AGENT_INPUT_KEYS  # sent by the controller with rollout.agent.enabled only
-from megaflow.megatron.batch import ROUTED_EXPERTS_KEY
+from megaflow.megatron.batch import OLD_ROUTED_EXPERTS_KEY, ROUTED_EXPERTS_KEY
 from megaflow.protocol import DataProto
 from megaflow.single_controller.collect import GroupProtoResult
 from megaflow.single_controller.dispatch import MeshInfo
@@ -250,7 +250,8 @@ class ActorProxy(MegatronProxy):
     @reads(FORWARD_KEYS, optional=(ROUTED_EXPERTS_KEY,), meta=("temperature",))
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``ActorWorker.compute_log_prob`` on the ``actor`` mesh: ``old_log_probs`` and
-        ``entropys`` ``[B, R]`` (float32) at the rollout temperature."""
+        ``entropys`` ``[B, R]`` (float32) at the rollout temperature, and for a MoE actor with
+        R2 (or the rollout's ``routed_experts``) ``old_routed_experts`` ``[B, S, layers, topk]``."""
         return self._run(ActorProxy.compute_log_prob, data)
 
     @reads(FORWARD_KEYS, optional=(ROUTED_EXPERTS_KEY,), meta=("temperature",))
@@ -260,7 +261,8 @@ class ActorProxy(MegatronProxy):
         return self._run(ActorProxy.compute_ref_log_prob, data)
 
     @reads(FORWARD_KEYS + ("response_mask", "advantages"),
-           optional=("old_log_probs", "ref_log_probs", "rollout_is_weights", "rollout_log_probs", ROUTED_EXPERTS_KEY),
+           optional=("old_log_probs", "ref_log_probs", "rollout_is_weights", "rollout_log_probs", ROUTED_EXPERTS_KEY,
+                     OLD_ROUTED_EXPERTS_KEY),
            meta=("temperature",))
     def update_actor(self, data: DataProto) -> list[dict[str, float]]:
         """``ActorRolloutWorker.update_actor`` on the ``actor`` mesh: PPO epochs over

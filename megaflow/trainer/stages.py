@@ -381,6 +381,21 @@ def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
             f"{prefix}/min": x.min().item()}
 
 
+def _routing_metrics(tensors: Any, mask: torch.Tensor) -> dict[str, float]:
+    """``moe/routing_agreement``: the fraction of (response token, MoE layer) pairs where the
+    rollout engine's top-k expert set (``routed_experts``) equals the trainer's router's at the
+    old-log-prob forward (``old_routed_experts``; with R3 the choice each router makes at the
+    replayed layer inputs), response-mask tokens only
+    (:func:`megaflow.algorithms.routing_agreement`); empty without both fields."""
+    from megaflow.algorithms import routing_agreement
+    from megaflow.megatron.batch import OLD_ROUTED_EXPERTS_KEY, ROUTED_EXPERTS_KEY
+
+    if ROUTED_EXPERTS_KEY not in tensors.keys() or OLD_ROUTED_EXPERTS_KEY not in tensors.keys():
+        return {}
+    agreeing, counted = routing_agreement(tensors[ROUTED_EXPERTS_KEY], tensors[OLD_ROUTED_EXPERTS_KEY], mask)
+    return {"moe/routing_agreement": agreeing / counted} if counted else {}
+
+
 def compute_data_metrics(batch: DataProto, max_response_length: int) -> dict[str, float]:
     """Per-step metrics of the batch: scores, rewards, advantages, lengths, train/rollout gap.
 
@@ -388,7 +403,9 @@ def compute_data_metrics(batch: DataProto, max_response_length: int) -> dict[str
     ``max_response_length`` (no EOS). ``training/rollout_probs_diff_*`` compares the
     trainer's recomputed ``old_log_probs`` with the engine's ``rollout_log_probs`` on valid
     tokens (absolute difference of probabilities), the standard check that rollout and
-    training agree.
+    training agree (the log-prob gap is ``rollout_corr/mismatch_mean``, :func:`rollout_correction`).
+    ``moe/routing_agreement`` (a mixture-of-experts actor whose batch has both the engine's and
+    the trainer's routing): see :func:`_routing_metrics`.
     """
     b = batch.tensors
     mask = b["response_mask"].bool()
@@ -413,6 +430,7 @@ def compute_data_metrics(batch: DataProto, max_response_length: int) -> dict[str
         diff = (b["old_log_probs"].exp() - b["rollout_log_probs"].exp()).abs()[mask]
         metrics["training/rollout_probs_diff_mean"] = diff.mean().item()
         metrics["training/rollout_probs_diff_max"] = diff.max().item()
+    metrics.update(_routing_metrics(b, mask))
     if "entropys" in b.keys():
         metrics["actor/entropy"] = masked_mean(b["entropys"], mask).item()
     if "data_source" in batch.non_tensor_batch:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from megaflow.config.schema import ActorConfig, CriticConfig
+from megaflow.megatron.batch import OLD_ROUTED_EXPERTS_KEY
 from megaflow.megatron.engine import MegatronEngine
 from megaflow.megatron.parallel import ParallelInfo, initialize_parallel, nd_dispatch_info
 from megaflow.protocol import DataProto
@@ -252,11 +253,14 @@ class ActorWorker(MegatronWorker):
 
     @register(nd_compute("actor"))
     def compute_log_prob(self, data: DataProto) -> DataProto | None:
-        """``old_log_probs`` and ``entropys`` ``[B, R]`` at the rollout temperature."""
-        out = self._forward(data, **self._sampling(data), with_entropy=True)
+        """``old_log_probs`` and ``entropys`` ``[B, R]`` at the rollout temperature (+ the
+        router's ``old_routed_experts`` of a MoE actor that records them, see
+        :meth:`~megaflow.megatron.engine.MegatronEngine.forward`'s ``record_routing``)."""
+        out = self._forward(data, **self._sampling(data), with_entropy=True, record_routing=True)
         if out is None:
             return None
-        return DataProto.from_dict({"old_log_probs": out["log_probs"], "entropys": out["entropy"]})
+        routing = {k: v for k, v in out.items() if k == OLD_ROUTED_EXPERTS_KEY}
+        return DataProto.from_dict({"old_log_probs": out["log_probs"], "entropys": out["entropy"], **routing})
 
     @register(nd_compute("actor"))
     def compute_ref_log_prob(self, data: DataProto) -> DataProto | None:

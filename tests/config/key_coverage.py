@@ -208,7 +208,10 @@ KEYS: dict[str, Consumed | Refused] = {
                                        "test_router_losses_and_grad_norm_are_independent_of_the_split"),
     "actor.router_replay": consumed("tests/megatron/test_moe_routing_replay_engine.py::"
                                     "test_replaying_the_engine_routing_reproduces_transformers_and_splits_with_the_tokens",
-                                    HF + "test_router_replay_is_refused_for_a_dense_model_and_with_full_recompute"),
+                                    "tests/megatron/test_moe_r2_routing_replay.py::"
+                                    "test_r2_records_the_routers_choice_and_the_update_replays_it",
+                                    HF + "test_router_replay_is_refused_for_a_dense_model_and_with_full_recompute",
+                                    HF + "test_router_replay_R2_needs_the_old_log_prob_forward_it_records_at"),
     "actor.recompute_granularity": consumed(WORKER_KNOBS + "test_recipe_knobs_reach_the_worker_config"),
     "actor.recompute_method": consumed(WORKER_KNOBS + "test_recipe_knobs_reach_the_worker_config"),
     "actor.recompute_num_layers": consumed(WORKER_KNOBS + "test_recipe_knobs_reach_the_worker_config"),

@@ -274,6 +274,28 @@ def test_router_replay_is_refused_for_a_dense_model_and_with_full_recompute(tiny
     check_rollout_serves_model(cfg)
 
 
+def test_router_replay_R2_needs_the_old_log_prob_forward_it_records_at(tiny):
+    """actor.router_replay=R2 records at compute_log_prob: refused where that forward is skipped
+    (on-policy old log-probs, bypass mode), naming both keys; accepted without engine routing."""
+    from megaflow.trainer.preflight import check_rollout_serves_model
+
+    moe = dict(model={"hf_config": MOE_HF}, rollout={"tp": 1}, resources={"use_gpu": False})
+    with pytest.raises(ConfigError) as err:
+        run_from_dict(tiny(**moe, actor={"tp": 1, "router_replay": "R2", "on_policy_old_log_probs": True}))
+    assert err.value.key == "actor.router_replay" and "actor.on_policy_old_log_probs" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        run_from_dict(tiny(**moe, actor={"tp": 1, "router_replay": "R2"},
+                           algorithm={"rollout_correction": {"bypass": True}}))
+    assert err.value.key == "actor.router_replay" and "algorithm.rollout_correction.bypass" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        run_from_dict(tiny(actor={"router_replay": "R2"}))
+    assert err.value.key == "actor.router_replay" and "dense" in str(err.value)
+    cfg = run_from_dict(tiny(**moe, actor={"tp": 1, "router_replay": "R2"}))
+    check_rollout_serves_model(cfg)
+    agent = dataclasses.replace(cfg.rollout.agent, enabled=True)  # R2 records the trainer's routing: any layout
+    check_rollout_serves_model(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, agent=agent)))
+
+
 def test_token_budget_micro_batches_with_expert_parallelism_are_refused(tiny):
     with pytest.raises(ConfigError) as err:
         run_from_dict(tiny(model={"hf_config": MOE_HF}, actor={"tp": 1, "ep": 2, "use_dynamic_bsz": True},

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaflow.megatron.batch import left_align_batch
+from megaflow.megatron.batch import OLD_ROUTED_EXPERTS_KEY, left_align_batch, unalign_positions
 from megatron_testlib import make_batch
 
 
@@ -91,3 +91,24 @@ def test_invalid_batches_raise_clear_errors(change, message):
 def test_too_long_sequence_names_row_and_limit():
     with pytest.raises(ValueError, match="sequence 0 has 13 tokens.*max_seq_len=12"):
         left_align_batch(make_batch(0), max_seq_len=12)
+
+
+def test_unalign_positions_inverts_the_left_alignment_of_a_position_field():
+    """The routing the engine records in the aligned layout goes back to the verl layout: placed
+    at each row's token positions by a loop, -1 elsewhere; aligning that again gives it back."""
+    batch = make_batch(0)
+    rows, seq = batch["input_ids"].shape
+    aligned = left_align_batch(batch, max_seq_len=64)
+    recorded = torch.randint(0, 4, (rows, aligned.seq_len + 2, 3, 2), generator=torch.Generator().manual_seed(0))
+    out = unalign_positions(recorded, batch["attention_mask"], -1)
+    expected = torch.full((rows, seq, 3, 2), -1, dtype=recorded.dtype)
+    for i in range(rows):
+        positions = batch["attention_mask"][i].nonzero().flatten().tolist()
+        for j, p in enumerate(positions):
+            expected[i, p] = recorded[i, j]
+    assert torch.equal(out, expected)
+    again = left_align_batch({**batch, OLD_ROUTED_EXPERTS_KEY: out}, max_seq_len=64)
+    real = torch.arange(aligned.seq_len)[None] < aligned.lengths[:, None]
+    assert torch.equal(again.fields[OLD_ROUTED_EXPERTS_KEY][real], recorded[:, : aligned.seq_len][real])
+    with pytest.raises(ValueError, match="does not cover"):
+        unalign_positions(recorded[:, :2], batch["attention_mask"], -1)

@@ -11,12 +11,12 @@ micro-batches, EP and PP. Tiny Qwen3-MoE, one 2-rank gloo world:
 """
 from __future__ import annotations
 
+import moe_testlib
 import pytest
 import torch
-
-import moe_testlib
-from megaflow.utils.launch import run_distributed
 from megatron_testlib import VOCAB, hf_reference, make_batch
+
+from megaflow.utils.launch import run_distributed
 
 pytestmark = pytest.mark.slow
 
@@ -30,24 +30,11 @@ LAYOUTS = [("ep2_mb1", ["actor.ep=2"], 1), ("ep2_mb3", ["actor.ep=2"], 3),
 def _layouts(rank, world, hf_dir, batch, routings):
     """Each layout's log-probs per routing; the rows are split so that the two DP ranks' longest
     rows differ (13 and 10 tokens, the fixture's row order), so EP=2 needs the engine's common width."""
-    from transformers import AutoConfig
-
     from megaflow.megatron import parallel
-    from megaflow.megatron.engine import MegatronEngine
-    from megaflow.megatron.model import build_gpt_model
-    from megaflow.models.weights import load_hf_weights
-    from role_testlib import role_spec, seq_len_overrides
 
     out = {}
     for name, overrides, rows in LAYOUTS:
-        spec = role_spec("actor", ["resources.procs_per_node=2", "actor.tp=1", "actor.router_replay=R3",
-                                   *seq_len_overrides(32), *overrides], hf_config=moe_testlib.tiny_moe_config(VOCAB))
-        par = spec.parallel
-        info = parallel.initialize_parallel(tp=par.tp, pp=par.pp, ep=par.ep, seed=1)
-        config = AutoConfig.from_pretrained(hf_dir)
-        model = build_gpt_model(config, **spec.model_overrides)
-        load_hf_weights(model, hf_dir, config, info)
-        engine = MegatronEngine(model, info, spec, vocab_size=VOCAB)
+        engine, info = moe_testlib.moe_actor_engine(hf_dir, ["actor.router_replay=R3", *overrides], VOCAB)
         for kind, routed in routings.items():
             rows_of_rank = {k: v.chunk(info.dp_size)[info.dp_rank] for k, v in {**batch, "routed_experts": routed}.items()}
             result = engine.forward(rows_of_rank, temperature=TEMPERATURE, micro_batch_size=rows)
@@ -62,17 +49,10 @@ def _layouts(rank, world, hf_dir, batch, routings):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    hf = moe_testlib.tiny_moe_model(VOCAB)
     hf_dir = tmp_path_factory.mktemp("qwen3_moe")
-    hf.save_pretrained(hf_dir)
-    order = torch.tensor([0, 4, 5, 1, 2, 3])  # lengths 13, 13, 4 | 9, 10, 8 on the two DP ranks
-    batch = {k: v[order] for k, v in make_batch(0).items()}
+    hf, batch, own = moe_testlib.saved_moe_case(hf_dir, make_batch(0), VOCAB)
     with torch.no_grad():
-        logits = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                    position_ids=batch["position_ids"], output_router_logits=True).router_logits
         reference = hf_reference(hf, batch, TEMPERATURE)["log_probs"] * batch["response_mask"]
-    shape = (*batch["input_ids"].shape, -1)
-    own = torch.stack([layer.float().topk(2, dim=-1).indices.view(shape) for layer in logits], dim=2)
     routings = {"own": own.to(torch.int16), "drifted": ((own + 1) % moe_testlib.NUM_EXPERTS).to(torch.int16)}
     return run_distributed(_layouts, 2, str(hf_dir), batch, routings, timeout_s=900), reference, batch
 

@@ -4,6 +4,7 @@
 * two models in one process (actor and reference) keep their own replay targets: replaying
   drifted targets on one leaves the other's forward unchanged, and megatron-core's global
   replay list holds neither;
+* while replaying, ``record_own`` yields the top-k each router would choose itself;
 * a replayed expert outside the router's own top-k gets a router gradient, and the experts
   neither replayed nor chosen get none (``norm_topk_prob``: softmax over the k gathered logits).
 """
@@ -55,9 +56,13 @@ def _rank(rank, world, hf_dir, input_ids):
         out["recorded"] = [t.clone() for t in recorded]
         plain_ref = _forward(ref, input_ids)
         drifted = [(t + 1) % NUM_EXPERTS for t in recorded]
-        with actor_replay.replay(drifted):
+        with actor_replay.replay(drifted, record_own=True) as own:
             out["actor_drifted"] = _forward(actor, input_ids)
             out["ref_meanwhile"] = _forward(ref, input_ids)
+        out["own_while_drifted"] = [t.clone() for t in own]
+        with actor_replay.replay(drifted) as none:
+            out["actor_drifted_again"] = _forward(actor, input_ids)
+        out["own_not_asked"] = list(none)
         out["ref_plain"], out["actor_plain"] = plain_ref, _forward(actor, input_ids)
     one = input_ids[:, :1]  # one token: layer 0's router gradient is this token's alone
     chosen = recorded[0][0].tolist()
@@ -84,6 +89,11 @@ def test_routing_replay_is_scoped_per_model_and_reaches_the_router_gradient(tmp_
         assert mine.shape == (SEQ, 2)
         assert torch.equal(mine.sort(-1).values, theirs.reshape(SEQ, 2).sort(-1).values)
     assert torch.equal(out["ref_meanwhile"], out["ref_plain"])  # actor's targets never reach ref
+    # record_own: the router's own top-k at the replayed inputs; layer 0's input does not depend
+    # on the replay, so its own choice is the plain recording; recording it leaves the forward as is.
+    assert torch.equal(out["own_while_drifted"][0], out["recorded"][0])
+    assert not torch.equal(out["own_while_drifted"][0], out["recorded"][0].add(1) % NUM_EXPERTS)
+    assert torch.equal(out["actor_drifted_again"], out["actor_drifted"]) and out["own_not_asked"] == []
     assert (out["actor_drifted"] - out["actor_plain"]).abs().max() > 1e-3  # replay changed routing
     plain, replayed = out["grad_plain"], out["grad_replayed"]
     first, second = out["chosen"]

@@ -6,7 +6,8 @@ With R3 every trainer forward replays the experts the engine routed each token t
 rollout's ``routed_experts``; the engine refuses a forward without it, so a finished run shows
 the field reached every forward). The checks use quantities the run must reproduce
 independently: the trainer's recomputed log-probs equal the engine's sampled log-probs at fp32
-noise on every step (the synced weights and the replayed routing are the engine's), the first
+noise on every step, the engine's and the trainer's routers pick the same expert sets
+(``moe/routing_agreement``, logged every step) (the synced weights and the replayed routing are the engine's), the first
 mini-batch is on-policy (ratio 1), and GRPO raises the arithmetic reward over the run.
 """
 from __future__ import annotations
@@ -44,6 +45,8 @@ def test_moe_with_routing_replay_matches_the_engine_log_probs_and_learns(ray_ses
         # |pi_trainer - pi_engine| per token (probabilities): fp32 noise, not a routing flip.
         assert row["rollout_corr/mismatch_max"] < 1e-5, (step, row["rollout_corr/mismatch_max"])
         assert abs(row["actor/approx_kl"]) < 1e-6  # one mini-batch per step: on-policy update
+        # Engine and trainer routers see the same weights (fp32): their top-k sets agree but for near-ties.
+        assert 0.95 <= row["moe/routing_agreement"] <= 1.0, (step, row["moe/routing_agreement"])
     first = sum(metrics[s]["reward/score/mean"] for s in (1, 2, 3)) / 3
     last = sum(metrics[s]["reward/score/mean"] for s in (STEPS - 2, STEPS - 1, STEPS)) / 3
     assert last > first + 0.05, (first, last)
