@@ -113,6 +113,10 @@ def _suggest(word: str, choices: typing.Iterable[str]) -> str:
     return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
+#: The words YAML 1.1 (PyYAML) reads as False and as True.
+_YAML11_BOOL_WORDS = {False: ("off", "no", "false"), True: ("on", "yes", "true")}
+
+
 def _coerce_scalar(value: Any, hint: type, key: str, nullable: bool = False) -> Any:
     """``value`` as ``hint`` (bool, int, float, str); ``nullable``: the key also takes null (said in the error)."""
     if hint is bool:
@@ -193,6 +197,9 @@ def coerce(value: Any, hint: Any, key: str, base: Any = None) -> Any:
     if origin in (Union, types.UnionType):
         return _coerce_union(value, args, key, base)
     if origin is Literal:
+        if isinstance(value, bool):  # YAML 1.1 reads off/on/no/yes as booleans: take the choice spelled so
+            spelled = [a for a in args if isinstance(a, str) and a.lower() in _YAML11_BOOL_WORDS[value]]
+            value = spelled[0] if len(spelled) == 1 else value
         if isinstance(value, str) and value in args:
             return value
         raise ConfigError(key, f"invalid value {value!r}; expected one of "

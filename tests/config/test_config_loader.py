@@ -171,3 +171,19 @@ def test_the_loader_builds_and_load_run_validates_across_sections():
     with pytest.raises(ConfigError, match=r"^critic\.enabled: adv_estimator 'gae' needs a critic: set "
                                           r"critic\.enabled=true \[recipe .*/tiny_arith_grpo\.yaml\]$"):
         load_run("tiny_arith_grpo", ["algorithm.adv_estimator=gae"])
+
+
+@pytest.mark.parametrize("spelling", ["off", "Off", "OFF"])
+def test_a_choice_yaml_reads_as_a_boolean_is_taken_as_spelled(spelling, tmp_path):
+    # PyYAML (YAML 1.1) reads off/on/no/yes as booleans: `actor.router_replay=off` on the command
+    # line and `router_replay: off` in a recipe both arrive as False.
+    from megaflow.config import config_to_dict
+
+    assert load_run("tiny_moe_grpo", [f"actor.router_replay={spelling}"]).actor.router_replay == "off"
+    tree = config_to_dict(load_run("tiny_moe_grpo", []))
+    tree["actor"]["router_replay"] = yaml.safe_load(spelling)
+    assert tree["actor"]["router_replay"] is False
+    assert run_from_dict(tree).actor.router_replay == "off"
+    # A boolean where no choice is spelled like it is still refused, naming the choices.
+    with pytest.raises(ConfigError, match=r"actor\.loss_agg_mode: invalid value True; expected one of"):
+        load_run("tiny_moe_grpo", ["actor.loss_agg_mode=yes"])
