@@ -102,7 +102,7 @@ def test_smollm2_gsm8k_grpo_runs_one_step(ray_session, tmp_path, smollm2_dir, gs
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(3000)  # 29 minutes measured next to a CI run at load average 50-66 on 2 cores
 def test_smollm2_gsm8k_grpo_cpu_runs_two_steps_validates_and_writes_generations(
         ray_session, tmp_path, smollm2_dir, gsm8k_dir):
     """Two steps of the CPU recipe as shipped (256-token responses, 4 prompts x 4 samples, format
