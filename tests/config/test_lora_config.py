@@ -115,3 +115,23 @@ def test_planner_counts_adapter_gradients_and_optimizer_state_only_and_no_refere
     assert actor.params == base.params + adapters * 4
     assert base.grads == base.params  # full training: fp32 gradient per parameter
     assert "ref" in roles(full) and "ref" not in roles(lora)
+
+
+def test_planner_counts_the_critic_adapters_with_its_value_head_and_shards_the_optimizer_over_dp():
+    """critic.lora.rank=4 at t=2: the critic's trained parameters are its adapters (rank 4, the
+    per-rank shapes of the test above) plus its value head ``[1, 128]``; they alone get fp32
+    gradients and Adam's two fp32 moments. actor.lora.rank=8 at t=1, dp=2 with the distributed
+    optimizer: every adapter whole on each rank (qkv A [8, 128] + B [256, 8], proj A [8, 128] +
+    B [128, 8], fc1 A [8, 128] + B [768, 8], fc2 A [8, 384] + B [128, 8]), gradients whole,
+    the Adam moments split over the 2 DP ranks."""
+    from megaflow.dryrun import build_plan
+
+    critic_trained = 2 * 4 * ((128 + 128) + (64 + 128) + (128 + 384) + (192 + 128)) + 128
+    plan = build_plan(load_run(RECIPE, [*BASE, *PPO]))
+    critic = {r.role: r for r in plan.roles}["critic"].memory
+    assert critic.grads == critic_trained * 4 and critic.optimizer == critic_trained * 8
+    actor_adapters = 2 * 8 * ((128 + 256) + (128 + 128) + (128 + 768) + (384 + 128))
+    plan = build_plan(load_run(RECIPE, [*BASE, *ON, "actor.tp=1", "actor.use_distributed_optimizer=true"]))
+    actor = {r.role: r for r in plan.roles}["actor"]
+    assert actor.parallel.dp == 2
+    assert actor.memory.grads == actor_adapters * 4 and actor.memory.optimizer == actor_adapters * 8 / 2
