@@ -139,7 +139,7 @@ def _chunks(engine) -> list[Any]:
     return list(unwrap_model_chunks(engine.module))
 
 
-def _trained_entries(chunk: torch.nn.Module) -> dict[str, Any]:
+def _trained_entries(chunk: Any) -> dict[str, Any]:
     """The entries of ``chunk.sharded_state_dict()`` whose parameters train under LoRA: the
     adapters and what :func:`megaflow.megatron.lora.apply_lora` kept trainable (a critic's value head)."""
     trained = {name for name, param in chunk.named_parameters() if param.requires_grad}
