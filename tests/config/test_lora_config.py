@@ -135,3 +135,23 @@ def test_planner_counts_the_critic_adapters_with_its_value_head_and_shards_the_o
     actor = {r.role: r for r in plan.roles}["actor"]
     assert actor.parallel.dp == 2
     assert actor.memory.grads == actor_adapters * 4 and actor.memory.optimizer == actor_adapters * 8 / 2
+
+
+def test_planner_counts_merged_lora_weights_as_generation_extra():
+    """actor.lora.sync=merged: the engine's adapted weights are W + s B A computed into new
+    tensors, so no training tensor of the adapted linears is aliased into the generation
+    buffers. Adapted weights of the tiny model (2 layers: qkv 128 x 256, proj 128 x 128, fc1
+    128 x 768, fc2 384 x 128, fp32): at t=2 -> t_g=1 the generation extra grows by their training
+    half; at t=1 with the distributed optimizer (DDP's param buffer holds the adapters only, so the
+    frozen rest aliases) it is exactly their full size. The adapter route sends the base unmerged:
+    the extra of a run without LoRA."""
+    from megaflow.dryrun import build_plan
+
+    adapted = 2 * (128 * 256 + 128 * 128 + 128 * 768 + 384 * 128) * 4
+
+    def extra(*overrides: str) -> float:
+        return build_plan(load_run(RECIPE, [*BASE, *overrides])).rollout.memory.extra_weights
+
+    assert extra(*ON) == extra() + adapted / 2
+    assert extra(*ON, "actor.lora.sync=adapter") == extra()
+    assert extra(*ON, "actor.tp=1", "actor.use_distributed_optimizer=true") == adapted
