@@ -39,6 +39,10 @@ counted once however many views share it) of
   (:mod:`megaflow.topology.weight_sync`: actor + engine + one bucket + the largest tensor;
   met when the measurement is not above it).
 
+LoRA cases (``actor.lora.rank``, merged weight sync): gradients and optimizer state exist
+for the adapters only (the frozen base has no ``main_grad`` and no optimizer state), so both
+fall to the adapters' share of the parameters; parameters are the base plus the adapters.
+
 Resident gradients with ``actor.grad_offload`` are measured after ``engine.offload``
 (megatron-core releases the grad buffers on CPU too); parameter and optimizer offload move
 nothing on a CPU-only process, so they are not measured here.
@@ -79,6 +83,8 @@ class Case:
     gen_tp: int = 1
     micro_batch: int = 4
     dtype: str = "float32"
+    lora_rank: int = 0
+    """actor.lora.rank: > 0 trains adapters on all four linears of each layer (alpha 2 x rank), the base frozen."""
 
     @property
     def dp(self) -> int:
@@ -97,7 +103,9 @@ class Case:
                 f"actor.grad_offload={str(self.grad_offload).lower()}",
                 f"rollout.tp={self.gen_tp}", "rollout.n=2", f"data.train_batch_size={prompts}",
                 f"actor.ppo_mini_batch_size={prompts}", f"actor.ppo_micro_batch_size_per_gpu={self.micro_batch}",
-                f"model.dtype={self.dtype}", "rollout.weight_sync_bucket_mb=1"]
+                f"model.dtype={self.dtype}", "rollout.weight_sync_bucket_mb=1",
+                *([f"actor.lora.rank={self.lora_rank}", f"actor.lora.alpha={2 * self.lora_rank}"]
+                  if self.lora_rank else [])]
 
 
 CASES = (
@@ -108,6 +116,8 @@ CASES = (
     Case("tp2-full", world=2, tp=2, recompute="full"),
     Case("tp2dp2-distopt-gradoffload", world=4, tp=2, distributed_optimizer=True, grad_offload=True),
     Case("tp2-bf16-distopt-dp2", world=4, tp=2, distributed_optimizer=True, dtype="bfloat16"),
+    Case("tp2-lora8", world=2, tp=2, lora_rank=8),
+    Case("dp2-distopt-lora8", world=2, distributed_optimizer=True, lora_rank=8),
 )
 
 TERMS = ("params", "grads", "optimizer", "layer_activations", "head_activations", "gen_weights",
@@ -304,6 +314,7 @@ def measure_rank(rank: int, world: int, case: Case, hf_config: dict, prompt_len:
     from megaflow.hybrid_engine import MicroDPResharder, build_reshard_groups, plan_hybrid_layout
     from megaflow.megatron import parallel
     from megaflow.megatron.engine import MegatronEngine
+    from megaflow.megatron.lora import weight_sync_sources
     from megaflow.megatron.model import build_gpt_model
     from megaflow.topology.role_spec import RoleSpec
     from megaflow.workers.megatron_workers import TORCH_DTYPES
@@ -323,12 +334,13 @@ def measure_rank(rank: int, world: int, case: Case, hf_config: dict, prompt_len:
     with account.recording(engine.model, decoder_parts, outside=[final_norm] if final_norm is not None else []):
         engine.train_step(batch, _loss)
     out: dict[str, Any] = {"params": unique_storage_bytes(module.parameters())}
-    grad_tensors = [p.main_grad for p in module.parameters()]
+    trained = [p for p in module.parameters() if p.requires_grad]  # LoRA: the adapters only, the base is frozen
+    grad_tensors = [p.main_grad for p in trained]
     grad_ptrs = {_storage(g)[0] for g in grad_tensors}
     out["optimizer"] = unique_storage_bytes(_optimizer_tensors(engine.optimizer), exclude=param_ptrs | grad_ptrs)
     if case.grad_offload:
         engine.offload(params=False, grads=True, optimizer=False)
-    out["grads"] = unique_storage_bytes(p.main_grad for p in module.parameters())
+    out["grads"] = unique_storage_bytes(p.main_grad for p in trained)
     if case.grad_offload:
         engine.reload()
     out["layer_activations"] = account.bytes["layers"]
@@ -336,7 +348,8 @@ def measure_rank(rank: int, world: int, case: Case, hf_config: dict, prompt_len:
     layout = plan_hybrid_layout(case.tp, case.pp, info.dp_size, gen_tp=case.gen_tp,
                                 num_attention_heads=hf_config["num_attention_heads"],
                                 num_query_groups=hf_config["num_key_value_heads"])
-    resharder = MicroDPResharder(build_reshard_groups(layout), dict(module.named_parameters()),
+    base, merged = weight_sync_sources(module)  # LoRA: the adapted weights go out as W + s B A (the worker's route)
+    resharder = MicroDPResharder(build_reshard_groups(layout), base, merged=merged,
                                  share_embeddings_and_output_weights=module.share_embeddings_and_output_weights)
     before = unique_storage_bytes(module.parameters())
     with resharder.generation():
@@ -471,7 +484,8 @@ def main(argv=None) -> int:
         lines += rows
         print(f"# {case.name}: {case.world} ranks tp={case.tp} pp={case.pp} dp={case.dp} "
               f"{case.dtype} recompute={case.recompute} dist_opt={case.distributed_optimizer} "
-              f"grad_offload={case.grad_offload} ({time.perf_counter() - start:.0f} s)", flush=True)
+              f"grad_offload={case.grad_offload} lora_rank={case.lora_rank} "
+              f"({time.perf_counter() - start:.0f} s)", flush=True)
     print("\n".join(lines))
     print(f"{misses} term(s) outside the targets (static 5 %, layer activations 25 %)")
     return 1 if misses else 0

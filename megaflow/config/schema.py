@@ -569,7 +569,8 @@ class LoRAConfig(CriticLoRAConfig):
     """Weight sync to the rollout engine: merged (the engine receives W + (alpha / rank) * B A for
     every adapted weight, merged shard by shard during the reshard) or adapter (the frozen base
     once, then the adapters alone at every sync, loaded by the engine as a versioned LoRA adapter;
-    colocated only: refused with split placement, resources.placement.rollout). Both routes serve
+    colocated only: refused with split placement, resources.placement.rollout, and with
+    trainer.async_rollout). Both routes serve
     the trainer's policy (tests/workers/test_lora_weight_sync.py)."""
 
 

@@ -59,8 +59,10 @@ Sources and assumptions, per term:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from megaflow.topology.lora import lora_rank_adapted_weight_numel
 from megaflow.topology.model_spec import ModelSpec, layer_parameters, padded_vocab_size, stage_parameters
 from megaflow.topology.sizes import generation_sizes, max_seq_len, role_model_spec
 
@@ -294,10 +296,15 @@ class RolloutMemory:
 def rollout_memory(spec: ModelSpec, *, train_tp: int, train_pp: int, gen_tp: int, gen_pp: int, dtype: str,
                    seq: int, samples_per_replica: int, engine_budget: float | None,
                    cpu_kv_cache: float | None, params_in_buffer: bool = False,
-                   train_ep: int = 1) -> RolloutMemory:
+                   train_ep: int = 1, merged_targets: Sequence[str] = ()) -> RolloutMemory:
     """Generation memory per rank.
 
     Args:
+        merged_targets: LoRA with the merged weight sync (``actor.lora.sync=merged``): the adapted
+            linears (``actor.lora.target_modules``). Their generation shards are computed as
+            ``W + (alpha / r) B A`` into new tensors, so none of them aliases a training tensor:
+            all of their generation shard is extra; the rest of the model follows the rule below
+            (measured by ``tools/bench_memory.py``'s LoRA cases).
         train_ep: the actor's expert-parallel size (mixture of experts): its training shard
             holds ``E/train_ep`` experts while the generation shard holds every expert's
             ``1/t_g`` slice, so the other EP ranks' experts are always extra (gathered).
@@ -306,7 +313,8 @@ def rollout_memory(spec: ModelSpec, *, train_tp: int, train_pp: int, gen_tp: int
             The resharder can alias a training tensor into its gather buffer only when the
             tensor owns its storage, so then nothing is aliased and the whole generation
             shard is extra (measured by ``tools/bench_memory.py``); otherwise the extra is
-            the generation shard less the training shard.
+            the generation shard less the training shard. With LoRA the buffer holds the
+            adapters alone (the frozen base owns its storage): pass False.
         engine_budget: GPU: bytes vLLM may reserve for weights + KV (None on CPU).
         cpu_kv_cache: CPU: bytes of KV cache per process (None on GPU).
     """
@@ -325,7 +333,10 @@ def rollout_memory(spec: ModelSpec, *, train_tp: int, train_pp: int, gen_tp: int
         reserved = cpu_kv_cache
     else:
         raise ValueError("rollout_memory needs engine_budget (GPU) or cpu_kv_cache (CPU)")
-    extra = weights if params_in_buffer and weights > train else max(weights - train, 0.0)
+    merged_gen = lora_rank_adapted_weight_numel(spec, merged_targets, tp=gen_tp, pp=gen_pp) * bytes_
+    merged_train = lora_rank_adapted_weight_numel(spec, merged_targets, tp=train_tp, pp=train_pp) * bytes_
+    rest, rest_train = weights - merged_gen, train - merged_train
+    extra = merged_gen + (rest if params_in_buffer and rest > rest_train else max(rest - rest_train, 0.0))
     return RolloutMemory(weights=weights, extra_weights=extra, kv_per_sequence=per_seq,
                          kv_needed=per_seq * samples_per_replica, kv_reserved=reserved)
 

@@ -235,7 +235,7 @@ def _sampling_units(cfg: Config) -> float:
 
 
 def _rollout_plan(cfg: Config, actor: RolePlan) -> RolloutPlan:
-    sizes, par, spec = generation_sizes(cfg), actor.parallel, actor.model
+    sizes, par, spec, lora = generation_sizes(cfg), actor.parallel, actor.model, cfg.actor.lora
     layout = generation_layout(par.tp, par.pp, par.dp, par.cp, sizes.tp, sizes.pp,
                                spec.num_attention_heads, spec.num_key_value_heads)
     res = cfg.resources
@@ -244,7 +244,8 @@ def _rollout_plan(cfg: Config, actor: RolePlan) -> RolloutPlan:
         seq=max_seq_len(cfg), samples_per_replica=sizes.samples_per_replica,
         engine_budget=cfg.rollout.gpu_memory_utilization * res.gpu_memory_gib * GIB if res.use_gpu else None,
         cpu_kv_cache=None if res.use_gpu else cpu_kv_cache_bytes(cfg),
-        params_in_buffer=uses_distributed_optimizer(cfg, "actor"), train_ep=par.ep)
+        params_in_buffer=uses_distributed_optimizer(cfg, "actor") and lora.rank == 0, train_ep=par.ep,
+        merged_targets=lora.target_modules if lora.rank > 0 and lora.sync == "merged" else ())
     model_bytes = count_parameters(spec) * DTYPE_BYTES[cfg.model.dtype]
     split, pool = None, split_rollout_pool(cfg)
     if pool is not None:

@@ -38,4 +38,12 @@ def lora_rank_adapter_numel(spec: ModelSpec, rank: int, target_modules: Sequence
     return -(-spec.num_layers // pp) * per_layer
 
 
-__all__ = ["lora_layer_dims", "lora_adapter_numel", "lora_rank_adapter_numel"]
+def lora_rank_adapted_weight_numel(spec: ModelSpec, target_modules: Sequence[str], *, tp: int, pp: int) -> int:
+    """Elements of the adapted base weights ``W`` on one rank of a ``tp`` x ``pp`` mesh: ``in * out / tp``
+    per targeted linear and layer of a stage of ``num_layers / pp`` layers (what the merged weight
+    sync replaces by ``W + (alpha / r) B A``, computed into new tensors; 0 without targets)."""
+    dims = lora_layer_dims(spec)
+    return -(-spec.num_layers // pp) * sum(dims[t][0] * dims[t][1] // tp for t in target_modules)
+
+
+__all__ = ["lora_layer_dims", "lora_adapter_numel", "lora_rank_adapter_numel", "lora_rank_adapted_weight_numel"]

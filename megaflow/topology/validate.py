@@ -196,10 +196,9 @@ def _check_lora(cfg: Config) -> None:
 
     rank at most the smaller size of every targeted linear; no mixture-of-experts model (the
     experts' linears get no adapters); no sequence parallelism (megaflow.megatron.lora); the
-    actor's ``sync`` adapter only with the colocated engine (split placement, and so async
-    rollouts, sync merged weights); with the actor's LoRA
+    actor's ``sync`` adapter only with the colocated engine (:func:`_check_adapter_sync`); with the actor's LoRA
     the reference log-probs come from the actor with adapters disabled, so ``ref.enabled`` is
-    false; no HF export and no checkpoints yet (their adapter-aware versions are not wired in).
+    false.
 
     Raises:
         ConfigError: naming the key to change.
@@ -223,12 +222,29 @@ def _check_lora(cfg: Config) -> None:
               "LoRA adapters do not support sequence parallelism yet: set it false or {0}=0", f"{role}.lora.rank")
     if cfg.actor.lora.rank == 0:
         return
-    check(cfg.actor.lora.sync == "merged" or split_rollout_pool(cfg) is None, "actor.lora.sync",
-          "'adapter' (the engine loading the adapters alone) needs the colocated engine: with split placement "
-          "({0} set, and so with trainer.async_rollout) use 'merged'", "resources.placement.rollout")
+    _check_adapter_sync(cfg)
     check(not cfg.ref.enabled, "ref.enabled",
           "must be false with {0} > 0: the reference log-probs come from the actor with its adapters disabled "
           "(the frozen base is the initial policy), no reference group is needed", "actor.lora.rank")
+
+
+def _check_adapter_sync(cfg: Config) -> None:
+    """``actor.lora.sync='adapter'`` only with the colocated, synchronous engine: the adapter
+    route writes the adapters to a run-private directory of the actor's processes and reloads
+    them in the engine of the same process; split placement (``resources.placement.rollout``)
+    and one-step-off generation (``trainer.async_rollout``, which needs split placement) send
+    the merged weights to another pool's engines instead.
+
+    Raises:
+        ConfigError: at ``actor.lora.sync``, naming the key that asks for the other pool.
+    """
+    if cfg.actor.lora.sync == "merged":
+        return
+    for key, wanted in (("trainer.async_rollout", cfg.trainer.async_rollout),
+                        ("resources.placement.rollout", split_rollout_pool(cfg) is not None)):
+        check(not wanted, "actor.lora.sync",
+              "'adapter' (the engine loading the adapters alone) needs the colocated engine in the actor's "
+              "processes, which {0} takes away: use 'merged'", key)
 
 
 def _check_colocated_meshes(cfg: Config) -> None:

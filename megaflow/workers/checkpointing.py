@@ -21,13 +21,14 @@ so it loads only at the saved ``ep`` too (checked before start by the trainer, a
 written at ep = 1.
 LoRA (``<role>.lora.rank > 0``): the checkpoint is adapter-only. ``model/`` is replaced by::
 
-    adapter/         megatron-core distributed checkpoint of the adapter parameters only
-                     (the ``lora_a``/``lora_b`` entries of ``model.sharded_state_dict()``)
+    adapter/         megatron-core distributed checkpoint of the trained parameters only: the
+                     ``lora_a``/``lora_b`` entries of ``model.sharded_state_dict()`` and, for a
+                     critic, its fully trained value head (``output_layer.weight``)
     lora.json        the LoRA settings (rank, alpha, dropout, target_modules), the base's
                      source (``<role>``'s model path or key) and the sha256 of the frozen base
                      parameters per (tp, pp) rank
 
-The optimizer holds the adapters' state only (the base is frozen). A load rebuilds the base
+The optimizer holds the trained parameters' state only (the base is frozen). A load rebuilds the base
 from the run's model source, as at the start, and refuses a checkpoint whose LoRA settings or
 base fingerprint differ, naming the key (``<role>.lora.<setting>`` or the model source's key).
 Atomicity and the manifest are the caller's (the trainer's checkpoint manager writes into
@@ -138,27 +139,29 @@ def _chunks(engine) -> list[Any]:
     return list(unwrap_model_chunks(engine.module))
 
 
-def _adapter_sharded_state_dict(engine) -> dict[str, Any]:
-    """The adapter entries of every chunk's ``sharded_state_dict()`` (keyed like
-    :func:`megaflow.models.checkpoint.save_checkpoint`'s: ``model`` or ``model<i>``)."""
-    from megaflow.megatron.lora import is_adapter_name
+def _trained_entries(chunk: Any) -> dict[str, Any]:
+    """The entries of ``chunk.sharded_state_dict()`` whose parameters train under LoRA: the
+    adapters and what :func:`megaflow.megatron.lora.apply_lora` kept trainable (a critic's value head)."""
+    trained = {name for name, param in chunk.named_parameters() if param.requires_grad}
+    return {name: t for name, t in chunk.sharded_state_dict().items() if name in trained}
 
+
+def _adapter_sharded_state_dict(engine) -> dict[str, Any]:
+    """The trained entries (adapters, a critic's value head) of every chunk's ``sharded_state_dict()``
+    (keyed like :func:`megaflow.models.checkpoint.save_checkpoint`'s: ``model`` or ``model<i>``)."""
     chunks = _chunks(engine)
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
-    return {key: {n: t for n, t in chunk.sharded_state_dict().items() if is_adapter_name(n)}
-            for key, chunk in zip(keys, chunks, strict=True)}
+    return {key: _trained_entries(chunk) for key, chunk in zip(keys, chunks, strict=True)}
 
 
 def _base_sha256(engine) -> str:
-    """sha256 over this rank's frozen (non-adapter) parameters, by name, in their stored bytes."""
+    """sha256 over this rank's frozen parameters, by name, in their stored bytes."""
     import hashlib
-
-    from megaflow.megatron.lora import is_adapter_name
 
     digest = hashlib.sha256()
     for i, chunk in enumerate(_chunks(engine)):
         for name, param in sorted(chunk.named_parameters()):
-            if not is_adapter_name(name):
+            if not param.requires_grad:
                 digest.update(f"{i}.{name}".encode())
                 digest.update(param.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

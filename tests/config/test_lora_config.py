@@ -35,6 +35,9 @@ def _refused(*overrides: str) -> ConfigError:
     (("actor.lora.dropout=1.0",), "actor.lora.dropout", "[0, 1)"),
     (("actor.lora.dropout=-0.1",), "actor.lora.dropout", "[0, 1)"),
     ((*ON, "actor.lora.sync=adapter", *SPLIT), "actor.lora.sync", "resources.placement.rollout"),
+    ((*ON, "actor.lora.sync=adapter", "trainer.async_rollout=true"), "actor.lora.sync", "trainer.async_rollout"),
+    ((*ON, "actor.lora.sync=adapter", "trainer.async_rollout=true", *SPLIT), "actor.lora.sync",
+     "trainer.async_rollout"),
     ((*ON, "algorithm.use_kl_loss=true", "ref.enabled=true"), "ref.enabled", "adapters disabled"),
     ((*PPO, "critic.lora.rank=129"), "critic.lora.rank", "exceeds"),
     (("critic.lora.alpha=-1",), "critic.lora.alpha", "> 0"),
@@ -112,3 +115,43 @@ def test_planner_counts_adapter_gradients_and_optimizer_state_only_and_no_refere
     assert actor.params == base.params + adapters * 4
     assert base.grads == base.params  # full training: fp32 gradient per parameter
     assert "ref" in roles(full) and "ref" not in roles(lora)
+
+
+def test_planner_counts_the_critic_adapters_with_its_value_head_and_shards_the_optimizer_over_dp():
+    """critic.lora.rank=4 at t=2: the critic's trained parameters are its adapters (rank 4, the
+    per-rank shapes of the test above) plus its value head ``[1, 128]``; they alone get fp32
+    gradients and Adam's two fp32 moments. actor.lora.rank=8 at t=1, dp=2 with the distributed
+    optimizer: every adapter whole on each rank (qkv A [8, 128] + B [256, 8], proj A [8, 128] +
+    B [128, 8], fc1 A [8, 128] + B [768, 8], fc2 A [8, 384] + B [128, 8]), gradients whole,
+    the Adam moments split over the 2 DP ranks."""
+    from megaflow.dryrun import build_plan
+
+    critic_trained = 2 * 4 * ((128 + 128) + (64 + 128) + (128 + 384) + (192 + 128)) + 128
+    plan = build_plan(load_run(RECIPE, [*BASE, *PPO]))
+    critic = {r.role: r for r in plan.roles}["critic"].memory
+    assert critic.grads == critic_trained * 4 and critic.optimizer == critic_trained * 8
+    actor_adapters = 2 * 8 * ((128 + 256) + (128 + 128) + (128 + 768) + (384 + 128))
+    plan = build_plan(load_run(RECIPE, [*BASE, *ON, "actor.tp=1", "actor.use_distributed_optimizer=true"]))
+    actor = {r.role: r for r in plan.roles}["actor"]
+    assert actor.parallel.dp == 2
+    assert actor.memory.grads == actor_adapters * 4 and actor.memory.optimizer == actor_adapters * 8 / 2
+
+
+def test_planner_counts_merged_lora_weights_as_generation_extra():
+    """actor.lora.sync=merged: the engine's adapted weights are W + s B A computed into new
+    tensors, so no training tensor of the adapted linears is aliased into the generation
+    buffers. Adapted weights of the tiny model (2 layers: qkv 128 x 256, proj 128 x 128, fc1
+    128 x 768, fc2 384 x 128, fp32): at t=2 -> t_g=1 the generation extra grows by their training
+    half; at t=1 with the distributed optimizer (DDP's param buffer holds the adapters only, so the
+    frozen rest aliases) it is exactly their full size. The adapter route sends the base unmerged:
+    the extra of a run without LoRA."""
+    from megaflow.dryrun import build_plan
+
+    adapted = 2 * (128 * 256 + 128 * 128 + 128 * 768 + 384 * 128) * 4
+
+    def extra(*overrides: str) -> float:
+        return build_plan(load_run(RECIPE, [*BASE, *overrides])).rollout.memory.extra_weights
+
+    assert extra(*ON) == extra() + adapted / 2
+    assert extra(*ON, "actor.lora.sync=adapter") == extra()
+    assert extra(*ON, "actor.tp=1", "actor.use_distributed_optimizer=true") == adapted

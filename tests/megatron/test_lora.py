@@ -241,7 +241,38 @@ def _knob_effects(cfg, shard, info, batch, lora):
     engine.train_step(vbatch, value_loss)
     out["critic_changed"] = sorted(n for n, p in named.items() if n in critic_shard and
                                    not torch.equal(p.detach(), critic_shard[n]))
+    out["critic_checkpoint"] = _critic_checkpoint_round_trip(cfg, critic_shard, info, engine, vbatch, value_loss)
     return out
+
+
+def _critic_checkpoint_round_trip(cfg, shard, info, engine, batch, loss_fn):
+    """The engine checkpoint of the trained LoRA critic (one rank) loaded into a fresh critic
+    built from the same base: the checkpoint's tensor keys, whether every parameter equals, and
+    the next update's metrics of both."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from megatron.core import dist_checkpointing
+
+    from megaflow.megatron import model as M
+    from megaflow.megatron.engine import MegatronEngine
+    from megaflow.workers.checkpointing import ADAPTER_DIR, load_engine_checkpoint, save_engine_checkpoint
+
+    directory = Path(tempfile.mkdtemp(prefix="lora_critic_ckpt_"))
+    save_engine_checkpoint(engine, directory, cfg.to_dict())
+    keys = sorted(dist_checkpointing.load_tensors_metadata(str(directory / ADAPTER_DIR)))
+    fresh = M.build_gpt_model(cfg, head="value")
+    load_shard(fresh, shard)
+    restored = MegatronEngine(fresh, info, engine.spec, vocab_size=VOCAB)
+    load_engine_checkpoint(restored, directory)
+    shutil.rmtree(directory)
+    same = all(torch.equal(a, b) for a, b in zip(engine.module.parameters(), restored.module.parameters(), strict=True))
+    nxt = []
+    for e in (engine, restored):
+        torch.manual_seed(11)  # the same dropout masks (critic.lora.dropout) in both updates
+        nxt.append(e.train_step(batch, loss_fn))
+    return {"keys": keys, "params_equal": same, "next": tuple(nxt)}
 
 
 @pytest.fixture(scope="module")
@@ -355,6 +386,18 @@ def test_critic_lora_keeps_the_value_head_trainable(single):
     assert single["critic_trainable"] == sorted(qkv + ["output_layer.weight"])
     assert single["critic_scale"] == [2.0] * 4 and single["critic_dropout"] == [0.1] * 4
     assert single["critic_changed"] == ["output_layer.weight"]
+
+
+def test_critic_lora_checkpoint_holds_the_trained_tensors_and_resumes_exactly(single):
+    """The critic's adapter-only checkpoint holds its adapters and its fully trained value head
+    (no frozen base tensor); loaded into a fresh critic on the same base every parameter is equal
+    and the next update's metrics are identical."""
+    ckpt = single["critic_checkpoint"]  # megatron-core stacks a tensor's layers under one key
+    assert ckpt["keys"] == [f"decoder.layers.self_attention.linear_qkv.lora_{p}.weight" for p in "ab"] \
+        + ["output_layer.weight"]
+    assert ckpt["params_equal"]
+    first, second = ckpt["next"]
+    assert first and first == second
 
 
 def test_engine_checkpoint_of_a_tp2_lora_actor_resumes_exactly(tp2):

@@ -56,6 +56,9 @@ def test_cases_cover_the_features_and_parse_args():
     assert {c.tp for c in cases} >= {1, 2} and {c.pp for c in cases} >= {1, 2} and {c.dp for c in cases} >= {1, 2}
     assert {c.recompute for c in cases} == {"none", "selective", "full"}
     assert any(c.distributed_optimizer for c in cases) and any(c.grad_offload for c in cases)
+    lora = [c for c in cases if c.lora_rank]
+    assert lora and all(bench.build_case_config(c).actor.lora.rank == c.lora_rank for c in lora)
+    assert bench.build_case_config(cases[0]).actor.lora.rank == 0
     assert [c.name for c in bench.parse_args(["--cases", "tp2,dp2-ddp"]).cases] == ["tp2", "dp2-ddp"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--cases", "nope"])

