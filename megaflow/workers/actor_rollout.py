@@ -1,20 +1,24 @@
 """The actor with its colocated rollout engine: the 3D-HybridEngine in one worker.
 
-Each rank holds its Megatron training shard (layout p-t-d) and one vLLM engine shard of
-the generation layout (p_g-t_g-d_g-d). ``sync_rollout_weights`` (a step of its own in
-``RayPPOTrainer.train_step``) makes the engine serve the actor's current weights: when
-the actor has changed since the last sync (an update, a checkpoint load, start-up), the
-:class:`~megaflow.hybrid_engine.reshard.MicroDPResharder` all-gathers each parameter
-inside its micro-DP group into the generation layout, the shard is converted to vLLM's
-names and layouts (:mod:`megaflow.hybrid_engine.rollout_weights`) and pushed into the
-engine, and the generation buffers are released again (train -> generate -> train). The
-engine's weight version increments and its prefix cache is reset on every sync; the
-controller checks with :func:`check_synced` that every rank serves the actor's version.
-With ``actor.lora.sync == "adapter"`` the resharder moves the frozen base once and every
-sync then publishes only the LoRA adapters (:class:`~megaflow.rollout.lora_sync.AdapterSync`).
-The shard travels in buckets of ``rollout.weight_sync_bucket_mb`` MiB, produced lazily
-from the resharder (at most one bucket alive). ``generate_sequences`` only generates: it
-refuses to run on weights older than the actor's.
+Each rank holds its Megatron training shard (layout p-t-d, a
+:class:`~megaflow.workers.megatron_role.MegatronRole`) and one vLLM engine shard of the
+generation layout (p_g-t_g-d_g-d, a :class:`~megaflow.workers.rollout_host.RolloutHost`).
+``sync_rollout_weights`` (a step of its own in ``RayPPOTrainer.train_step``) makes the engine
+serve the actor's current weights through the rank's
+:class:`~megaflow.workers.weight_sync.ActorWeightSync` (the sync loop split placement's actor
+runs too): when the actor has changed since the last sync (an update, a checkpoint load,
+start-up), the :class:`~megaflow.hybrid_engine.reshard.MicroDPResharder` all-gathers each
+parameter inside its micro-DP group into the generation layout, the shard is converted to
+vLLM's names and layouts (:mod:`megaflow.hybrid_engine.rollout_weights`) and loaded into the
+engine in place (:class:`~megaflow.hybrid_engine.transport.ColocatedTransport`), and the
+generation buffers are released again (train -> generate -> train). The engine's weight
+version increments and its prefix cache is reset on every sync; the controller checks with
+:func:`check_synced` that every rank serves the actor's version. With
+``actor.lora.sync == "adapter"`` the resharder moves the frozen base once and every sync then
+publishes only the LoRA adapters (:class:`~megaflow.rollout.lora_sync.AdapterSync`). The shard
+travels in buckets of ``rollout.weight_sync_bucket_mb`` MiB, produced lazily from the
+resharder (at most one bucket alive). ``generate_sequences`` only generates: it refuses to
+run on weights older than the actor's.
 
 Dispatch: ``generate_sequences`` is registered on the ``rollout`` mesh
 (``dp_rank`` = generation replica, collected from generation TP rank 0), the actor's

@@ -8,11 +8,14 @@ leaves the actor's processes (the disaggregated layout of verl, NeMo-RL, slime, 
   consecutive TP groups in the rollout group's own ``torch.distributed`` world). Same
   ``generate_sequences`` contract and ``rollout`` dispatch mesh as
   :class:`~megaflow.workers.actor_rollout.ActorRolloutWorker`.
-* :class:`SplitActorWorker` - the actor without an engine: on a sync it reshards its
+* :class:`SplitActorWorker` - the actor without an engine (a
+  :class:`~megaflow.workers.megatron_role.MegatronRole` and the colocated actor's sync loop,
+  :class:`~megaflow.workers.weight_sync.ActorWeightSync`): on a sync it reshards its
   training shard into the generation layout exactly as the colocated actor does
   (micro-DP all-gathers, :class:`~megaflow.hybrid_engine.reshard.MicroDPResharder`),
   converts it into buckets and, on the ranks of generation replica 0, broadcasts them to
-  the rollout ranks (:class:`~megaflow.hybrid_engine.transport.BroadcastTransport`).
+  the rollout ranks (:class:`~megaflow.hybrid_engine.transport.BroadcastTransport`). It has
+  no ``generate_sequences``: the rollout group generates.
 
 The two groups rendezvous once (:func:`megaflow.trainer.rollout_source.connect_split`):
 actor rank 0 opens a ``TCPStore``, then the source ranks and the rollout ranks build
