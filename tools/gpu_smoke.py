@@ -482,7 +482,7 @@ def _state_gap(a: list, b: list, rtol: float, atol: float) -> tuple[float, int]:
 def offload_round_trip(cuda: bool, batch: int, response_length: int) -> dict:
     """Section 8: two actors with the distributed optimizer built from the same weights; one
     offloads parameters, gradients and optimizer state after every phase and reloads what the
-    next phase needs (the workers' ``_before_phase``/``_after_phase`` with
+    next phase needs (the workers' ``MegatronRole.phase`` with
     ``actor.param_offload``/``grad_offload``/``optimizer_offload`` on), the twin never offloads.
     After :data:`ROUND_TRIP_STEPS` steps (a log-prob forward, then an update) their log-probs,
     parameters and optimizer state (fp32 main parameters and Adam moments) must agree within

@@ -228,7 +228,7 @@ def _role_plan(cfg: Config, role: str) -> RolePlan:
 
 def _sampling_units(cfg: Config) -> float:
     """The log-probs' temperature and truncation: the rollout's, without truncation for raw
-    log-probs (as the Megatron workers' ``_sampling`` reads them)."""
+    log-probs (as the Megatron workers' ``rollout_sampling`` reads them)."""
     r, processed = cfg.rollout, cfg.rollout.logprobs_mode == "processed"
     return log_prob_sampling_units(temperature=r.temperature, top_p=r.top_p if processed else 1.0,
                                    top_k=r.top_k if processed else -1)

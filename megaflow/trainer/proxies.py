@@ -242,8 +242,8 @@ class ActorProxy(MegatronProxy):
         sampling parameters in ``meta_info``. Returns the rows (``prompts`` ``[B, P]``,
         ``responses``, ``response_mask``, ``rollout_log_probs`` ``[B, R]``, ``input_ids``,
         ``attention_mask``, ``position_ids`` ``[B, S]``) and each generation replica's
-        metrics (``rollout/weight_version``), index = replica. (Split placement: refused,
-        the rollout group generates.)
+        metrics (``rollout/weight_version``), index = replica. (Split placement: the actor
+        has no engine and no such method, the rollout group generates.)
         """
         return self._run(ActorProxy.generate_sequences, prompts)
 

@@ -8,11 +8,14 @@ leaves the actor's processes (the disaggregated layout of verl, NeMo-RL, slime, 
   consecutive TP groups in the rollout group's own ``torch.distributed`` world). Same
   ``generate_sequences`` contract and ``rollout`` dispatch mesh as
   :class:`~megaflow.workers.actor_rollout.ActorRolloutWorker`.
-* :class:`SplitActorWorker` - the actor without an engine: on a sync it reshards its
+* :class:`SplitActorWorker` - the actor without an engine (a
+  :class:`~megaflow.workers.megatron_role.MegatronRole` and the colocated actor's sync loop,
+  :class:`~megaflow.workers.weight_sync.ActorWeightSync`): on a sync it reshards its
   training shard into the generation layout exactly as the colocated actor does
   (micro-DP all-gathers, :class:`~megaflow.hybrid_engine.reshard.MicroDPResharder`),
   converts it into buckets and, on the ranks of generation replica 0, broadcasts them to
-  the rollout ranks (:class:`~megaflow.hybrid_engine.transport.BroadcastTransport`).
+  the rollout ranks (:class:`~megaflow.hybrid_engine.transport.BroadcastTransport`). It has
+  no ``generate_sequences``: the rollout group generates.
 
 The two groups rendezvous once (:func:`megaflow.trainer.rollout_source.connect_split`):
 actor rank 0 opens a ``TCPStore``, then the source ranks and the rollout ranks build
@@ -30,9 +33,10 @@ import torch
 from megaflow.protocol import DataProto
 from megaflow.single_controller import Dispatch, ProtoResult, Worker, nd_compute, register
 from megaflow.topology.role_spec import RoleSpec
-from megaflow.workers.actor_rollout import ActorRolloutWorker, check_synced
+from megaflow.workers.actor_rollout import DEFAULT_WEIGHT_SYNC_BUCKET_MB, check_synced
+from megaflow.workers.megatron_workers import MegatronWorker, frozen_base_log_probs, policy_log_probs, policy_update
 from megaflow.workers.rollout_host import RolloutHost
-from megaflow.workers.weight_sync import WeightSync
+from megaflow.workers.weight_sync import ActorWeightSync, WeightSync
 
 if TYPE_CHECKING:
     from megaflow.hybrid_engine.transport import BroadcastTransport, TransportPlan, TransportStats
@@ -172,14 +176,59 @@ class RolloutWorker(Worker):
         return self.host.probe_rollout()
 
 
-class SplitActorWorker(ActorRolloutWorker):
+class SplitActorWorker(MegatronWorker):
     """The actor of split placement: no engine; its syncs broadcast to a rollout group.
 
-    Args: as for :class:`ActorRolloutWorker`.
+    Holds the actor's :class:`~megaflow.workers.megatron_role.MegatronRole` and an
+    :class:`~megaflow.workers.weight_sync.ActorWeightSync` (the colocated actor's sync loop)
+    whose transport, on the source ranks, is a
+    :class:`~megaflow.hybrid_engine.transport.BroadcastTransport`; it generates nothing (the
+    rollout group does).
+
+    Args: as for :class:`~megaflow.workers.actor_rollout.ActorRolloutWorker` (the token ids
+    are not used: the rollout group's engines stop and pad).
     """
 
-    def _build_host(self, hf_config: Any, gen_replica: int) -> None:
-        return None  # the engines live on the rollout pool
+    config_role, default_mesh = "actor", "actor"
+    weight_sync: ActorWeightSync  # set by init_model
+
+    def __init__(self, spec: RoleSpec, eos_token_ids: tuple[int, ...], pad_token_id: int) -> None:
+        super().__init__(spec)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.pad_token_id = int(pad_token_id)
+        self._store: Any = None  # the transport's TCPStore client (rank 0: its server)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        """Build the Megatron actor and the reshard groups (collective)."""
+        self.role.build(self, self.mesh)
+        self.weight_sync = ActorWeightSync.build(self.role, self.rank)
+
+    @register(nd_compute("actor"))
+    def compute_log_prob(self, data: DataProto) -> DataProto | None:
+        """``old_log_probs`` and ``entropys`` ``[B, R]`` at the rollout temperature."""
+        return policy_log_probs(self.role, data)
+
+    @register(nd_compute("actor"))
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto | None:
+        """``ref_log_probs`` ``[B, R]`` of the frozen base (``actor.lora.rank > 0``; see
+        :func:`~megaflow.workers.megatron_workers.frozen_base_log_probs`)."""
+        return frozen_base_log_probs(self.role, data)
+
+    @register(nd_compute("actor"))
+    def update_actor(self, data: DataProto) -> dict[str, float]:
+        """PPO update (:func:`~megaflow.workers.megatron_workers.policy_update`; returns its
+        metrics); the rollout group is re-synced before its next use."""
+        metrics = policy_update(self.role, data)
+        self.weight_sync.actor_changed()
+        return metrics
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        """Restore the actor (model, optimizer, LR schedule); the rollout group is re-synced
+        before its next use."""
+        self.role.load_checkpoint(path)
+        self.weight_sync.actor_changed()
 
     @register(Dispatch.RANK_ZERO)
     def open_weight_store(self) -> tuple[str, int]:
@@ -195,29 +244,46 @@ class SplitActorWorker(ActorRolloutWorker):
         members joined); ``vllm_shapes[j]``: the shard shapes of generation TP rank ``j``."""
         from megaflow.hybrid_engine.transport import BroadcastTransport, stateless_process_group
 
-        self._vllm_shapes = vllm_shapes[self._gen_tp_rank]
+        sync = self.weight_sync
         group = plan.group_of_actor(self.rank)
         if group is None:
+            sync.use_transport(None, vllm_shapes[sync.gen_tp_rank])
             return
-        if not hasattr(self, "_store"):
+        if self._store is None:
             self._store = _open_store(host, port, is_master=False)
         pg = stateless_process_group(self._store, 0, 1 + len(group.receivers), backend=backend,
                                      prefix=f"tp{group.gen_tp_rank}", timeout_s=TRANSPORT_TIMEOUT_S)
-        self.transport = BroadcastTransport(pg, backend)
+        sync.use_transport(BroadcastTransport(pg, backend), vllm_shapes[sync.gen_tp_rank])
 
-    def _verify_sync(self) -> float:
-        raise RuntimeError("split placement: the controller verifies the sync (rollout_source.verify_split_sync)")
+    @register(Dispatch.ONE_TO_ALL)
+    def sync_rollout_weights(self, verify: bool = False,
+                             bucket_mb: int = DEFAULT_WEIGHT_SYNC_BUCKET_MB) -> WeightSync:
+        """Reshard the actor's weights and broadcast them to the rollout group if they changed
+        since the last sync (collective with the rollout group's :meth:`RolloutWorker.receive_weights`).
 
-    @register(nd_compute("rollout"))
-    def generate_sequences(self, prompts: DataProto) -> ProtoResult:
-        """Refused: with split placement the rollout group generates."""
-        raise RuntimeError("split placement (resources.placement.rollout): the actor has no engine; "
-                           "call the rollout group's generate_sequences")
+        Args:
+            verify: must be False: under split placement the controller verifies the sync
+                (:func:`megaflow.trainer.rollout_source.verify_split_sync`).
+            bucket_mb: the most MiB of converted tensors broadcast at once.
+
+        Returns:
+            This rank's :class:`~megaflow.workers.weight_sync.WeightSync` (weight version: the
+            syncs this rank has run); figures when weights moved: the reshard's and, on a
+            source rank, the ``transport/*`` figures.
+
+        Raises:
+            RuntimeError: ``verify`` is set.
+            ValueError: ``bucket_mb <= 0``.
+        """
+        if verify:
+            raise RuntimeError("split placement: the controller verifies the sync (rollout_source.verify_split_sync), "
+                               "call sync_rollout_weights(verify=False)")
+        return self.weight_sync.report(bucket_mb)
 
     @register(Dispatch.ONE_TO_ALL)
     def rollout_weight_version(self) -> int:
         """Number of syncs this rank has sent (or, off the sources, produced)."""
-        return self._num_sends
+        return self.weight_sync.num_sends
 
 
 def check_split_synced(actor: list[WeightSync], rollout: list[WeightSync]) -> dict[str, float]:

@@ -543,7 +543,7 @@ def test_ppo_epochs_repeat_the_mini_batch_steps_of_an_update(tiny, role):
 
     from megaflow.protocol import DataProto
     from megaflow.topology.role_spec import RoleSpec
-    from megaflow.workers.megatron_workers import MegatronWorker
+    from megaflow.workers.megatron_role import MegatronRole
 
     def steps_of(epochs):
         section = {"ppo_epochs": epochs, "ppo_mini_batch_size": 4, **({"shuffle": False} if role == "actor" else {})}
@@ -551,16 +551,14 @@ def test_ppo_epochs_repeat_the_mini_batch_steps_of_an_update(tiny, role):
             else {"actor": section}
         spec = RoleSpec(run_from_dict(tiny(**extra)), role, 1)
         minis = []
-        engine = SimpleNamespace(scheduler=SimpleNamespace(num_steps=0),
-                                 left_align=lambda tensors: SimpleNamespace(
-                                     take=lambda index: {"row": tensors["row"][index]}),
-                                 train_step=lambda mini, loss_fn: minis.append(mini["row"].tolist()) or {"loss": 1.0})
-        worker = SimpleNamespace(role_spec=spec, config=spec.config, engine=engine, info=SimpleNamespace(dp_rank=0),
-                                 _before_phase=lambda *parts: None, _after_phase=lambda: None)
-        worker._mini_batch_order = lambda rows, per_rank, epoch: MegatronWorker._mini_batch_order(
-            worker, rows, per_rank, epoch)
-        worker._trained_section = lambda: MegatronWorker._trained_section(worker)
-        MegatronWorker._update(worker, DataProto.from_dict({"row": torch.arange(64)}), loss_fn=None)
+        model = MegatronRole(spec)
+        model.info = SimpleNamespace(dp_rank=0)
+        model.engine = SimpleNamespace(scheduler=SimpleNamespace(num_steps=0), offloaded=frozenset(),
+                                       left_align=lambda tensors: SimpleNamespace(
+                                           take=lambda index: {"row": tensors["row"][index]}),
+                                       train_step=lambda mini, loss_fn: minis.append(mini["row"].tolist())
+                                       or {"loss": 1.0})
+        model.update(DataProto.from_dict({"row": torch.arange(64)}), loss_fn=None)
         return minis
 
     # 16 prompts x 8 samples over dp=2: 64 rows per rank; mini-batches of 4 x 8 / 2 = 16 rows

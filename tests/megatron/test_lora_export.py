@@ -35,7 +35,7 @@ def _export_rank(rank: int, world: int, out_dir: str) -> dict:
     from megaflow.megatron.engine import MegatronEngine
     from megaflow.megatron.lora import adapters_disabled, global_module_path, lora_layers
     from megaflow.models.export import export_hf_dir
-    from megaflow.workers.megatron_workers import MegatronWorker
+    from megaflow.workers.megatron_role import MegatronRole
 
     cfg = tiny_llama_config()
     info = parallel.initialize_parallel(tp=world, pp=1, seed=1)
@@ -57,15 +57,15 @@ def _export_rank(rank: int, world: int, out_dir: str) -> dict:
     adapted = engine.forward(batch, micro_batch_size=3)["log_probs"]
     with adapters_disabled(engine.module):
         base = engine.forward(batch, micro_batch_size=3)["log_probs"]
-    worker = MegatronWorker.__new__(MegatronWorker)  # the worker's gather + conversion, without Ray
-    worker.engine, worker.info, worker.role_spec = engine, info, spec
-    export_hf_dir(engine.module, cfg, info, out_dir, adapter=worker._peft_adapter(), adapter_dropout=DROPOUT)
+    role = MegatronRole(spec)  # the workers' gather + conversion, without Ray
+    role.engine, role.info = engine, info
+    export_hf_dir(engine.module, cfg, info, out_dir, adapter=role.peft_adapter(), adapter_dropout=DROPOUT)
     parallel.destroy_parallel()
     return {"adapted": adapted, "base": base, "batch": batch}
 
 
 def test_exported_peft_adapter_matches_megaflow_log_probs(tmp_path):
-    """What trainer.export_hf writes for a LoRA actor (MegatronWorker.export_hf: export_hf_dir with the
+    """What trainer.export_hf writes for a LoRA actor (MegatronRole.export_hf: export_hf_dir with the
     gathered PEFT adapter) is the frozen base plus an adapter peft loads to megaflow's log-probs."""
     import json
 

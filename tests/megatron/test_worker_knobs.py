@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megaflow.workers.megatron_workers import MegatronWorker
+from megaflow.workers.megatron_role import MegatronRole
 from role_testlib import role_spec
 
 
@@ -21,22 +21,25 @@ class _Engine:
     def __init__(self, num_steps: int = 0) -> None:
         self.calls = []
         self.scheduler = SimpleNamespace(num_steps=num_steps)
+        self.offloaded = frozenset()
 
     def offload(self, **parts):
         self.calls.append(parts)
 
 
-def _worker(num_steps=0, dp_rank=0, seed=1, **actor):
+def _worker(num_steps=0, dp_rank=0, seed=1, **actor) -> MegatronRole:
     spec = role_spec("actor", [f"trainer.seed={seed}"] + [f"actor.{k}={str(v).lower()}" for k, v in actor.items()])
-    return SimpleNamespace(role_spec=spec, config=spec.config, engine=_Engine(num_steps),
-                           info=SimpleNamespace(dp_rank=dp_rank))
+    role = MegatronRole(spec)
+    role.engine, role.info = _Engine(num_steps), SimpleNamespace(dp_rank=dp_rank)
+    return role
 
 
 @pytest.mark.parametrize("flags", [dict(param_offload=True), dict(grad_offload=True), dict(optimizer_offload=True),
                                    dict(param_offload=True, optimizer_offload=True)])
 def test_each_offload_flag_offloads_exactly_its_part(flags):
     worker = _worker(**flags)
-    MegatronWorker._after_phase(worker)
+    with worker.phase():
+        assert worker.engine.calls == []  # offloaded after the phase, not before
     assert worker.engine.calls == [dict(params=flags.get("param_offload", False),
                                         grads=flags.get("grad_offload", False),
                                         optimizer=flags.get("optimizer_offload", False))]
@@ -44,12 +47,13 @@ def test_each_offload_flag_offloads_exactly_its_part(flags):
 
 def test_no_offload_flag_offloads_nothing():
     worker = _worker()
-    MegatronWorker._after_phase(worker)
+    with worker.phase():
+        pass
     assert worker.engine.calls == []
 
 
 def _order(worker, rows=12, per_rank=4, epoch=0):
-    return MegatronWorker._mini_batch_order(worker, rows, per_rank, epoch)
+    return worker.mini_batch_order(rows, per_rank, epoch)
 
 
 def test_shuffle_permutes_rows_reproducibly_per_step_epoch_and_rank():
@@ -77,22 +81,36 @@ def test_recipe_knobs_reach_the_worker_config():
     assert default.shuffle is True and default.model_overrides == dict(sequence_parallel=False)
 
 
-class _OffloadableEngine:
-    """Records reloads; starts with everything offloaded."""
+class _OffloadableEngine(_Engine):
+    """Records reloads, offloads and forward passes; starts with everything offloaded."""
 
     def __init__(self):
+        super().__init__()
         self.offloaded = frozenset({"params", "grads", "optimizer"})
-        self.reloads = []
 
     def reload(self, parts):
-        self.reloads.append(tuple(parts))
+        self.calls.append(("reload", tuple(parts)))
+
+    def offload(self, **parts):
+        self.calls.append(("offload", parts))
+
+    def forward(self, tensors, **kwargs):
+        self.calls.append(("forward", sorted(tensors)))
+        return {}
 
 
-def test_forward_phases_reload_parameters_only():
-    worker = SimpleNamespace(engine=_OffloadableEngine())
-    MegatronWorker._before_phase(worker, ("params",))
-    MegatronWorker._before_phase(worker)
-    assert worker.engine.reloads == [("params",), ("params", "grads", "optimizer")]
+def test_forward_phases_reload_parameters_only_and_every_phase_offloads_after():
+    from megaflow.protocol import DataProto
+
+    worker = _worker(param_offload=True)
+    worker.engine = _OffloadableEngine()
+    worker.forward(DataProto.from_dict({"input_ids": torch.zeros(1, 2, dtype=torch.long)}))
+    with pytest.raises(KeyError):  # a phase that fails still offloads
+        with worker.phase():
+            raise KeyError("x")
+    offload = ("offload", dict(params=True, grads=False, optimizer=False))
+    assert worker.engine.calls == [("reload", ("params",)), ("forward", ["input_ids"]), offload,
+                                   ("reload", ("params", "grads", "optimizer")), offload]
 
 
 def test_a_worker_refuses_the_spec_of_another_role():

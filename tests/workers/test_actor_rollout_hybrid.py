@@ -108,22 +108,28 @@ def _stats_per_rank(group) -> list:
     the worker's state through the group's per-rank debug call (no dispatch, no collect)."""
     import ray
 
-    return ray.get([group.execute_async(r, "__getattribute__", "last_reshard_stats") for r in range(WORLD)])
+    return ray.get([group.execute_async(r, "last_reshard_stats") for r in range(WORLD)])
 
 
 def _probed_worker_class():
-    """:class:`ActorRolloutWorker` plus one test hook that overwrites an engine parameter through
-    the engine's own update API (defined in a function: Ray ships the class by value)."""
+    """:class:`ActorRolloutWorker` plus two test hooks: one reads the last reshard's figures, one
+    overwrites an engine parameter through the engine's own update API (defined in a function:
+    Ray ships the class by value)."""
     from megaflow.workers.actor_rollout import ActorRolloutWorker
 
     class ProbedActorRolloutWorker(ActorRolloutWorker):
+        def last_reshard_stats(self) -> object:
+            """The :class:`ReshardStats` of this rank's last sync that moved weights."""
+            return self.weight_sync.last_reshard_stats
+
         def overwrite_engine_parameter(self, name: str, value: float) -> None:
             """Set vLLM parameter ``name`` of this rank's engine to ``value`` everywhere (a
             partial update; the trainer's weights and version counters are untouched)."""
-            shape = self.rollout.sharded_param_shapes()[name]
-            self.rollout.begin_weight_update()
-            self.rollout.load_weight_bucket([(name, torch.full(shape, value))])
-            self.rollout.finish_weight_update(require_all=False)
+            engine = self.host.engine
+            shape = engine.sharded_param_shapes()[name]
+            engine.begin_weight_update()
+            engine.load_weight_bucket([(name, torch.full(shape, value))])
+            engine.finish_weight_update(require_all=False)
 
     return ProbedActorRolloutWorker
 

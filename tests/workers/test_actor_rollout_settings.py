@@ -115,8 +115,11 @@ def test_the_actor_re_syncs_an_engine_that_discarded_its_weights(monkeypatch):
     though the actor has not changed (validation after a step, two generations per update)."""
     from types import SimpleNamespace
 
+    from role_testlib import role_spec
+
     import megaflow.hybrid_engine.rollout_weights as rollout_weights
-    from megaflow.workers.actor_rollout import ActorRolloutWorker
+    from megaflow.workers.megatron_role import MegatronRole
+    from megaflow.workers.weight_sync import ActorWeightSync
 
     class Transport:  # records what the one sync loop sends
         def __init__(self):
@@ -131,36 +134,34 @@ def test_the_actor_re_syncs_an_engine_that_discarded_its_weights(monkeypatch):
 
     monkeypatch.setattr(rollout_weights, "generation_buckets", lambda *a, **k: iter([["bucket"]]))
     engine, sent = SimpleNamespace(weights_valid=True), Transport()
-    fake = SimpleNamespace(
-        _synced_version=4, _actor_version=4, rollout=engine, transport=sent, spec=None, _vllm_shapes={},
-        layout=SimpleNamespace(gen_tp=1), _gen_tp_rank=0, _gather_gen_tp=None, _num_sends=0,
-        _before_phase=lambda kinds: None, _after_phase=lambda: None,
-        resharder=SimpleNamespace(last_stats="stats"), _adapter_route=False, _base_synced=False)
-    fake._send_weights = lambda bucket_bytes: ActorRolloutWorker._send_weights(fake, bucket_bytes)
-    ActorRolloutWorker._sync_rollout_weights(fake, 1 << 20)
+    actor = MegatronRole(role_spec("actor"))
+    actor.engine = SimpleNamespace(offloaded=frozenset())
+    sync = ActorWeightSync(actor, SimpleNamespace(last_stats="stats"), None, gen_tp_rank=0, adapter_route=False)
+    sync.engine, sync.transport, sync.vllm_shapes = engine, sent, {}
+    for _ in range(4):
+        sync.actor_changed()
+    sync.synced_version = 4
+    sync.sync(1 << 20)
     assert sent.sent == [] and sent.unchanged == [4]  # same version, weights held: nothing to do
     engine.weights_valid = False  # sleep_level=2 after the last generation
-    ActorRolloutWorker._sync_rollout_weights(fake, 1 << 20)
-    assert sent.sent == [([["bucket"]], 4)] and fake._synced_version == 4
+    sync.sync(1 << 20)
+    assert sent.sent == [([["bucket"]], 4)] and sync.synced_version == 4 and sync.num_sends == 1
 
 
 @pytest.mark.parametrize("mode", ["processed", "raw"])
 def test_logprobs_mode_reaches_the_engine_and_the_trainers_log_probs(monkeypatch, tmp_path, mode):
     """``rollout.logprobs_mode``: the engine's vLLM logprobs_mode, and whether the actor's and the
     reference's log-probs (old, current, reference) are taken under the rollout's top-p/top-k."""
-    from types import SimpleNamespace
-
-    from megaflow.workers.megatron_workers import MegatronWorker
+    from megaflow.workers.megatron_workers import rollout_sampling
 
     spec, engine, _ = _built_engine(monkeypatch, tmp_path, [f"rollout.logprobs_mode={mode}", "rollout.top_p=0.6",
                                                             "rollout.top_k=20"])
     assert engine.logprobs_mode == f"{mode}_logprobs"
-    fake = SimpleNamespace(config=spec.config)
-    sampling = MegatronWorker._sampling(fake, SimpleNamespace(meta_info={}))
+    sampling = rollout_sampling(spec.config, {})
     truncation = (0.6, 20) if mode == "processed" else (1.0, -1)
     assert sampling == {"temperature": 1.0, "top_p": truncation[0], "top_k": truncation[1]}
     # a call's meta_info overrides the config, as for the temperature
-    sampling = MegatronWorker._sampling(fake, SimpleNamespace(meta_info={"temperature": 0.5, "top_p": 0.9}))
+    sampling = rollout_sampling(spec.config, {"temperature": 0.5, "top_p": 0.9})
     assert sampling["temperature"] == 0.5 and sampling["top_p"] == (0.9 if mode == "processed" else 1.0)
 
 
