@@ -4,8 +4,9 @@
 ``smollm2_gsm8k_grpo`` (GPU-sized) runs one GRPO step on CPU: only the sizes that make one step
 affordable on 2 cores are overridden (2 prompts x 2 samples, 16-token responses, no validation,
 outputs and data in tmp); the model, the reference with the KL loss, the vLLM rollout and the
-GSM8K reward are the recipe's. ``smollm2_gsm8k_grpo_cpu`` (the README's 20-minute CPU run) runs
-two steps as shipped, validation on 4 prompts instead of 32.
+GSM8K reward are the recipe's. ``smollm2_gsm8k_grpo_cpu`` (the README's CPU run) runs
+two steps with its reward, format reward and threads, cut to 2 x 2 samples of 48 tokens and
+2 validation prompts.
 """
 from __future__ import annotations
 
