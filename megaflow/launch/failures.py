@@ -279,20 +279,37 @@ class Terminated(KeyboardInterrupt):
     that both unwind the same way (worker groups and Ray stopped, nothing half-written)."""
 
 
+#: Set once this process received SIGTERM: a library between the signal and the controller
+#: (Ray's ``get``, say) may catch the :class:`Terminated` and raise a plain KeyboardInterrupt.
+_SIGTERM_RECEIVED = threading.Event()
+
+
+def sigterm_received() -> bool:
+    """Whether this process has received SIGTERM (since :func:`stop_cleanly_on_sigterm`)."""
+    return _SIGTERM_RECEIVED.is_set()
+
+
 def _raise_terminated(signum, frame) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop: a second SIGTERM must not cut the clean-up short
+    _SIGTERM_RECEIVED.set()
     raise Terminated()
 
 
-def stop_cleanly_on_sigterm() -> Any:
+def stop_cleanly_on_sigterm(reset: bool = True) -> Any:
     """Make SIGTERM raise :class:`Terminated` in this process's main thread (a no-op elsewhere).
     Call it again after ``ray.init``, which installs its own handler (``sys.exit(15)``).
+
+    Args:
+        reset: forget a SIGTERM received before (:func:`sigterm_received`): a new run in this
+            process; False when re-installing the handler within one run.
 
     Returns:
         The handler it replaced (for ``signal.signal`` to restore), or None off the main thread.
     """
     if threading.current_thread() is not threading.main_thread():
         return None
+    if reset:  # a new run in this process (False: re-installing it after ray.init, within one run)
+        _SIGTERM_RECEIVED.clear()
     return signal.signal(signal.SIGTERM, _raise_terminated)
 
 
@@ -301,8 +318,9 @@ EXIT_SIGINT, EXIT_SIGTERM = 128 + signal.SIGINT, 128 + signal.SIGTERM
 
 
 def exit_code_of(interrupt: BaseException) -> int:
-    """143 for a :class:`Terminated` (or a :class:`RunInterrupted` by SIGTERM), else 130."""
-    by_sigterm = isinstance(interrupt, Terminated) or getattr(interrupt, "by_sigterm", False)
+    """143 for a :class:`Terminated` (or a :class:`RunInterrupted` by SIGTERM, or any interrupt
+    once this process received SIGTERM), else 130."""
+    by_sigterm = isinstance(interrupt, Terminated) or getattr(interrupt, "by_sigterm", False) or sigterm_received()
     return EXIT_SIGTERM if by_sigterm else EXIT_SIGINT
 
 

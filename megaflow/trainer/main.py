@@ -176,7 +176,7 @@ def init_ray(cfg) -> None:
                      **loopback_ray_options())
     from megaflow.launch.failures import stop_cleanly_on_sigterm
 
-    stop_cleanly_on_sigterm()  # ray.init replaced it with sys.exit(15)
+    stop_cleanly_on_sigterm(reset=False)  # ray.init replaced it with sys.exit(15)
 
 
 def _stop_local_ray(cfg) -> None:
@@ -200,6 +200,7 @@ def _fit_naming_lost_workers(trainer, groups, total_steps: int) -> dict[str, flo
         find_dead_ranks,
         is_worker_death,
         placements_of,
+        sigterm_received,
         worker_lost_error,
     )
 
@@ -207,7 +208,8 @@ def _fit_naming_lost_workers(trainer, groups, total_steps: int) -> dict[str, flo
         return trainer.fit(total_steps)
     except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (Terminated)
         latest = trainer.checkpoints.latest() if trainer.checkpoints is not None else None
-        raise RunInterrupted(trainer.global_step, latest, by_sigterm=isinstance(stop, Terminated)) from None
+        by_sigterm = isinstance(stop, Terminated) or sigterm_received()
+        raise RunInterrupted(trainer.global_step, latest, by_sigterm=by_sigterm) from None
     except Exception as err:
         placements = placements_of(groups.named())
         dead = find_dead_ranks(err, placements)  # whoever raised, blame the rank that is actually dead
