@@ -2,6 +2,7 @@
 same facts from a config, ``transformers`` (its config classes and a meta-device model) is
 the independent reference, and every feature megaflow cannot build is refused by all three
 with the field named."""
+import dataclasses
 import json
 
 import pytest
