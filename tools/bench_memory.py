@@ -39,6 +39,16 @@ counted once however many views share it) of
   (:mod:`megaflow.topology.weight_sync`: actor + engine + one bucket + the largest tensor;
   met when the measurement is not above it).
 
+Mixture-of-experts cases (``recipes/tiny_moe_grpo.yaml``'s tiny Qwen3-MoE at ``actor.ep`` 1 and 2,
+2 ranks, the distributed optimizer): the experts' share of the parameters, gradients and
+optimizer state on one EP rank (:func:`measure_experts`), and of the layer activations what each
+MoE layer keeps outside its experts (``moe_dispatch``: the router and the all-gather token
+dispatcher) and inside them (``moe_experts``), against the planner's
+:func:`~megaflow.dryrun.memory.moe_dispatch_bytes` and the rest of
+:func:`~megaflow.dryrun.memory.moe_layer_activation_bytes` (balanced routing: the random
+router of the tiny model sends more rows to some EP rank, so the measured expert activations
+of EP=2 can exceed the plan). The MoE weight sync and generation terms are not measured here.
+
 LoRA cases (``actor.lora.rank``, merged weight sync): gradients and optimizer state exist
 for the adapters only (the frozen base has no ``main_grad`` and no optimizer state), so both
 fall to the adapters' share of the parameters; parameters are the base plus the adapters.
@@ -66,6 +76,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_reshard (the tensor-allocation tracker)
 
 RECIPE = "tiny_arith_grpo"
+MOE_RECIPE = "tiny_moe_grpo"
 STATIC_TOL, ACTIVATION_TOL = 0.05, 0.25
 
 
@@ -85,10 +96,25 @@ class Case:
     dtype: str = "float32"
     lora_rank: int = 0
     """actor.lora.rank: > 0 trains adapters on all four linears of each layer (alpha 2 x rank), the base frozen."""
+    ep: int = 0
+    """actor.ep of a mixture-of-experts case (the tiny Qwen3-MoE of :data:`MOE_RECIPE`); 0: the dense model."""
 
     @property
     def dp(self) -> int:
         return self.world // (self.tp * self.pp)
+
+    @property
+    def moe(self) -> bool:
+        return self.ep > 0
+
+    @property
+    def recipe(self) -> str:
+        return MOE_RECIPE if self.moe else RECIPE
+
+    @property
+    def terms(self) -> tuple[str, ...]:
+        """The terms measured for this case (an MoE case: no generation or sync terms)."""
+        return MOE_TERMS if self.moe else TERMS
 
     def overrides(self) -> list[str]:
         """``load_run`` overrides of the tiny recipe that describe this case.
@@ -105,7 +131,8 @@ class Case:
                 f"actor.ppo_mini_batch_size={prompts}", f"actor.ppo_micro_batch_size_per_gpu={self.micro_batch}",
                 f"model.dtype={self.dtype}", "rollout.weight_sync_bucket_mb=1",
                 *([f"actor.lora.rank={self.lora_rank}", f"actor.lora.alpha={2 * self.lora_rank}"]
-                  if self.lora_rank else [])]
+                  if self.lora_rank else []),
+                *([f"actor.ep={self.ep}", "actor.router_replay=off"] if self.moe else [])]
 
 
 CASES = (
@@ -118,12 +145,20 @@ CASES = (
     Case("tp2-bf16-distopt-dp2", world=4, tp=2, distributed_optimizer=True, dtype="bfloat16"),
     Case("tp2-lora8", world=2, tp=2, lora_rank=8),
     Case("dp2-distopt-lora8", world=2, distributed_optimizer=True, lora_rank=8),
+    Case("moe-ep1-dp2-distopt", world=2, distributed_optimizer=True, ep=1),
+    Case("moe-ep2-dp2-distopt", world=2, distributed_optimizer=True, ep=2),
 )
 
 TERMS = ("params", "grads", "optimizer", "layer_activations", "head_activations", "gen_weights",
          "gen_extra", "kv_cache", "sync_peak")
+#: Mixture-of-experts cases: the experts' share of the parameters, gradients and optimizer state
+#: on one EP rank, and of the layer activations what the router and token dispatcher keep
+#: (``moe_dispatch``) and what the local experts keep (``moe_experts``), all MoE layers of one micro-batch.
+MOE_TERMS = ("params", "grads", "optimizer", "expert_params", "expert_grads", "expert_optimizer",
+             "layer_activations", "moe_dispatch", "moe_experts", "head_activations", "kv_cache")
 BOUND_TERMS = ("sync_peak",)  # the planner gives an upper bound: met when the measurement is not above it
-STATIC_TERMS = ("params", "grads", "optimizer", "gen_weights", "gen_extra", "kv_cache")
+STATIC_TERMS = ("params", "grads", "optimizer", "gen_weights", "gen_extra", "kv_cache", "expert_params",
+                "expert_grads", "expert_optimizer")
 
 
 # ----------------------------------------------------------------------------- planner side
@@ -131,7 +166,7 @@ def build_case_config(case: Case):
     """The validated :class:`~megaflow.config.schema.Config` of ``case`` (tiny recipe + overrides)."""
     from megaflow.topology import load_run
 
-    return load_run(RECIPE, case.overrides())
+    return load_run(case.recipe, case.overrides())
 
 
 def planned(case: Case) -> dict[str, float]:
@@ -157,6 +192,8 @@ def planned(case: Case) -> dict[str, float]:
                           tp=par.tp, backward=True)
     logits += final_norm_bytes(seq=seq, micro_batch=case.micro_batch, hidden=spec.hidden_size, tp=par.tp,
                                sequence_parallel=False, dtype=case.dtype)
+    if case.moe:
+        return _planned_moe(case, mem, spec, seq, logits, plan.rollout.memory.kv_per_sequence)
     gen = plan.rollout.memory
     sync = plan.rollout.weight_sync
     if sync is None:  # the planner prices the streamed sync of colocated layouts only
@@ -166,6 +203,22 @@ def planned(case: Case) -> dict[str, float]:
             "layer_activations": mem.activations - logits, "head_activations": logits,
             "gen_weights": gen.weights, "gen_extra": gen.extra_weights,
             "kv_cache": gen.kv_per_sequence * case.micro_batch}
+
+
+def _planned_moe(case: Case, mem, spec, seq: int, logits: float, kv_per_sequence: float) -> dict[str, float]:
+    """:func:`planned` of a mixture-of-experts case: the planner's totals and expert shares, and
+    its MoE activation terms (:func:`~megaflow.dryrun.memory.moe_dispatch_bytes`, the rest of
+    :func:`~megaflow.dryrun.memory.moe_layer_activation_bytes`) times the layers."""
+    from megaflow.dryrun.memory import moe_dispatch_bytes, moe_layer_activation_bytes
+
+    shape = dict(seq=seq, micro_batch=case.micro_batch, ep=case.ep, dtype=case.dtype)
+    dispatch = spec.num_layers * moe_dispatch_bytes(spec, **shape)
+    return {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
+            "expert_params": mem.expert_params, "expert_grads": mem.expert_grads,
+            "expert_optimizer": mem.expert_optimizer, "layer_activations": mem.activations - logits,
+            "moe_dispatch": dispatch,
+            "moe_experts": spec.num_layers * moe_layer_activation_bytes(spec, **shape) - dispatch,
+            "head_activations": logits, "kv_cache": kv_per_sequence * case.micro_batch}
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -215,15 +268,18 @@ class SavedTensorAccount:
     Use ``with account.recording(model):`` around a training step; only saves made during
     the model's first forward call (``layers``: inside a decoder layer; ``other``:
     elsewhere) and before its backward starts (``head``: the loss/log-prob head) are
-    counted. Recomputation in backward is therefore not counted.
+    counted. Recomputation in backward is therefore not counted. Named ``parts`` (modules
+    inside the layers) also get their own count: a save inside a part's module adds to the
+    innermost part's bytes as well as to ``layers``.
     """
 
-    def __init__(self, exclude: Iterable[int]):
+    def __init__(self, exclude: Iterable[int], parts: Iterable[str] = ()):
         self.exclude = set(exclude)
-        self.bytes = {"layers": 0, "other": 0, "head": 0}
+        self.bytes = {"layers": 0, "other": 0, "head": 0, **dict.fromkeys(parts, 0)}
         self._seen: set[int] = set()
         self._where: str | None = None  # None: not recording; "other"/"layers"/"head"
         self._depth = 0
+        self._parts: list[str] = []  # the parts the forward is inside, innermost last
         self._done = False
 
     def _pack(self, t: torch.Tensor):
@@ -232,13 +288,28 @@ class SavedTensorAccount:
             if nbytes and ptr not in self._seen and ptr not in self.exclude:
                 self._seen.add(ptr)
                 self.bytes["layers" if self._depth else self._where] += nbytes
+                if self._depth and self._parts:
+                    self.bytes[self._parts[-1]] += nbytes
         return t
 
+    def _part_hooks(self, parts: dict[str, list[torch.nn.Module]]) -> list:
+        """Forward hooks that keep :attr:`_parts` (the enclosing named parts) during the forward."""
+        def enter(name):
+            return lambda _m, _a: self._parts.append(name) if self._where == "other" else None
+
+        def leave(_m, _a, _o):
+            if self._where == "other" and self._parts:
+                self._parts.pop()
+
+        return [h for name, modules in parts.items() for m in modules
+                for h in (m.register_forward_pre_hook(enter(name)), m.register_forward_hook(leave))]
+
     def recording(self, model: torch.nn.Module, layers: Iterable[torch.nn.Module],
-                  outside: Iterable[torch.nn.Module] = ()):
+                  outside: Iterable[torch.nn.Module] = (), parts: dict[str, list[torch.nn.Module]] | None = None):
         """Context manager: hooks on ``model``, on each of ``layers`` (saves inside count as
-        ``layers``) and on each of ``outside`` (modules inside ``layers`` whose saves count
-        as ``other``, e.g. the decoder's final norm) while active."""
+        ``layers``), on each of ``outside`` (modules inside ``layers`` whose saves count
+        as ``other``, e.g. the decoder's final norm) and on the modules of each named part
+        (inside ``layers``; a name of the constructor's ``parts``) while active."""
         import contextlib
 
         account = self
@@ -277,6 +348,7 @@ class SavedTensorAccount:
                 handles += [layer.register_forward_pre_hook(layer_pre), layer.register_forward_hook(layer_post)]
             for part in outside:
                 handles += [part.register_forward_pre_hook(outside_pre), part.register_forward_hook(outside_post)]
+            handles += account._part_hooks(parts or {})
             try:
                 with torch.autograd.graph.saved_tensors_hooks(account._pack, lambda t: t):
                     yield account
@@ -321,19 +393,24 @@ def measure_rank(rank: int, world: int, case: Case, hf_config: dict, prompt_len:
 
     cfg = build_case_config(case)
     spec = RoleSpec(cfg, "actor", cfg.trainer.total_steps)  # what the actor worker reads
-    info = parallel.initialize_parallel(tp=case.tp, pp=case.pp, seed=1)
+    info = parallel.initialize_parallel(tp=case.tp, pp=case.pp, ep=max(case.ep, 1), seed=1)
     model = build_gpt_model(hf_config, dtype=TORCH_DTYPES[cfg.model.dtype], **spec.model_overrides)
     engine = MegatronEngine(model, info, spec, vocab_size=hf_config["vocab_size"])
     module: Any = engine.module  # megatron-core GPTModel (Any: megatron-core has no type information)
     param_ptrs = {_storage(p)[0] for p in module.parameters()}
     batch = tiny_batch(case.micro_batch, prompt_len, response_len, hf_config["vocab_size"], seed=info.dp_rank)
-    account = SavedTensorAccount(exclude=param_ptrs)
+    moe_parts = _moe_parts(module) if case.moe else {}
+    account = SavedTensorAccount(exclude=param_ptrs, parts=moe_parts)
     # layers (and, with full recomputation, their checkpointed inputs)
     decoder_parts: list[torch.nn.Module] = [module.decoder]
     final_norm = getattr(module.decoder, "final_layernorm", None)
-    with account.recording(engine.model, decoder_parts, outside=[final_norm] if final_norm is not None else []):
+    with account.recording(engine.model, decoder_parts, outside=[final_norm] if final_norm is not None else [],
+                           parts=moe_parts):
         engine.train_step(batch, _loss)
     out: dict[str, Any] = {"params": unique_storage_bytes(module.parameters())}
+    if case.moe:
+        out.update(measure_experts(module, engine.optimizer), moe_dispatch=account.bytes["moe_dispatch"],
+                   moe_experts=account.bytes["moe_experts"])
     trained = [p for p in module.parameters() if p.requires_grad]  # LoRA: the adapters only, the base is frozen
     grad_tensors = [p.main_grad for p in trained]
     grad_ptrs = {_storage(g)[0] for g in grad_tensors}
@@ -345,6 +422,9 @@ def measure_rank(rank: int, world: int, case: Case, hf_config: dict, prompt_len:
         engine.reload()
     out["layer_activations"] = account.bytes["layers"]
     out["head_activations"] = account.bytes["head"] + account.bytes["other"]
+    if case.moe:  # the MoE weight sync and generation layout are not measured here
+        parallel.destroy_parallel()
+        return out
     layout = plan_hybrid_layout(case.tp, case.pp, info.dp_size, gen_tp=case.gen_tp,
                                 num_attention_heads=hf_config["num_attention_heads"],
                                 num_query_groups=hf_config["num_key_value_heads"])
@@ -362,6 +442,40 @@ def measure_rank(rank: int, world: int, case: Case, hf_config: dict, prompt_len:
                                              next(module.parameters()).dtype)
     parallel.destroy_parallel()
     return out
+
+
+def _moe_parts(module: Any) -> dict[str, list[torch.nn.Module]]:
+    """The account's parts of an MoE model: each layer's ``MoELayer`` (``moe_dispatch``: the
+    router and the token dispatcher, what is saved there outside the experts) and its experts
+    (``moe_experts``)."""
+    layers = [layer.mlp for layer in module.decoder.layers if hasattr(layer.mlp, "experts")]
+    return {"moe_dispatch": layers, "moe_experts": [mlp.experts for mlp in layers]}
+
+
+def measure_experts(module: Any, optimizer: Any) -> dict[str, int]:
+    """The experts' parameters, gradients (``main_grad``) and optimizer state on this rank.
+
+    Expert parameters are those of each MoE layer's ``experts`` module. At EP=1 megatron-core's
+    DDP keeps them in the dense parameters' buffers (at EP > 1 in buffers of their own), so they
+    are counted by their elements, not their storages. Their optimizer state is the state of
+    the inner optimizers' parameters that lie inside an expert parameter (the distributed
+    optimizer's shards of fp32 parameters are views of them) or are one.
+    """
+    experts = [p for mlp in _moe_parts(module)["moe_dispatch"] for p in mlp.experts.parameters()]
+    ranges = [(p.data_ptr(), p.data_ptr() + _nbytes(p)) for p in experts]
+
+    def is_expert(t: torch.Tensor) -> bool:
+        return any(lo <= t.data_ptr() < hi for lo, hi in ranges)
+
+    state = [v for inner in _inner_optimizers(optimizer) for group in inner.param_groups for p in group["params"]
+             if is_expert(p) for v in inner.state.get(p, {}).values() if torch.is_tensor(v)]
+    return {"expert_params": sum(_nbytes(p) for p in experts),
+            "expert_grads": sum(_nbytes(p.main_grad) for p in experts),
+            "expert_optimizer": sum(_nbytes(v) for v in state)}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def measure_sync(resharder, hf_config: dict, bucket_bytes: int, dtype: torch.dtype,
@@ -438,7 +552,7 @@ def within_target(term: str, plan: float, meas: float) -> bool:
 def format_rows(case: Case, plan: dict[str, float], meas: dict[str, float], markdown: bool) -> list[str]:
     """Table rows of one case: term, planned KiB, measured KiB, error, ok."""
     rows = []
-    for term in TERMS:
+    for term in case.terms:
         p, m = plan[term], meas[term]
         err = relative_error(p, m)
         ok = "ok" if within_target(term, p, m) else ("n/a" if term == "head_activations" else "MISS")
@@ -484,7 +598,7 @@ def main(argv=None) -> int:
         lines += rows
         print(f"# {case.name}: {case.world} ranks tp={case.tp} pp={case.pp} dp={case.dp} "
               f"{case.dtype} recompute={case.recompute} dist_opt={case.distributed_optimizer} "
-              f"grad_offload={case.grad_offload} lora_rank={case.lora_rank} "
+              f"grad_offload={case.grad_offload} lora_rank={case.lora_rank} ep={case.ep or '-'} "
               f"({time.perf_counter() - start:.0f} s)", flush=True)
     print("\n".join(lines))
     print(f"{misses} term(s) outside the targets (static 5 %, layer activations 25 %)")

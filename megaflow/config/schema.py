@@ -665,14 +665,17 @@ class ActorConfig(TrainedRoleConfig):
     """Mixture-of-experts models (megaflow.megatron.routing_replay; the router still gets a
     gradient at the replayed experts). ``R3`` routes every token of every trainer forward of the
     step (old log-probs and update) through the experts the rollout engine chose, read from the
-    batch field ``routed_experts`` ``[batch, seq, moe_layers, topk]``; the vLLM rollout then
-    returns ``routed_experts`` (prefix caching off). ``R2`` records the actor's own routing at the
+    batch field ``routed_experts`` ``[batch, seq, moe_layers, topk]`` (the engine's prefix caching
+    is then off, so every prompt token is routed). ``R2`` records the actor's own routing at the
     old-log-prob forward (``compute_log_prob`` returns it as ``old_routed_experts``, same layout)
     and replays it in every forward of the step's update; it needs no engine routing, and is
     refused with ``actor.on_policy_old_log_probs`` and ``algorithm.rollout_correction.bypass``
-    (no old-log-prob forward to record). ``off``: the trainer's router decides. Refused for a
-    dense model, with full recomputation, and R3 with the multi-turn agent loop
-    (rollout.agent.enabled)."""
+    (no old-log-prob forward to record). ``off``: the trainer's router decides. Under every
+    setting a single-turn MoE rollout returns ``routed_experts`` and the old-log-prob forward
+    records the trainer's routing, so ``moe/routing_agreement`` (megaflow.algorithms.routing_agreement)
+    and the log-prob gap ``rollout_corr/mismatch_*`` are logged every step (not without that
+    forward). Refused for a dense model, with full recomputation, and R3 with the multi-turn agent
+    loop (rollout.agent.enabled)."""
 
     def validate(self) -> None:
         super().validate()

@@ -40,11 +40,12 @@ Sources and assumptions, per term:
   the dense parameters' state over ``dp*cp`` ranks and the experts' over the expert-data-
   parallel ``dp*cp/ep`` ranks. Activations of an MoE layer replace the dense MLP's ``5f/t``
   by :func:`moe_layer_activation_bytes`: per token of the micro-batch, with balanced routing,
-  the all-gather dispatcher's buffers on one EP rank (the gathered hidden states ``ep*h``, the
-  gathered fp32 router probabilities and bool routing map ``ep*E*(4+1)`` bytes, the ``k*h``
-  rows permuted to the local experts) and the experts' SwiGLU tensors ``5*k*f_e``; an account
-  from megatron-core's ``MoEAllGatherTokenDispatcher`` and ``SequentialMLP``, not yet
-  measured by ``tools/bench_memory.py``.
+  what the router and the all-gather dispatcher keep on one EP rank
+  (:func:`moe_dispatch_bytes`: the router's input ``h``, router logits, scores and top-k, the
+  local routing map and probabilities ``5*E`` bytes, the permutation index) and what the
+  local experts keep for the ``k`` rows (``k*(h + 6*f_e)``: the permuted input and the SwiGLU
+  tensors); read off megatron-core's ``MoEAllGatherTokenDispatcher`` and ``SequentialMLP`` by
+  ``tools/bench_memory.py`` (MoE cases at EP=1 and 2).
 * **HybridEngine generation weights**: the generation shard (``t_g``, ``p_g``) of tensors
   gathered from the training shards, so the vocabulary keeps the *training* padding
   (``padded_vocab_size(V, t)``), not ``padded_vocab_size(V, t_g)``.
@@ -112,9 +113,14 @@ def activation_bytes_per_layer(*, seq: int, micro_batch: int, hidden: int, heads
 
 
 def moe_layer_activation_bytes(spec: ModelSpec, *, seq: int, micro_batch: int, ep: int, dtype: str) -> float:
-    """Bytes one MoE layer adds per micro-batch on one EP rank in place of the dense MLP: the
-    all-gather dispatcher's buffers and the local experts' saved tensors, balanced routing
-    (module docstring). 0 for a dense model.
+    """Bytes one MoE layer adds per micro-batch on one EP rank in place of the dense MLP: what
+    the router and the all-gather dispatcher keep (:func:`moe_dispatch_bytes`) and what the
+    local experts keep, balanced routing (``k*s*b`` rows reach this rank's experts whatever
+    ``ep``): per row the permuted input ``h``, the SwiGLU tensors ``6*f_e`` (the fc1 output
+    ``2*f_e``, both halves' activations and the routing-probability-weighted product) and its
+    fp32 probability. Read off ``tools/bench_memory.py``'s account of megatron-core 0.16's
+    ``SequentialMLP`` (local spec, CPU, fp32: within 0.1 % at EP=1; at EP=2 the measured
+    routing is not balanced). 0 for a dense model.
 
     Args:
         spec: the model (``E`` experts of width ``f_e``, top-``k``).
@@ -124,10 +130,27 @@ def moe_layer_activation_bytes(spec: ModelSpec, *, seq: int, micro_batch: int, e
     """
     if not spec.is_moe:
         return 0.0
+    rows, bytes_ = spec.moe_topk * seq * micro_batch, DTYPE_BYTES[dtype]
+    experts = rows * (bytes_ * (spec.hidden_size + 6 * spec.moe_ffn_hidden_size) + 4)
+    return moe_dispatch_bytes(spec, seq=seq, micro_batch=micro_batch, ep=ep, dtype=dtype) + experts
+
+
+def moe_dispatch_bytes(spec: ModelSpec, *, seq: int, micro_batch: int, ep: int, dtype: str) -> float:
+    """Of :func:`moe_layer_activation_bytes`, what the router and megatron-core's all-gather
+    token dispatcher keep for one MoE layer and one micro-batch on one EP rank, per token
+    ``bytes*h + 20*k + 13*E + 8``: the router's input (the pre-MLP norm's output, which a dense
+    layer's fc1 keeps), the top-k ids (int64) and probabilities (fp32), the fp32 router logits
+    and scores ``8*E``, two fp32 per-token terms of the load-balancing / z-losses, the int64
+    permutation index of the ``k`` rows the token sends to this rank's experts (balanced), and
+    the local routing map (bool) and probabilities (fp32) of the gathered ``ep*s*b`` tokens over
+    the ``E/ep`` local experts, ``5*E``. The gathered hidden states are not kept (the permutation
+    keeps indices only), so nothing grows with ``ep``. Read off ``tools/bench_memory.py``
+    (megatron-core 0.16, CPU, fp32). 0 for a dense model."""
+    if not spec.is_moe:
+        return 0.0
     rows, bytes_ = seq * micro_batch, DTYPE_BYTES[dtype]
     h, k, experts = spec.hidden_size, spec.moe_topk, spec.num_experts
-    dispatch = bytes_ * rows * (ep * h + k * h) + rows * ep * experts * (4 + 1)
-    return dispatch + bytes_ * rows * 5 * k * spec.moe_ffn_hidden_size
+    return rows * (bytes_ * h + 20 * k + 13 * experts + 8)
 
 
 def final_norm_bytes(*, seq: int, micro_batch: int, hidden: int, tp: int, sequence_parallel: bool,
@@ -158,6 +181,11 @@ class RoleMemory:
     optimizer_offload: bool = False
     expert_params: float = 0.0
     """Of ``params``, the bytes of this rank's experts (mixture of experts)."""
+    expert_grads: float = 0.0
+    """Of ``grads``, the experts' (fp32, one per expert parameter of this rank)."""
+    expert_optimizer: float = 0.0
+    """Of ``optimizer``, the experts' state (sharded over the expert-data-parallel group with
+    the distributed optimizer)."""
 
     @property
     def static(self) -> float:
@@ -252,12 +280,15 @@ def role_memory(role: str, spec: ModelSpec, shape: ParallelShape, *, dtype: str,
         shards = shape.dp * shape.cp if distributed_optimizer else 1
         expert_shards = max(shards // shape.ep, 1)  # the expert-data-parallel group
         grads: float = n_params * GRAD_BYTES
-        optimizer = ((n_params - n_experts) / shards + n_experts / expert_shards) * optimizer_bytes_per_param(dtype)
+        expert_optimizer = n_experts / expert_shards * optimizer_bytes_per_param(dtype)
+        optimizer = (n_params - n_experts) / shards * optimizer_bytes_per_param(dtype) + expert_optimizer
+        expert_grads = n_experts * GRAD_BYTES
     else:
-        activations, grads, optimizer = layer_act + logits, 0.0, 0.0
+        activations, grads, optimizer, expert_grads, expert_optimizer = layer_act + logits, 0.0, 0.0, 0.0, 0.0
     return RoleMemory(role=role, params=max(stage_params), grads=grads, optimizer=optimizer,
                       activations=activations, param_offload=offload[0], grad_offload=offload[1],
-                      optimizer_offload=offload[2], expert_params=n_experts * DTYPE_BYTES[dtype])
+                      optimizer_offload=offload[2], expert_params=n_experts * DTYPE_BYTES[dtype],
+                      expert_grads=expert_grads, expert_optimizer=expert_optimizer)
 
 
 def expert_parameters_per_rank(spec: ModelSpec, *, tp: int, pp: int, ep: int) -> int:

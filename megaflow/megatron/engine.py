@@ -113,9 +113,12 @@ def replayable_routing(routed: torch.Tensor) -> torch.Tensor:
 
 
 def _routing_replay(model: torch.nn.Module, spec: RoleSpec) -> tuple[RoutingReplay, list[int]] | None:
-    """The actor's :class:`RoutingReplay` with ``actor.router_replay`` R2 or R3 and the global
-    (1-based) layer number of each of its MoE layers on this stage; None otherwise."""
-    if spec.role != "actor" or spec.actor.router_replay == "off":
+    """The :class:`RoutingReplay` of a mixture-of-experts actor (built with
+    ``moe_enable_routing_replay``, :attr:`RoleSpec.model_overrides`: replay with
+    ``actor.router_replay`` R2 or R3, recording for the routing-agreement metric under every
+    setting) and the global (1-based) layer number of each of its MoE layers on this stage;
+    None otherwise."""
+    if spec.role != "actor" or not getattr(model.config, "moe_enable_routing_replay", False):
         return None
     layers: list[int] = [getattr(m, "layer_number") for m in model.modules()  # noqa: B009 (an int on megatron layers)
                          if getattr(m, "router_replay", None) is not None]
@@ -431,11 +434,11 @@ class MegatronEngine:
             with_entropy: also return ``entropy``; actor only.
             micro_batch_size: rows per micro-batch; None: the role's forward micro-batch size,
                 or its token budget with ``use_dynamic_bsz``.
-            record_routing: the old-log-prob forward of a mixture-of-experts actor with
-                ``actor.router_replay`` R2 or R3: record the router's own top-k experts when
-                R2 is on (the update replays them) or the batch has the engine's
-                ``routed_experts`` (the routing-agreement metric; R3 records the choice each
-                router would make at the replayed layer inputs). Ignored otherwise.
+            record_routing: the old-log-prob forward of a mixture-of-experts actor: record the
+                router's own top-k experts when ``actor.router_replay`` is R2 (the update
+                replays them) or the batch has the engine's ``routed_experts`` (the
+                routing-agreement metric, under every ``actor.router_replay``; R3 records the
+                choice each router would make at the replayed layer inputs). Ignored otherwise.
 
         Returns:
             On the last pipeline stage, a dict of float32 CPU tensors ``[batch, R]``:

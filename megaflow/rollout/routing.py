@@ -8,9 +8,10 @@ field, aligned with ``input_ids`` (prompt then response positions)::
 
 in the smallest signed integer dtype that holds every expert id (:func:`routed_experts_dtype`:
 int8 up to 127 experts, int16 up to 32,767, else int32), and ``-1`` where no routing exists:
-the left padding of the prompt, the response padding, and the last token of every sequence
+the left padding of the prompt, the response padding, the last token of every sequence
 (the engine samples it but never feeds it through the model; its routing can affect no
-log-prob of the response, since position ``s`` only scores the token at ``s + 1``). Expert ids
+log-prob of the response, since position ``s`` only scores the token at ``s + 1``), and, with
+the engine's prefix caching on, the prompt tokens served from its cache. Expert ids
 are the model's global (logical) ids. The field is split with the tokens wherever the batch is
 (:meth:`megaflow.protocol.DataProto.chunk` and friends split every tensor along dim 0).
 """
@@ -48,7 +49,8 @@ def assemble_routed_experts(routes: Sequence[torch.Tensor], prompt_lengths: Sequ
         routes: per output row, ``[T_i, num_moe_layers, topk]`` integer expert ids of the
             sequence's first ``T_i`` tokens (prompt then response, unpadded), ``T_i <=
             prompt_lengths[i] + response_lengths[i]`` (the engine's routing of the tokens it fed;
-            normally all but the last).
+            normally all but the last), :data:`NO_ROUTING` at a token it did not feed (a prompt
+            token served from the prefix cache).
         prompt_lengths: real prompt tokens of each row (the prompt is left-padded to ``prompt_len``).
         response_lengths: generated tokens of each row (right-padded to ``response_len``).
         prompt_len, response_len: the batch's prompt and response widths.
@@ -75,8 +77,8 @@ def assemble_routed_experts(routes: Sequence[torch.Tensor], prompt_lengths: Sequ
             raise ValueError(f"row {i}: routing of shape {tuple(route.shape)}, row 0 has [*, {shape}]")
         if route.shape[0] > p + r:
             raise ValueError(f"row {i}: routing for {route.shape[0]} tokens, but the sequence has {p} + {r}")
-        if route.numel() and (route.min() < 0 or route.max() >= num_experts):
-            raise ValueError(f"row {i}: expert ids outside 0..{num_experts - 1}")
+        if route.numel() and (route.min() < NO_ROUTING or route.max() >= num_experts):
+            raise ValueError(f"row {i}: expert ids outside 0..{num_experts - 1} (or {NO_ROUTING}: not routed)")
         out[i, prompt_len - p:prompt_len - p + route.shape[0]] = route.to(out.dtype)
     return out
 

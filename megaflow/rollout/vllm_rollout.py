@@ -128,8 +128,11 @@ class VLLMRolloutConfig:
             per generation, ``max_loras=1``); :class:`megaflow.rollout.lora_sync.AdapterSync` needs staleness + 2.
         return_routed_experts: also return ``routed_experts``, the top-k experts every MoE
             layer routed each fed token to (:mod:`megaflow.rollout.routing`, recorded by
-            :mod:`megaflow.rollout.vllm_routing`); needs a mixture-of-experts model and
-            ``enable_prefix_caching=False`` (a prompt token served from the cache is not routed).
+            :mod:`megaflow.rollout.vllm_routing`); needs a mixture-of-experts model. With
+            ``enable_prefix_caching`` a prompt token served from the cache is not routed again:
+            its entries are :data:`~megaflow.rollout.routing.NO_ROUTING` (every response token
+            the engine fed is still routed); turn prefix caching off for the routing of every
+            token (routing replay R3).
     """
 
     model_path: str
@@ -172,10 +175,6 @@ class VLLMRolloutConfig:
             raise ValueError(f"VLLMRolloutConfig.max_lora_versions must be >= 1, got {self.max_lora_versions}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"VLLMRolloutConfig.kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
-        if self.return_routed_experts and self.enable_prefix_caching:
-            raise ValueError("VLLMRolloutConfig.return_routed_experts needs enable_prefix_caching=False: prompt "
-                             "tokens served from the prefix cache are not fed through the routers again, so their "
-                             "experts would be unknown")
         if self.tp_group_ranks is not None:
             object.__setattr__(self, "tp_group_ranks", tuple(tuple(int(r) for r in g) for g in self.tp_group_ranks))
 
@@ -269,6 +268,14 @@ def _sampled_log_probs(completion: Any) -> list[float]:
     if hasattr(logprobs, "start_indices"):  # FlatLogprobs: position i's first entry is the sampled token
         return [logprobs.logprobs[logprobs.start_indices[i]] for i in range(len(tokens))]
     return [position[token].logprob for position, token in zip(logprobs, tokens, strict=True)]
+
+
+def _first_routed_position(output: Any, prompt_tokens: int) -> int:
+    """The first position of a request the engine routed under prefix caching: its prompt
+    tokens served from the cache (``RequestOutput.num_cached_tokens``, counted when the request
+    was first scheduled) were not fed; unknown, only the response positions are known fed."""
+    cached = getattr(output, "num_cached_tokens", None)
+    return prompt_tokens if cached is None else min(int(cached), prompt_tokens)
 
 
 class VLLMRollout:
@@ -420,14 +427,16 @@ class VLLMRollout:
         return rollout_output(prompts, tensors, sampling.n)
 
     def _routed_experts(self, outputs: Sequence[Any], prompt_len: int, response_len: int) -> torch.Tensor:
-        """The recorded routing of this call's requests, in the batch layout (every fed token checked)."""
+        """The recorded routing of this call's requests, in the batch layout. Checked: every fed
+        token is routed, but for the prompt tokens prefix caching served from its cache."""
         recorded = {external_request_id(k): v for k, v in self._llm.collective_rpc(take_routes_on_worker)[0].items()}
         rows, prompt_lengths, response_lengths = [], [], []
         for output in outputs:
             p, r = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
             route = recorded.get(output.request_id)
             fed = p + max(r - 1, 0)
-            if route is None or route.shape[0] != fed or (route < 0).any():
+            checked = _first_routed_position(output, p) if self.config.enable_prefix_caching else 0
+            if route is None or route.shape[0] != fed or (route[checked:] < 0).any():
                 raise RuntimeError(f"request {output.request_id}: the engine recorded routing for "
                                    f"{0 if route is None else int((route >= 0).all(-1).all(-1).sum())} of its {fed} "
                                    f"fed tokens")

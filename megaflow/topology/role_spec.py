@@ -30,6 +30,7 @@ from megaflow.config.schema import (
     RewardModelConfig,
     TrainedRoleConfig,
 )
+from megaflow.topology.model_spec import model_spec
 from megaflow.topology.run import run_from_dict
 from megaflow.topology.sizes import (
     TRAINED_ROLES,
@@ -206,7 +207,10 @@ class RoleSpec:
         :func:`megaflow.megatron.model.build_gpt_model`: sequence parallelism (only where
         tp > 1) and, for the trained roles, activation recomputation (``recompute_method``
         None: uniform; ``recompute_num_layers`` None: 1, as the config documents), and the
-        MoE routers' replay (``moe_enable_routing_replay``) with ``actor.router_replay``."""
+        MoE routers' replay (``moe_enable_routing_replay``) of a mixture-of-experts actor: its
+        record / replay hooks (:mod:`megaflow.megatron.routing_replay`) serve
+        ``actor.router_replay`` and, under every setting, the routing-agreement metric (the
+        old-log-prob forward records the router's top-k); idle, the router is megatron-core's."""
         section, trained = self.section, self.trained_section
         out: dict[str, Any] = {"sequence_parallel": section.sequence_parallel and section.tp > 1}
         granularity = trained.recompute_granularity if trained is not None else "none"
@@ -215,8 +219,8 @@ class RoleSpec:
                        recompute_num_layers=trained.recompute_num_layers or 1)
         elif granularity == "selective":
             out.update(recompute_granularity="selective")
-        if self.role == "actor" and self.actor.router_replay != "off":  # megaflow.megatron.routing_replay
-            out["moe_enable_routing_replay"] = True
+        if self.role == "actor" and (self.actor.router_replay != "off" or model_spec(self.hf_config()).is_moe):
+            out["moe_enable_routing_replay"] = True  # megaflow.megatron.routing_replay
         return out
 
     def _require_training(self, name: str) -> None:

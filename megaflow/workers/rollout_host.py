@@ -62,6 +62,22 @@ def adapter_engine_settings(cfg: Config) -> tuple[int, int]:
     return lora.rank, 2
 
 
+def returns_routed_experts(cfg: Config, hf_config: Any) -> bool:
+    """Whether the engine returns ``routed_experts`` (:mod:`megaflow.rollout.routing`): for every
+    mixture-of-experts model (the ``moe/routing_agreement`` metric under every
+    ``actor.router_replay``, the replayed routing under R3), except in multi-turn rollouts
+    (``rollout.agent.enabled``, whose observation tokens the engine never routes; R3 is refused
+    there at load). The cost is the top-k ids in a compact integer dtype
+    (:func:`~megaflow.rollout.routing.routed_experts_dtype`), ``[rows, seq, moe_layers, topk]``.
+
+    Args:
+        hf_config: the served model's Hugging Face config (a ``PretrainedConfig`` or its dict).
+    """
+    from megaflow.topology.model_spec import model_spec
+
+    return model_spec(hf_config).is_moe and not cfg.rollout.agent.enabled
+
+
 def build_engine(cfg: Config, hf_config: Any, *, rank: int, tp_group_ranks: Sequence[Sequence[int]],
                  eos_token_ids: tuple[int, ...], pad_token_id: int) -> VLLMRollout:
     """The vLLM engine shard of one rank, with dummy weights.
@@ -69,8 +85,10 @@ def build_engine(cfg: Config, hf_config: Any, *, rank: int, tp_group_ranks: Sequ
     Reads ``rollout`` (``tp`` = t_g, ``response_length``, ``gpu_memory_utilization``,
     ``sleep_level``, ``enforce_eager``, ``logprobs_mode``, the
     sampling defaults, the CPU KV cache keys), ``data.max_prompt_length``, ``model.dtype``,
-    ``resources.use_gpu`` and ``trainer.seed``. With ``actor.router_replay=R3`` the engine
-    returns ``routed_experts`` (prefix caching off: a cached prompt token is not routed).
+    ``resources.use_gpu`` and ``trainer.seed``. A mixture-of-experts model's engine returns
+    ``routed_experts`` on every single-turn rollout (:func:`returns_routed_experts`); with
+    ``actor.router_replay=R3`` prefix caching is off (a cached prompt token is not routed, and
+    R3 replays every token's routing).
     Each call's ``meta_info`` overrides the sampling parameters; ``n`` stays 1 (the
     controller repeats every prompt ``rollout.n`` times).
 
@@ -94,7 +112,7 @@ def build_engine(cfg: Config, hf_config: Any, *, rank: int, tp_group_ranks: Sequ
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.trainer.seed,
         sleep_level=rollout_sleep_level(cfg), enforce_eager=cfg.rollout.enforce_eager,
         logprobs_mode=f"{cfg.rollout.logprobs_mode}_logprobs", max_lora_rank=lora_rank, max_lora_versions=lora_versions,
-        return_routed_experts=replay, enable_prefix_caching=not replay)
+        return_routed_experts=returns_routed_experts(cfg, hf_config), enable_prefix_caching=not replay)
     sampling = SamplingConfig(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                               top_k=cfg.rollout.top_k, response_length=cfg.rollout.response_length,
                               eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
@@ -162,4 +180,5 @@ class RolloutHost:
         return self.engine.generate_sequences(self.probe())
 
 
-__all__ = ["RolloutHost", "build_engine", "engine_model_dir", "stop_token_ids", "REPLICA_SEED_STRIDE"]
+__all__ = ["RolloutHost", "build_engine", "returns_routed_experts", "engine_model_dir", "stop_token_ids",
+           "REPLICA_SEED_STRIDE"]

@@ -48,7 +48,7 @@ MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "
 
 
 def test_expert_parameters_and_their_optimizer_state_per_ep_rank_by_hand():
-    from megaflow.dryrun.memory import ParallelShape, moe_layer_activation_bytes, role_memory
+    from megaflow.dryrun.memory import ParallelShape, moe_dispatch_bytes, moe_layer_activation_bytes, role_memory
 
     spec = model_spec(MOE)
     experts_per_rank = 4 * (4 * 3 * 64 * 32) // 2  # 4 layers, 4 experts of 3*h*f_e, half on each of ep=2 ranks
@@ -64,11 +64,18 @@ def test_expert_parameters_and_their_optimizer_state_per_ep_rank_by_hand():
     dense = mem.params / 4 - experts_per_rank
     # Adam's 8 bytes: dense state over dp=2, the experts' over expert-dp = dp/ep = 1
     assert mem.optimizer == (dense / 2 + experts_per_rank) * 8
-    # all-gather dispatch on one EP rank, 16 tokens: gathered hidden (ep*h) + k permuted rows (k*h) in fp32,
-    # gathered fp32 probabilities + bool routing map (ep*E*5 bytes), the experts' SwiGLU tensors (5*k*f_e)
+    assert (mem.expert_grads, mem.expert_optimizer) == (experts_per_rank * 4, experts_per_rank * 8)
+    assert whole.expert_optimizer == 2 * experts_per_rank * 8 / 2  # ep=1: all experts, sharded over dp=2
+    # one EP rank, 16 tokens. Router + all-gather dispatch per token: its fp32 input (h), top-k int64 ids +
+    # fp32 probs (12k), fp32 logits + scores (8E), 2 fp32 aux-loss terms, the int64 permutation index of its
+    # k rows (8k), the local bool routing map + fp32 probs of the gathered tokens over E/ep experts (5E bytes).
+    # Experts per routed row (k per token): the permuted fp32 input (h), SwiGLU 6*f_e, the fp32 probability.
     rows = 16
+    dispatch = rows * (4 * 64 + 12 * 2 + 8 * 4 + 8 + 8 * 2 + 5 * 4)
+    assert moe_dispatch_bytes(spec, seq=8, micro_batch=2, ep=2, dtype="float32") == dispatch
+    assert moe_dispatch_bytes(spec, seq=8, micro_batch=2, ep=1, dtype="float32") == dispatch  # nothing grows with ep
     assert moe_layer_activation_bytes(spec, seq=8, micro_batch=2, ep=2, dtype="float32") == (
-        4 * rows * (2 * 64 + 2 * 64) + rows * 2 * 4 * 5 + 4 * rows * 5 * 2 * 32)
+        dispatch + 2 * rows * (4 * (64 + 6 * 32) + 4))
 
 
 def test_generation_shard_gathers_the_other_ep_ranks_experts_by_hand():

@@ -100,3 +100,16 @@ def test_typed_section_accessors_answer_for_their_own_role_only(tiny):
         actor.critic
     with pytest.raises(ValueError, match=r"^RoleSpec\.reward_model: this is the 'critic' role's spec$"):
         critic.reward_model
+
+
+def test_a_moe_actor_builds_its_routers_with_replay_hooks_under_every_router_replay():
+    """The routers of a mixture-of-experts actor record their top-k for moe/routing_agreement
+    under actor.router_replay=off too (megaflow.megatron.routing_replay); a reference model
+    and a dense actor get no hooks (test_offload_and_recompute_knobs_reach_the_spec)."""
+    from megaflow.topology import load_run
+
+    for replay in ("off", "R2", "R3"):
+        cfg = load_run("tiny_moe_grpo", [f"actor.router_replay={replay}", "ref.enabled=true", "ref.ep=2",
+                                         "algorithm.use_kl_loss=true"])
+        assert RoleSpec(cfg, "actor", 1).model_overrides["moe_enable_routing_replay"] is True
+        assert "moe_enable_routing_replay" not in RoleSpec(cfg, "ref", 1).model_overrides

@@ -41,6 +41,14 @@ def test_assemble_places_each_token_and_marks_the_rest_by_hand():
         assemble_routed_experts([r0], [1], [1], prompt_len=3, response_len=2, num_experts=4)
     with pytest.raises(ValueError, match="expert ids outside 0..2"):
         assemble_routed_experts([r0], [2], [2], prompt_len=3, response_len=2, num_experts=3)
+    # A prompt token served from the prefix cache (not routed, -1) stays -1; below -1 is refused.
+    cached = r0.clone()
+    cached[0] = -1
+    assert assemble_routed_experts([cached], [2], [2], prompt_len=3, response_len=2, num_experts=4)[0, :, 0].tolist() \
+        == [[-1, -1], [-1, -1], [3, 0], [2, 1], [-1, -1]]
+    cached[0] = -2
+    with pytest.raises(ValueError, match="expert ids outside"):
+        assemble_routed_experts([cached], [2], [2], prompt_len=3, response_len=2, num_experts=4)
 
 
 @pytest.fixture(scope="module")
@@ -90,13 +98,48 @@ def test_hf_rollout_refuses_routed_experts_for_a_dense_model(hf_tiny_llama):
         HFRollout(hf_tiny_llama, return_routed_experts=True)
 
 
-def test_vllm_config_refuses_routed_experts_with_prefix_caching(tmp_path):
-    from megaflow.rollout.vllm_rollout import VLLMRolloutConfig
+def _engine_returning(routes: dict, *, prefix_caching: bool):
+    """A ``VLLMRollout`` whose vLLM holds ``routes`` (internal request id -> ``[tokens, layers,
+    topk]``) as its recorded routing (no engine process)."""
+    from types import SimpleNamespace
 
-    (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ValueError, match="return_routed_experts needs enable_prefix_caching=False"):
-        VLLMRolloutConfig(str(tmp_path), return_routed_experts=True)
-    VLLMRolloutConfig(str(tmp_path), return_routed_experts=True, enable_prefix_caching=False)
+    from megaflow.rollout.vllm_rollout import VLLMRollout
+
+    engine = object.__new__(VLLMRollout)
+    engine.config = SimpleNamespace(enable_prefix_caching=prefix_caching)
+    engine._llm = SimpleNamespace(collective_rpc=lambda fn: [dict(routes)])
+    engine._num_experts = 4
+    return engine
+
+
+def _output(request_id: str, prompt: int, response: int, cached: int | None):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(request_id=request_id, prompt_token_ids=[5] * prompt, num_cached_tokens=cached,
+                           outputs=[SimpleNamespace(token_ids=[6] * response)])
+
+
+def test_vllm_routed_experts_may_lack_only_the_prompt_tokens_the_prefix_cache_served():
+    """With prefix caching on, the first ``num_cached_tokens`` prompt tokens were never fed: their
+    routing is -1 in the batch; every other fed token must be routed (prefix caching off: all)."""
+    route = torch.tensor([[[0, 1]], [[1, 2]], [[2, 3]], [[3, 0]]])  # prompt 3 + response 2: 4 fed tokens
+    cached = route.clone()
+    cached[:2] = -1  # 2 prompt tokens from the cache
+    out = _engine_returning({"a-1234abcd": cached}, prefix_caching=True)._routed_experts(
+        [_output("a", 3, 2, cached=2)], prompt_len=4, response_len=3)
+    assert out.dtype == torch.int8
+    assert out[0, :, 0].tolist() == [[-1, -1], [-1, -1], [-1, -1], [2, 3], [3, 0], [-1, -1], [-1, -1]]
+    with pytest.raises(RuntimeError, match="routing for 2 of its 4 fed tokens"):  # only 1 token was cached
+        _engine_returning({"a-1234abcd": cached}, prefix_caching=True)._routed_experts(
+            [_output("a", 3, 2, cached=1)], prompt_len=4, response_len=3)
+    with pytest.raises(RuntimeError, match="routing for 2 of its 4 fed tokens"):  # no cache: every token fed
+        _engine_returning({"a-1234abcd": cached}, prefix_caching=False)._routed_experts(
+            [_output("a", 3, 2, cached=None)], prompt_len=4, response_len=3)
+    unrouted_response = route.clone()
+    unrouted_response[3] = -1
+    with pytest.raises(RuntimeError, match="routing for 3 of its 4 fed tokens"):  # cached count unknown
+        _engine_returning({"a-1234abcd": unrouted_response}, prefix_caching=True)._routed_experts(
+            [_output("a", 3, 2, cached=None)], prompt_len=4, response_len=3)
 
 
 def _strided_groups(rank, world_size, moe):

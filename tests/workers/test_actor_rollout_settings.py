@@ -169,3 +169,26 @@ def test_raw_logprobs_mode_needs_temperature_1():
     with pytest.raises(ConfigError) as err:
         load_run("tiny_arith_grpo", ["rollout.logprobs_mode=raw", "rollout.temperature=0.7"])
     assert err.value.key == "rollout.logprobs_mode" and "rollout.temperature = 1" in str(err.value)
+
+
+def test_a_moe_engine_returns_routed_experts_under_every_router_replay(monkeypatch, tmp_path):
+    """routed_experts come back from every single-turn MoE rollout (moe/routing_agreement under
+    off, R2 and R3); prefix caching is off only for R3, which replays every prompt token's routing.
+    A dense model and the multi-turn agent loop get no routing."""
+    import megaflow.rollout.vllm_rollout as vllm_rollout
+    from megaflow.topology import load_run
+    from megaflow.topology.role_spec import RoleSpec
+    from megaflow.workers.rollout_host import build_engine, returns_routed_experts
+
+    built = {}
+    monkeypatch.setattr(vllm_rollout, "VLLMRollout", lambda engine, sampling: built.update(engine=engine))
+    monkeypatch.setattr("tempfile.mkdtemp", lambda prefix: str(tmp_path))
+    for replay, caching in (("off", True), ("R2", True), ("R3", False)):
+        cfg = load_run("tiny_moe_grpo", [f"actor.router_replay={replay}"])
+        build_engine(cfg, RoleSpec(cfg, "actor", 1).hf_config(), rank=0, tp_group_ranks=[[0], [1]],
+                     eos_token_ids=(), pad_token_id=0)
+        assert (built["engine"].return_routed_experts, built["engine"].enable_prefix_caching) == (True, caching)
+    agent = load_run("tiny_moe_grpo", ["actor.router_replay=off", "rollout.agent.enabled=true"])
+    assert not returns_routed_experts(agent, RoleSpec(agent, "actor", 1).hf_config())
+    dense, engine, _ = _built_engine(monkeypatch, tmp_path, [])
+    assert not engine.return_routed_experts and not returns_routed_experts(dense.config, dense.hf_config())
