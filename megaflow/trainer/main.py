@@ -172,11 +172,27 @@ def init_ray(cfg) -> None:
         from megaflow.launch.node import node_env
 
         with exported_env({**worker_env(), **node_env()}):
-            ray.init(address="local", num_cpus=r.num_cpus, dashboard_host=r.dashboard_host, **kwargs,
-                     **loopback_ray_options())
+            try:
+                ray.init(address="local", num_cpus=r.num_cpus, dashboard_host=r.dashboard_host, **kwargs,
+                         **loopback_ray_options())
+            except Exception as err:  # noqa: BLE001 - Ray raises a bare Exception when its node does not start
+                ray.shutdown()  # the GCS and raylet it did start
+                raise local_ray_failed(err) from err
     from megaflow.launch.failures import stop_cleanly_on_sigterm
 
     stop_cleanly_on_sigterm(reset=False)  # ray.init replaced it with sys.exit(15)
+
+
+def local_ray_failed(err: BaseException):
+    """The one-line error for a local ``ray.init`` that raised (typically "The current node
+    timed out during startup" on an overloaded machine): a
+    :class:`~megaflow.launch.cluster.ClusterNotReadyError`, so the run exits 3 without a traceback."""
+    from megaflow.launch.cluster import ClusterNotReadyError
+
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return ClusterNotReadyError(
+        f"the local Ray did not start: {first} (a busy or memory-short machine is the usual cause; "
+        "Ray's own logs are under /tmp/ray/session_latest/logs); nothing was trained, start the run again")
 
 
 def _stop_local_ray(cfg) -> None:

@@ -81,3 +81,29 @@ def test_local_resources_that_fit_pass():
     # a cluster run is checked against the cluster when it connects (bounded wait), not here
     check_local_resources(load_run("tiny_arith_grpo", ["resources.nodes=4", "ray.address=10.0.0.1:6379"]),
                           cpu_count=1, gpu_count=0)
+
+
+def test_a_local_ray_that_does_not_start_is_one_line_and_exit_3(tmp_path, monkeypatch, capsys):
+    """Ray's own start-up timeout (a bare ``Exception`` from ``ray.init`` on an overloaded
+    machine) ends the run with one line, exit 3 and Ray's half-started processes stopped."""
+    import ray
+
+    if ray.is_initialized():
+        pytest.skip("a Ray session of another test is up in this process")
+    shutdowns = []
+
+    def timed_out(*args, **kwargs):
+        raise Exception("The current node timed out during startup. This could happen because some "
+                        "of the raylet failed to startup or the GCS has become overloaded.")
+
+    monkeypatch.setattr(ray, "init", timed_out)
+    monkeypatch.setattr(ray, "shutdown", lambda: shutdowns.append(1))
+    rc = main(["--recipe", "tiny_arith_grpo", f"trainer.output_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("megaflow:")]
+    assert rc == 3 and "Traceback" not in err, err
+    assert lines == ["megaflow: the local Ray did not start: The current node timed out during startup. "
+                     "This could happen because some of the raylet failed to startup or the GCS has become "
+                     "overloaded. (a busy or memory-short machine is the usual cause; Ray's own logs are "
+                     "under /tmp/ray/session_latest/logs); nothing was trained, start the run again"], err
+    assert shutdowns, "ray.shutdown() was not called after the failed start"
