@@ -59,3 +59,18 @@ def test_ranks_see_the_callers_environment_at_the_call_and_fork_from_a_single_th
     second = run_distributed(_environment_and_modules, 1, preload)
     assert second == [("second", str(tmp_path), str(tmp_path / "extra"), [])]
     assert forkserver_pid() == server  # one server for the whole session
+
+
+def test_a_rank_gets_the_callers_environment_plus_what_the_preload_imports_set(monkeypatch):
+    """In the forked rank, os.environ is the server's: its start environment (replaced by the
+    caller's at the call) plus what its preload imports set (torch sets TORCHINDUCTOR_CACHE_DIR,
+    say), which a spawned rank would have set importing them itself."""
+    import os
+
+    from megaflow.utils import launch
+
+    server_start = {"A": "start", "B": "start", "E": "start"}
+    monkeypatch.setattr(os, "environ", {"A": "start", "B": "set-by-import", "C": "new-by-import", "E": "start"})
+    caller = {"A": "caller", "D": "caller"}
+    assert launch._rank_environ(caller, server_start) == {"A": "caller", "B": "set-by-import",
+                                                          "C": "new-by-import", "D": "caller"}

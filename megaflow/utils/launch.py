@@ -52,18 +52,26 @@ FORKSERVER_PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.c
 # the server's environment while it starts: OpenBLAS (loaded by numpy) would otherwise start
 # a worker thread per extra core at import, and the server must stay single-threaded to fork
 _FORKSERVER_START_ENV = {"OPENBLAS_NUM_THREADS": "1"}
+# os.environ as the running server was started with (what its preload imports changed is not in it)
+_server_start_env: dict[str, str] = {}
 
 
-def _rank_context() -> Any:
+def _rank_context() -> tuple[Any, dict[str, str]]:
     """The ``forkserver`` multiprocessing context, its server started (once per process, and
-    again if it died) with :data:`FORKSERVER_PRELOAD` imported from the caller's ``sys.path``."""
+    again if it died) with :data:`FORKSERVER_PRELOAD` imported from the caller's ``sys.path``,
+    and the environment the server was started with."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
     # Python 3.11's server ignores the sys.path it is handed: give it through PYTHONPATH
     server_env = dict(_FORKSERVER_START_ENV, PYTHONPATH=os.pathsep.join(p or os.getcwd() for p in sys.path))
+    running = forkserver_pid()
     with exported_env(server_env):
+        start_env = dict(os.environ)
         multiprocessing.forkserver.ensure_running()
-    return ctx
+    if forkserver_pid() != running:
+        _server_start_env.clear()
+        _server_start_env.update(start_env)
+    return ctx, dict(_server_start_env)
 
 
 def forkserver_pid() -> int | None:
@@ -73,9 +81,17 @@ def forkserver_pid() -> int | None:
     return pid
 
 
-def _entry(rank: int, world_size: int, port: int, environ: dict[str, str], fn: Callable, args: tuple,
-           out_dir: str, backend: str, num_threads: int, timeout_s: float) -> None:
-    os.environ.clear()  # the caller's environment at the call, not the server's at its start
+def _rank_environ(caller_env: dict[str, str], server_start_env: dict[str, str]) -> dict[str, str]:
+    """A rank's environment: the caller's at the call, not the server's at its start, plus
+    what the server's preload imports set (as they would have set it importing in the rank)."""
+    set_by_imports = {k: v for k, v in os.environ.items() if server_start_env.get(k) != v}
+    return {**caller_env, **set_by_imports}
+
+
+def _entry(rank: int, world_size: int, port: int, environs: tuple[dict[str, str], dict[str, str]],
+           fn: Callable, args: tuple, out_dir: str, backend: str, num_threads: int, timeout_s: float) -> None:
+    environ = _rank_environ(*environs)
+    os.environ.clear()
     os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -129,10 +145,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
     # the rendezvous store lives in this process, on a port it already listens on
     store = open_tcp_store("127.0.0.1", 0, None, is_master=True, timeout=timedelta(seconds=timeout_s))
     port = store.port
-    ctx = _rank_context()
-    environ = dict(os.environ)
+    ctx, server_start_env = _rank_context()
+    environs = (dict(os.environ), server_start_env)
     with tempfile.TemporaryDirectory(prefix="megaflow_dist_") as out_dir:
-        procs = [ctx.Process(target=_entry, args=(r, world_size, port, environ, fn, args, out_dir,
+        procs = [ctx.Process(target=_entry, args=(r, world_size, port, environs, fn, args, out_dir,
                                                    backend, num_threads, timeout_s), daemon=False)
                  for r in range(world_size)]
         for p in procs:
