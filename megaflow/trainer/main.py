@@ -16,7 +16,6 @@ untouched). A second run on the same run directory is refused (exit 2) naming th
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import random
 import shutil
@@ -30,6 +29,7 @@ import numpy as np
 
 from megaflow.topology.sizes import run_dir_of
 from megaflow.utils import startup_gc
+from megaflow.utils.environ import exported_env
 from megaflow.utils.run_lock import RunDirLock, RunDirLockedError
 
 
@@ -115,22 +115,6 @@ def worker_env() -> dict[str, str]:
             # megatron-core's start-up warnings would repeat once per worker: known ones are
             # filtered (megaflow.utils.tracking.KNOWN_LIBRARY_WARNINGS says why each is safe).
             "PYTHONWARNINGS": warning_filters_env(os.environ.get("PYTHONWARNINGS", "ignore::FutureWarning"))}
-
-
-@contextlib.contextmanager
-def exported_env(env: dict[str, str]):
-    """``env`` (name -> value) in this process's environment for the ``with`` block, then the previous
-    values again (processes started inside the block keep ``env``)."""
-    before = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def init_ray(cfg) -> None:

@@ -145,13 +145,26 @@ class _Killed(Exception):
     pass
 
 
+LEARNING_STEPS = 30
+LEARNING_RUN = [f"trainer.total_steps={LEARNING_STEPS}", "trainer.test_freq=0", "trainer.save_freq=-1"]
+
+
+@pytest.fixture(scope="module")
+def async_learning_run(ray_session, tmp_path_factory) -> tuple[dict[int, dict], list]:
+    """The async run of :data:`LEARNING_STEPS` steps: its metrics and each step's prompt ids
+    (shared: the resume test compares its prompt sequence with this uninterrupted run's)."""
+    trained: list = []
+    metrics = _train(tmp_path_factory.mktemp("async_learning"), "async", ["trainer.async_rollout=true", *LEARNING_RUN],
+                     trained=trained)
+    return metrics, trained
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_async_run_learns_like_the_synchronous_one(ray_session, tmp_path):
-    steps = 30
-    common = [f"trainer.total_steps={steps}", "trainer.test_freq=0", "trainer.save_freq=-1"]
-    sync = _train(tmp_path, "sync", common)
-    run = _train(tmp_path, "async", ["trainer.async_rollout=true", *common])
+def test_async_run_learns_like_the_synchronous_one(ray_session, tmp_path, async_learning_run):
+    steps = LEARNING_STEPS
+    sync = _train(tmp_path, "sync", LEARNING_RUN)
+    run, _ = async_learning_run
     assert sorted(run) == list(range(1, steps + 1))
     # staleness per sample: the first batch is generated with the initial weights, every later
     # one with the weights of the step before
@@ -175,10 +188,12 @@ def test_async_run_learns_like_the_synchronous_one(ray_session, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_async_resume_trains_on_the_same_prompts(ray_session, tmp_path):
+def test_async_resume_trains_on_the_same_prompts(ray_session, tmp_path, async_learning_run):
     common = ["trainer.async_rollout=true", "trainer.test_freq=0", "trainer.save_freq=2", "trainer.total_steps=5"]
-    full: list = []
-    _train(tmp_path, "full", common, trained=full)
+    # the uninterrupted run: the learning test's (the loader's order does not depend on the run's length)
+    _, uninterrupted = async_learning_run
+    assert len(uninterrupted) == LEARNING_STEPS
+    full = uninterrupted[:5]
     first: list = []
     _train(tmp_path, "resumed", common, trained=first, kill_before_step=4)  # last checkpoint: step 2
     rest: list = []

@@ -3,7 +3,8 @@ through rank-16 adapters on a frozen random base, merged weight sync to two vLLM
 the KL loss's reference log-probs from the actor with adapters disabled (no reference group).
 The reward rises over a short run, the engine serves the trainer's weights, and the KL to the
 base starts at exactly zero (B is zero-initialised) and grows. Exact resume from adapter-only
-checkpoints, of the GRPO recipe and of PPO with LoRA on the critic too."""
+checkpoints, of the GRPO recipe and of PPO with LoRA on the critic too: each resume test makes
+one uninterrupted run that saves at step 2 and a second run that starts from that checkpoint."""
 from pathlib import Path
 
 import numpy as np
@@ -59,19 +60,19 @@ def dcp_keys(directory: Path) -> list[str]:
 
 
 def test_lora_resume_continues_exactly(ray_session, tmp_path: Path):
-    """A LoRA run saved at step 2 and resumed gives bit-identical metrics at steps 3 and 4 to an
-    uninterrupted run: the checkpoint holds the adapters and their (only) optimizer state, and
-    no file in it is a pickle that loading would execute."""
+    """A new run resumed from a LoRA run's step-2 checkpoint gives bit-identical metrics at
+    steps 3 and 4 to the run that saved it (it went on uninterrupted): the checkpoint holds the
+    adapters and their (only) optimizer state, and no file in it is a pickle that loading would
+    execute."""
     import json
 
     from megaflow.trainer.checkpoint import CheckpointManager
 
-    full, _ = _train(tmp_path, "full", ["trainer.total_steps=4", "trainer.save_freq=-1"])
-    first, run_dir = _train(tmp_path, "resumed", ["trainer.total_steps=2", "trainer.save_freq=2"])
-    assert sorted(first) == [1, 2]
-    ckpt = run_dir / "checkpoints" / "global_step_2"
+    full, full_dir = _train(tmp_path, "full", ["trainer.total_steps=4", "trainer.save_freq=2"])
+    assert sorted(full) == [1, 2, 3, 4]
+    ckpt = full_dir / "checkpoints" / "global_step_2"
     # checksums of every file; every DCP pickle and every *.pt read with restricted (no-code) readers
-    CheckpointManager(run_dir / "checkpoints").verify(ckpt)
+    CheckpointManager(full_dir / "checkpoints").verify(ckpt)
     assert not [p for p in ckpt.rglob("*") if p.suffix in (".pkl", ".pickle", ".bin")]
     # adapter-only: no second copy of the frozen base; the record names the settings and the base
     assert (ckpt / "actor" / "adapter").is_dir() and not (ckpt / "actor" / "model").exists()
@@ -80,8 +81,9 @@ def test_lora_resume_continues_exactly(ray_session, tmp_path: Path):
     assert sorted(record["base_sha256"]) == ["tp0_pp0", "tp1_pp0"]
     stored = dcp_keys(ckpt / "actor" / "adapter")
     assert stored and all(".lora_a." in k or ".lora_b." in k for k in stored), stored
-    resumed, _ = _train(tmp_path, "resumed", ["trainer.total_steps=4", "trainer.save_freq=2", "trainer.resume=auto",
-                                              "trainer.export_hf=true"])
+    resumed, run_dir = _train(tmp_path, "resumed", ["trainer.total_steps=4", "trainer.save_freq=2",
+                                                    f"trainer.resume={ckpt}", "trainer.export_hf=true"])
+    assert sorted(resumed) == [3, 4]
     assert resumed[3]["actor/kl_loss"] > 0.0  # the adapters were restored, not re-initialised (B = 0: KL 0)
     assert _numeric_diffs(full[3], resumed[3]) == []
     assert _numeric_diffs(full[4], resumed[4]) == []
@@ -103,20 +105,19 @@ PPO_LORA = ["ref.enabled=false", "actor.lora.rank=8", "critic.lora.rank=4", "cri
 
 
 def test_critic_lora_resume_continues_exactly(ray_session, tmp_path: Path):
-    """PPO with LoRA on the actor and the critic, saved at step 2 and resumed, gives bit-identical
-    metrics at steps 3 and 4 (the critic's among them) to an uninterrupted run; the critic's
-    checkpoint holds its trained tensors only: the adapters of its 4 targets and its fully
-    trained value head, no frozen base."""
+    """A new run resumed from the step-2 checkpoint of PPO with LoRA on the actor and the critic
+    gives bit-identical metrics at steps 3 and 4 (the critic's among them) to the run that saved
+    it; the critic's checkpoint holds its trained tensors only: the adapters of its 4 targets and
+    its fully trained value head, no frozen base."""
     import json
 
     from megaflow.trainer.checkpoint import CheckpointManager
 
-    full, _ = _train(tmp_path, "full", [*PPO_LORA, "trainer.total_steps=4", "trainer.save_freq=-1"], "tiny_arith_ppo")
-    first, run_dir = _train(tmp_path, "resumed", [*PPO_LORA, "trainer.total_steps=2", "trainer.save_freq=2"],
+    full, full_dir = _train(tmp_path, "full", [*PPO_LORA, "trainer.total_steps=4", "trainer.save_freq=2"],
                             "tiny_arith_ppo")
-    assert sorted(first) == [1, 2]
-    ckpt = run_dir / "checkpoints" / "global_step_2"
-    CheckpointManager(run_dir / "checkpoints").verify(ckpt)
+    assert sorted(full) == [1, 2, 3, 4]
+    ckpt = full_dir / "checkpoints" / "global_step_2"
+    CheckpointManager(full_dir / "checkpoints").verify(ckpt)
     assert (ckpt / "critic" / "adapter").is_dir() and not (ckpt / "critic" / "model").exists()
     record = json.loads((ckpt / "critic" / "lora.json").read_text())
     assert record["settings"]["rank"] == 4 and record["settings"]["alpha"] == 8.0
@@ -125,7 +126,8 @@ def test_critic_lora_resume_continues_exactly(ray_session, tmp_path: Path):
     assert len(adapters) == 4 * 2, stored  # targets x (A, B), each stacked over the layers by megatron-core
     assert sorted(set(stored) - set(adapters)) == ["output_layer.weight"], stored
     resumed, _ = _train(tmp_path, "resumed", [*PPO_LORA, "trainer.total_steps=4", "trainer.save_freq=2",
-                                              "trainer.resume=auto"], "tiny_arith_ppo")
+                                              f"trainer.resume={ckpt}"], "tiny_arith_ppo")
+    assert sorted(resumed) == [3, 4]
     assert "critic/vf_loss" in resumed[3]
     assert _numeric_diffs(full[3], resumed[3]) == []
     assert _numeric_diffs(full[4], resumed[4]) == []

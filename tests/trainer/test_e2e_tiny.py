@@ -20,10 +20,22 @@ def _train(root: Path, name: str, overrides: list[str]) -> tuple[dict[int, dict]
     return {int(r["step"]): r for r in read_metrics_jsonl(run_dir / "metrics.jsonl")}, run_dir
 
 
-def test_default_recipe_learns_on_policy(ray_session, tmp_path):
-    steps = 30
-    metrics, run_dir = _train(tmp_path, "learn", [f"trainer.total_steps={steps}", "trainer.test_freq=15",
-                                                  "trainer.save_freq=-1", "trainer.export_hf=true"])
+LEARNING_STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def learning_run(ray_session, tmp_path_factory) -> tuple[dict[int, dict], Path]:
+    """The default recipe over :data:`LEARNING_STEPS` steps (validation at 15 and 30, an HF
+    export at the end): the learning test's run, and the uninterrupted run the resume test
+    compares with (the run's length, validation cadence and export change no step's numbers)."""
+    return _train(tmp_path_factory.mktemp("e2e_tiny"), "learn", [
+        f"trainer.total_steps={LEARNING_STEPS}", "trainer.test_freq=15", "trainer.save_freq=-1",
+        "trainer.export_hf=true"])
+
+
+def test_default_recipe_learns_on_policy(learning_run):
+    steps = LEARNING_STEPS
+    metrics, run_dir = learning_run
     assert sorted(metrics) == list(range(1, steps + 1))
     first = metrics[1]
     # One mini-batch per step: the update is on-policy, so the PPO ratio is exactly 1.
@@ -52,7 +64,7 @@ def _numeric_diffs(a: dict, b: dict) -> list[tuple[str, float, float]]:
             and a[k] != b[k]]
 
 
-def test_resume_continues_exactly(ray_session, tmp_path, monkeypatch):
+def test_resume_continues_exactly(ray_session, tmp_path, monkeypatch, learning_run):
     from megaflow.utils import tracking
 
     bar_starts = []
@@ -64,7 +76,7 @@ def test_resume_continues_exactly(ray_session, tmp_path, monkeypatch):
 
     monkeypatch.setattr(tracking, "Tracking", RecordingTracking)
     common = ["trainer.save_freq=2", "trainer.test_freq=0"]
-    full, _ = _train(tmp_path, "full", ["trainer.total_steps=4", *common])
+    full, _ = learning_run  # uninterrupted
     first, run_dir = _train(tmp_path, "resumed", ["trainer.total_steps=2", *common])
     assert sorted(first) == [1, 2]
     # A save that crashed mid-write (no COMPLETE marker, a hidden .incomplete- name) must be ignored.
@@ -72,7 +84,7 @@ def test_resume_continues_exactly(ray_session, tmp_path, monkeypatch):
     (partial / "actor").mkdir(parents=True)
     resumed, _ = _train(tmp_path, "resumed", ["trainer.total_steps=4", "trainer.resume=auto", *common])
     assert (run_dir / "checkpoints" / "global_step_4" / "COMPLETE").is_file()
-    assert bar_starts == [0, 0, 2]  # the resumed run's progress bar starts at its checkpoint's step
+    assert bar_starts == [0, 2]  # the resumed run's progress bar starts at its checkpoint's step
     # Every step after the resume is bit-identical to the uninterrupted run's: same prompts
     # (loader position), samples (seeds), weights, optimizer state, LR and every metric.
     assert _numeric_diffs(full[3], resumed[3]) == []
