@@ -211,13 +211,15 @@ def _planned_moe(case: Case, mem, spec, seq: int, logits: float, kv_per_sequence
     :func:`~megaflow.dryrun.memory.moe_layer_activation_bytes`) times the layers."""
     from megaflow.dryrun.memory import moe_dispatch_bytes, moe_layer_activation_bytes
 
-    shape = dict(seq=seq, micro_batch=case.micro_batch, ep=case.ep, dtype=case.dtype)
-    dispatch = spec.num_layers * moe_dispatch_bytes(spec, **shape)
+    def per_layer(term: Any) -> float:
+        return spec.num_layers * term(spec, seq=seq, micro_batch=case.micro_batch, ep=case.ep, dtype=case.dtype)
+
+    dispatch = per_layer(moe_dispatch_bytes)
     return {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
             "expert_params": mem.expert_params, "expert_grads": mem.expert_grads,
             "expert_optimizer": mem.expert_optimizer, "layer_activations": mem.activations - logits,
             "moe_dispatch": dispatch,
-            "moe_experts": spec.num_layers * moe_layer_activation_bytes(spec, **shape) - dispatch,
+            "moe_experts": per_layer(moe_layer_activation_bytes) - dispatch,
             "head_activations": logits, "kv_cache": kv_per_sequence * case.micro_batch}
 
 
@@ -461,7 +463,8 @@ def measure_experts(module: Any, optimizer: Any) -> dict[str, int]:
     the inner optimizers' parameters that lie inside an expert parameter (the distributed
     optimizer's shards of fp32 parameters are views of them) or are one.
     """
-    experts = [p for mlp in _moe_parts(module)["moe_dispatch"] for p in mlp.experts.parameters()]
+    moe_layers: list[Any] = list(_moe_parts(module)["moe_dispatch"])
+    experts = [p for mlp in moe_layers for p in mlp.experts.parameters()]
     ranges = [(p.data_ptr(), p.data_ptr() + _nbytes(p)) for p in experts]
 
     def is_expert(t: torch.Tensor) -> bool:

@@ -282,7 +282,7 @@ def role_memory(role: str, spec: ModelSpec, shape: ParallelShape, *, dtype: str,
         grads: float = n_params * GRAD_BYTES
         expert_optimizer = n_experts / expert_shards * optimizer_bytes_per_param(dtype)
         optimizer = (n_params - n_experts) / shards * optimizer_bytes_per_param(dtype) + expert_optimizer
-        expert_grads = n_experts * GRAD_BYTES
+        expert_grads: float = n_experts * GRAD_BYTES
     else:
         activations, grads, optimizer, expert_grads, expert_optimizer = layer_act + logits, 0.0, 0.0, 0.0, 0.0
     return RoleMemory(role=role, params=max(stage_params), grads=grads, optimizer=optimizer,

@@ -159,7 +159,7 @@ def init_ray(cfg) -> None:
             try:
                 ray.init(address="local", num_cpus=r.num_cpus, dashboard_host=r.dashboard_host, **kwargs,
                          **loopback_ray_options())
-            except Exception as err:  # noqa: BLE001 - Ray raises a bare Exception when its node does not start
+            except Exception as err:  # Ray raises a bare Exception when its node does not start
                 ray.shutdown()  # the GCS and raylet it did start
                 raise local_ray_failed(err) from err
     from megaflow.launch.failures import stop_cleanly_on_sigterm
