@@ -95,14 +95,20 @@ def test_recipe_is_the_agent_twin_of_the_gpu_recipe():
 @pytest.mark.timeout(1800)
 def test_smollm2_tool_recipe_runs_two_steps(ray_session, tmp_path):
     """Two steps of the recipe on CPU, cut to 2 prompts x 2 trajectories of at most 48 tokens
-    (all turns), on the project's GSM8K prepared with the calculator; no validation."""
-    from megaflow.data.gsm8k_layout import prepare_gsm8k
+    (all turns), on the first 8 problems of each split of the project's GSM8K written by
+    ``tools/prepare_gsm8k.py --tools calculator`` (the load-time agent checks render every
+    row); no validation."""
+    from megaflow.data.gsm8k_layout import GSM8K_DEFAULT_DIR, GSM8K_SPLITS
     from megaflow.models.smollm2 import ensure_smollm2
 
-    names = ["calculator"]
-    system = tool_system_prompt(names)
-    data = prepare_gsm8k(out=tmp_path / "gsm8k_tool", suffix=".jsonl",
-                         transform=lambda row: with_tool_system_prompt(row, names, system))
+    src = tmp_path / "src"
+    src.mkdir()
+    for split in GSM8K_SPLITS:
+        lines = (GSM8K_DEFAULT_DIR / f"{split}.jsonl").read_text().splitlines()[:8]
+        (src / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "gsm8k_tool"
+    assert load_tool("prepare_gsm8k").main(["--src", str(src), "--out", str(out), "--tools", "calculator"]) == 0
+    data = {split: out / f"{split}.jsonl" for split in GSM8K_SPLITS}
     cfg = load_run(RECIPE, [
         f"model.path={ensure_smollm2()}", f"data.train_files=[{data['train']}]", f"data.val_files=[{data['test']}]",
         "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=2", "rollout.response_length=48",
@@ -116,7 +122,9 @@ def test_smollm2_tool_recipe_runs_two_steps(ray_session, tmp_path):
         bad = {k: v for k, v in m.items() if isinstance(v, float) and not math.isfinite(v)}
         assert not bad, f"non-finite metrics at step {m['step']}: {bad}"
         assert 1 <= m["agent/turns/mean"] <= cfg.rollout.agent.max_turns
-        assert m["agent/template_mismatch"] == 0  # ChatML appends: ids = the template's rendering
+        # counted, not required 0: a BPE model may sample ids that are not the tokenizer's own
+        # encoding of their text (docs/usage.md, agent/template_mismatch)
+        assert 0 <= m["agent/template_mismatch"] <= cfg.data.train_batch_size * cfg.rollout.n
         assert 1 <= m["response_length/max"] <= cfg.rollout.response_length
         assert 0.0 <= m["critic/score/mean"] <= 1.0 and m["actor/update_successful"] == 1.0
         assert "actor/kl_loss" in m
