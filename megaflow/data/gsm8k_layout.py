@@ -7,6 +7,7 @@ The rows match verl's ``examples/data_preprocess/gsm8k.py`` (``data_source
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +63,10 @@ def read_gsm8k_jsonl(path: str | Path, split: str) -> list[dict[str, Any]]:
 
 
 def prepare_gsm8k(src: str | Path = GSM8K_DEFAULT_DIR, out: str | Path = "data/gsm8k", *,
-                  suffix: str = ".parquet") -> dict[str, Path]:
-    """Write ``out/train.parquet`` and ``out/test.parquet`` from ``src/{train,test}.jsonl``.
+                  suffix: str = ".parquet",
+                  transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> dict[str, Path]:
+    """Write ``out/train.parquet`` and ``out/test.parquet`` from ``src/{train,test}.jsonl``
+    (each row passed through ``transform`` when given, e.g. to add tools).
 
     Every split is read and checked before anything is written, and each file is written
     under a temporary name then renamed, so a bad line anywhere leaves ``out`` as it was.
@@ -76,6 +79,8 @@ def prepare_gsm8k(src: str | Path = GSM8K_DEFAULT_DIR, out: str | Path = "data/g
 
     src, out = Path(src), Path(out)
     rows = {split: read_gsm8k_jsonl(src / f"{split}.jsonl", split) for split in GSM8K_SPLITS}
+    if transform is not None:
+        rows = {split: [transform(row) for row in split_rows] for split, split_rows in rows.items()}
     problem = why_not_creatable(out)
     if problem is not None:
         raise OSError(f"cannot create output directory {out}: {problem}")
