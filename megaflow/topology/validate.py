@@ -328,6 +328,7 @@ def validate_config(cfg: Config) -> None:
     """Checks across sections, run by :func:`megaflow.topology.load_run` on every loaded config.
 
     The pools fit on the cluster's nodes; inputs set (model, tokenizer, training data); algorithm vs enabled roles;
+    no key of a feature that is off away from its schema default (:func:`_check_inert_keys`);
     every enabled role placed on a known pool; for every enabled role: world size = tp*pp*cp*dp on its pool, tp dividing
     the heads, KV heads and FFN size, pp (x vpp) dividing the layers; the rollout's t_g | t and p_g | p (hence
     t_g dividing the heads too); ep > 1 only for a mixture-of-experts model, dividing its experts and
