@@ -368,11 +368,14 @@ class SafeRLHFConfig(Section):
 
     def validate(self) -> None:
         check_positive(self, "lambda_init", "lambda_lr", "lambda_max")
-        if self.enable:
-            self._validate_cost()
+        check(self.lambda_max is None or self.lambda_init <= self.lambda_max, "lambda_init",
+              f"{self.lambda_init} exceeds {{0}}={self.lambda_max}: the multiplier starts above its bound",
+              "lambda_max")
 
-    def _validate_cost(self) -> None:
-        """The cost function's name, the limit within its range, contains_digit's digit."""
+    def validate_cost(self) -> None:
+        """The cost function's name, the limit within its range, contains_digit's digit; run by
+        :class:`AlgorithmConfig` after its check that Safe RLHF's estimator is gae, so that a
+        GRPO run asking for Safe RLHF first learns it needs gae."""
         module, sep, name = self.cost_function.partition(":")
         check(self.cost_function in COST_FUNCTION_RANGES or (bool(sep) and bool(module) and name.isidentifier()),
               "cost_function", f"expected one of {', '.join(COST_FUNCTION_RANGES)} or 'package.module:function', "
@@ -427,6 +430,11 @@ class AlgorithmConfig(Section):
         check(not self.safe_rlhf.enable or self.adv_estimator == "gae", "safe_rlhf.enable",
               f"needs {{0}}=gae (a reward critic and a cost critic, each with its GAE), got "
               f"{self.adv_estimator!r}", "adv_estimator")
+        if self.safe_rlhf.enable:
+            try:
+                self.safe_rlhf.validate_cost()
+            except ConfigError as err:
+                raise err.with_prefix("safe_rlhf") from None
 
     @property
     def uses_ref(self) -> bool:

@@ -11,6 +11,10 @@ to change.
 """
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
 from megaflow.config.schema import GROUP_ESTIMATORS, Config
 from megaflow.config.typed import ConfigError, check
 from megaflow.topology.model_spec import ModelSpec
@@ -73,6 +77,64 @@ def _check_roles(cfg: Config) -> None:
         check(cfg.rollout.n >= 2, "rollout.n",
               f"adv_estimator {algo.adv_estimator!r} compares the samples of a prompt: needs n >= 2, "
               f"got {cfg.rollout.n}")
+
+
+#: Feature sections with an on/off switch: (dotted section or key, the switch's dotted key, whether the
+#: feature is off). A key under an off feature whose value differs from the schema default is read by
+#: nothing, so it is refused (:func:`_check_inert_keys`); the switch itself is not.
+INERT_WHEN_OFF: tuple[tuple[str, str, Callable[[Config], bool]], ...] = (
+    ("critic", "critic.enabled", lambda cfg: not cfg.critic.enabled),
+    ("actor.lora", "actor.lora.rank", lambda cfg: cfg.actor.lora.rank == 0),
+    ("critic.lora", "critic.lora.rank", lambda cfg: cfg.critic.lora.rank == 0),
+    ("rollout.agent", "rollout.agent.enabled", lambda cfg: not cfg.rollout.agent.enabled),
+    ("algorithm.safe_rlhf", "algorithm.safe_rlhf.enable", lambda cfg: not cfg.algorithm.safe_rlhf.enable),
+    ("algorithm.filter_groups", "algorithm.filter_groups.enable",
+     lambda cfg: not cfg.algorithm.filter_groups.enable),
+    ("trainer.max_staleness", "trainer.async_rollout", lambda cfg: not cfg.trainer.async_rollout),
+)
+
+
+def _lookup(obj: Any, dotted: str) -> Any:
+    for name in dotted.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def _shown(value: Any) -> str:
+    """A value as a recipe or an override writes it (true/false/null for YAML's words)."""
+    return {True: "true", False: "false", None: "null"}.get(value, repr(value)) if isinstance(value, (bool, type(None))) \
+        else repr(value)
+
+
+def _leaf_keys(section: Any, prefix: str) -> Iterator[str]:
+    """The dotted keys of every leaf under ``section`` (a section's fields, recursively)."""
+    if not dataclasses.is_dataclass(section):
+        yield prefix
+        return
+    for f in dataclasses.fields(section):
+        yield from _leaf_keys(getattr(section, f.name), f"{prefix}.{f.name}")
+
+
+def _check_inert_keys(cfg: Config) -> None:
+    """A key of a feature that is off (:data:`INERT_WHEN_OFF`; ``trainer.val_max_samples`` when
+    validation never runs) is refused unless it holds the schema default, so a recipe may restate
+    the defaults but a value that nothing reads is not silently accepted.
+
+    Raises:
+        ConfigError: at the first such key, naming the switch that turns it off.
+    """
+    defaults = Config()
+    for root, switch, off in INERT_WHEN_OFF:
+        if not off(cfg):
+            continue
+        for key in _leaf_keys(_lookup(cfg, root), root):
+            value = _lookup(cfg, key)
+            check(key == switch or value == _lookup(defaults, key), key,
+                  f"set to {_shown(value)}, but {{0}}={_shown(_lookup(cfg, switch))} turns this off", switch)
+    trainer = cfg.trainer
+    check(trainer.val_max_samples is None or trainer.test_freq > 0 or trainer.val_before_train,
+          "trainer.val_max_samples", f"set to {trainer.val_max_samples}, but {{0}}={trainer.test_freq} and "
+          "trainer.val_before_train=false turn validation off", "trainer.test_freq")
 
 
 def _check_placement(cfg: Config) -> None:
@@ -266,6 +328,7 @@ def validate_config(cfg: Config) -> None:
     """Checks across sections, run by :func:`megaflow.topology.load_run` on every loaded config.
 
     The pools fit on the cluster's nodes; inputs set (model, tokenizer, training data); algorithm vs enabled roles;
+    no key of a feature that is off away from its schema default (:func:`_check_inert_keys`);
     every enabled role placed on a known pool; for every enabled role: world size = tp*pp*cp*dp on its pool, tp dividing
     the heads, KV heads and FFN size, pp (x vpp) dividing the layers; the rollout's t_g | t and p_g | p (hence
     t_g dividing the heads too); ep > 1 only for a mixture-of-experts model, dividing its experts and
@@ -279,6 +342,7 @@ def validate_config(cfg: Config) -> None:
     _check_pools_fit(cfg)
     _check_inputs(cfg)
     _check_roles(cfg)
+    _check_inert_keys(cfg)
     _check_placement(cfg)
     _check_lora(cfg)  # before the mixture-of-experts refusal: LoRA's own reason comes first
     for role in enabled_roles(cfg):

@@ -104,8 +104,9 @@ def test_invalid_choice_lists_choices_and_the_closest(tiny):
 
 def test_nested_section_default_is_the_layering_base(tiny):
     # critic.optim's default lr (1e-5) differs from OptimConfig's (1e-6): setting only
-    # betas keeps the critic's own default.
-    cfg = run_from_dict(tiny(critic={"optim": {"betas": [0.9, 0.95]}}))
+    # betas keeps the critic's own default (an enabled critic: a disabled one refuses it).
+    cfg = run_from_dict(tiny(algorithm={"adv_estimator": "gae"},
+                             critic={"enabled": True, "optim": {"betas": [0.9, 0.95]}}))
     assert cfg.critic.optim.lr == 1e-5 and cfg.critic.optim.betas == (0.9, 0.95)
     assert cfg.actor.optim.lr == 1e-6
 

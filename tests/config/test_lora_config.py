@@ -53,15 +53,17 @@ def test_bad_lora_values_are_refused_naming_the_key(overrides, key, says):
 
 def test_adapter_sync_loads_colocated_and_sizes_the_engine():
     """actor.lora.sync=adapter loads colocated (the refusal is lifted) and builds the engine with
-    LoRA up to the adapter rank and 2 adapter slots (staleness 0 + 2); merged and LoRA off build
-    no LoRA into the engine; under split placement the same setting is refused (above)."""
+    LoRA up to the adapter rank and 2 adapter slots (staleness 0 + 2); merged builds no LoRA into
+    the engine, and 'adapter' without LoRA (rank 0) is refused as a key nothing reads; under split
+    placement the same setting is refused (above)."""
     from megaflow.workers.rollout_host import adapter_engine_settings
 
     cfg = load_run(RECIPE, [*BASE, *ON, "actor.lora.sync=adapter"])
     assert cfg.actor.lora.sync == "adapter"
     assert adapter_engine_settings(cfg) == (8, 2)
     assert adapter_engine_settings(load_run(RECIPE, [*BASE, *ON])) == (0, 1)
-    assert adapter_engine_settings(load_run(RECIPE, [*BASE, "actor.lora.sync=adapter"])) == (0, 1)
+    with pytest.raises(ConfigError, match=r"^actor\.lora\.sync: set to 'adapter', but actor\.lora\.rank=0 turns"):
+        load_run(RECIPE, [*BASE, "actor.lora.sync=adapter"])
     assert load_run(RECIPE, [*BASE, *ON, *SPLIT]).actor.lora.sync == "merged"  # merged runs split
 
 

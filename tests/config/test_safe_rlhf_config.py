@@ -10,7 +10,8 @@ import torch
 from megaflow.config.typed import ConfigError
 from megaflow.data.arith import build_arith_tokenizer
 from megaflow.protocol import DataProto
-from megaflow.topology import load_run
+from megaflow.config.loader import read_yaml, resolve_recipe
+from megaflow.topology import load_run, run_from_dict
 from megaflow.topology.role_spec import RoleSpec
 from megaflow.topology.sizes import pools_in_use
 from megaflow.trainer.safe_rlhf import SafeRLHF
@@ -57,7 +58,9 @@ def test_lambda_keys_drive_the_dual_ascent_by_hand():
 
 def test_enable_adds_the_cost_critic_on_the_critics_pool_with_its_settings():
     on = load_run(RECIPE)
-    off = load_run(RECIPE, ["algorithm.safe_rlhf.enable=false"])
+    tree = read_yaml(resolve_recipe(RECIPE))
+    del tree["algorithm"]["safe_rlhf"]  # the same recipe without Safe RLHF (its keys would be refused when off)
+    off = run_from_dict(tree)
     assert pools_in_use(on) == {"global": ("actor", "ref", "critic", "cost_critic")}
     assert pools_in_use(off) == {"global": ("actor", "ref", "critic")}
     spec = RoleSpec(on, "cost_critic", 10)

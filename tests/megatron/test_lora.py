@@ -224,7 +224,7 @@ def _knob_effects(cfg, shard, info, batch, lora):
     critic_shard = hf_to_megatron_shard(hf_causal_lm(cfg, seed=HF_SEED).state_dict(), cfg, tp_rank=0, tp=1,
                                         pp_rank=0, pp=1, head="value", score_weight=torch.full((1, 64), 0.01))
     load_shard(critic, critic_shard)
-    engine = MegatronEngine(critic, info, _spec("critic", cfg, 1, 1, 1, "critic.lora.rank=2", "critic.lora.alpha=4",
+    engine = MegatronEngine(critic, info, _spec("critic", cfg, 1, 1, 1, "algorithm.adv_estimator=gae", "critic.enabled=true", "critic.lora.rank=2", "critic.lora.alpha=4",
                                                 "critic.lora.target_modules=[linear_qkv]", "critic.lora.dropout=0.1",
                                                 "critic.ppo_micro_batch_size_per_gpu=2"), vocab_size=VOCAB)
     named = dict(engine.module.named_parameters())
