@@ -49,7 +49,8 @@ def test_default_recipe_learns_on_policy(learning_run):
     start, end = rewards[:5].mean(), rewards[-5:].mean()
     assert end > start + 0.05 and end > 2 * start, f"reward did not rise: {rewards.round(3).tolist()}"
     assert "val/score/mean" in metrics[15] and "val/acc/mean" in metrics[steps]
-    # The trained actor exported as a Hugging Face checkpoint that transformers loads.
+    # The trained actor exported (the fixture sets trainer.export_hf) as a Hugging Face checkpoint
+    # that transformers loads.
     import torch
     from transformers import AutoModelForCausalLM
 
