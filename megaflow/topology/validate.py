@@ -102,8 +102,9 @@ def _lookup(obj: Any, dotted: str) -> Any:
 
 def _shown(value: Any) -> str:
     """A value as a recipe or an override writes it (true/false/null for YAML's words)."""
-    return {True: "true", False: "false", None: "null"}.get(value, repr(value)) if isinstance(value, (bool, type(None))) \
-        else repr(value)
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return repr(value)
 
 
 def _leaf_keys(section: Any, prefix: str) -> Iterator[str]:

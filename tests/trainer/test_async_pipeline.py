@@ -164,7 +164,7 @@ def async_learning_run(ray_session, tmp_path_factory) -> tuple[dict[int, dict], 
 def test_async_run_learns_like_the_synchronous_one(ray_session, tmp_path, async_learning_run):
     steps = LEARNING_STEPS
     sync = _train(tmp_path, "sync", LEARNING_RUN)
-    run, _ = async_learning_run
+    run, _ = async_learning_run  # the same run with trainer.async_rollout=true (the fixture)
     assert sorted(run) == list(range(1, steps + 1))
     # staleness per sample: the first batch is generated with the initial weights, every later
     # one with the weights of the step before
