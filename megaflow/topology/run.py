@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from megaflow.config.loader import config_from_dict, in_recipe, load_config, resolve_recipe
+from megaflow.config.overrides import split_override
 from megaflow.config.schema import Config
 from megaflow.config.typed import ConfigError
 from megaflow.topology.validate import validate_config
@@ -35,9 +36,10 @@ def load_run(recipe: str | Path, overrides: Iterable[str] = ()) -> Config:
             message names the dotted key and the recipe file.
     """
     path = resolve_recipe(recipe)
-    cfg = load_config(path, overrides)
+    overrides = list(overrides)
+    cfg = load_config(path, overrides)  # refuses a malformed override before its key is read below
     try:
-        validate_config(cfg)
+        validate_config(cfg, frozenset(".".join(split_override(item)[1]) for item in overrides))
     except ConfigError as err:
         raise in_recipe(err, path) from None
     return cfg

@@ -116,24 +116,36 @@ def _leaf_keys(section: Any, prefix: str) -> Iterator[str]:
         yield from _leaf_keys(getattr(section, f.name), f"{prefix}.{f.name}")
 
 
-def _check_inert_keys(cfg: Config) -> None:
-    """A key of a feature that is off (:data:`INERT_WHEN_OFF`; ``trainer.val_max_samples`` when
-    validation never runs) is refused unless it holds the schema default, so a recipe may restate
-    the defaults but a value that nothing reads is not silently accepted.
+def _set_by(key: str, overridden: frozenset[str]) -> bool:
+    """Whether a command-line override set ``key`` (the key itself, or a section above it given
+    as a mapping)."""
+    return any(key == o or key.startswith(o + ".") for o in overridden)
+
+
+def _check_inert_keys(cfg: Config, overridden: frozenset[str]) -> None:
+    """A key that a command-line override sets (``overridden``: the overrides' dotted keys) under a
+    feature that is off (:data:`INERT_WHEN_OFF`; ``trainer.val_max_samples`` when validation never
+    runs) is refused unless it holds the schema default: nothing would read it. Values that come
+    from the recipe are not checked, so a switch turned off on the command line (``actor.lora.rank=0``
+    on a LoRA recipe, ``trainer.test_freq=0`` on a recipe with ``val_max_samples``) leaves the
+    recipe's now unused settings alone, and a checkpoint's config resumes as written.
 
     Raises:
         ConfigError: at the first such key, naming the switch that turns it off.
     """
+    if not overridden:
+        return
     defaults = Config()
     for root, switch, off in INERT_WHEN_OFF:
         if not off(cfg):
             continue
         for key in _leaf_keys(_lookup(cfg, root), root):
             value = _lookup(cfg, key)
-            check(key == switch or value == _lookup(defaults, key), key,
+            check(key == switch or not _set_by(key, overridden) or value == _lookup(defaults, key), key,
                   f"set to {_shown(value)}, but {{0}}={_shown(_lookup(cfg, switch))} turns this off", switch)
     trainer = cfg.trainer
-    check(trainer.val_max_samples is None or trainer.test_freq > 0 or trainer.val_before_train,
+    check(trainer.val_max_samples is None or not _set_by("trainer.val_max_samples", overridden)
+          or trainer.test_freq > 0 or trainer.val_before_train,
           "trainer.val_max_samples", f"set to {trainer.val_max_samples}, but {{0}}={trainer.test_freq} and "
           "trainer.val_before_train=false turn validation off", "trainer.test_freq")
 
@@ -325,11 +337,13 @@ def _check_colocated_meshes(cfg: Config) -> None:
                   f"pool (resources.placement.{role})", f"{other}.{name}")
 
 
-def validate_config(cfg: Config) -> None:
-    """Checks across sections, run by :func:`megaflow.topology.load_run` on every loaded config.
+def validate_config(cfg: Config, overridden: frozenset[str] = frozenset()) -> None:
+    """Checks across sections, run by :func:`megaflow.topology.load_run` on every loaded config
+    (``overridden``: the dotted keys its command-line overrides set).
 
     The pools fit on the cluster's nodes; inputs set (model, tokenizer, training data); algorithm vs enabled roles;
-    no key of a feature that is off away from its schema default (:func:`_check_inert_keys`);
+    no key set on the command line under a feature that is off, away from its schema default
+    (:func:`_check_inert_keys`);
     every enabled role placed on a known pool; for every enabled role: world size = tp*pp*cp*dp on its pool, tp dividing
     the heads, KV heads and FFN size, pp (x vpp) dividing the layers; the rollout's t_g | t and p_g | p (hence
     t_g dividing the heads too); ep > 1 only for a mixture-of-experts model, dividing its experts and
@@ -343,7 +357,7 @@ def validate_config(cfg: Config) -> None:
     _check_pools_fit(cfg)
     _check_inputs(cfg)
     _check_roles(cfg)
-    _check_inert_keys(cfg)
+    _check_inert_keys(cfg, overridden)
     _check_placement(cfg)
     _check_lora(cfg)  # before the mixture-of-experts refusal: LoRA's own reason comes first
     for role in enabled_roles(cfg):

@@ -46,3 +46,14 @@ def test_a_restated_default_loads():
                                        f"actor.lora.alpha={defaults.actor.lora.alpha}",
                                        "actor.lora.sync=merged", "trainer.max_staleness=1"])
     assert not cfg.critic.enabled and cfg.critic.optim.lr == defaults.critic.optim.lr
+
+
+def test_a_switch_turned_off_on_the_command_line_leaves_the_recipes_settings_alone():
+    """Only what the command line sets is checked: turning a recipe's feature off by its switch
+    keeps the recipe's own (now unread) settings loadable, as does a checkpoint's config."""
+    cfg = load_run("tiny_arith_grpo_lora", ["actor.lora.rank=0", "algorithm.use_kl_loss=false"])
+    assert cfg.actor.lora.rank == 0 and cfg.actor.lora.alpha != Config().actor.lora.alpha
+    cfg = load_run("smollm2_gsm8k_grpo", ["trainer.test_freq=0", "trainer.val_before_train=false"])
+    assert cfg.trainer.val_max_samples == 32
+    with pytest.raises(ValueError, match="actor.lora.alpha: set to 8.0, but actor.lora.rank=0 turns this off"):
+        load_run("tiny_arith_grpo_lora", ["actor.lora.rank=0", "algorithm.use_kl_loss=false", "actor.lora.alpha=8"])
