@@ -88,7 +88,9 @@ class ArithTaskConfig:
     replacement from the training pool. The validation split holds ``num_val`` distinct
     problems (all of them when ``num_val`` exceeds the space): a sample of the whole
     space by default (the task is memorisable, so validation measures what was learned),
-    or problems held out of the training pool with ``holdout_val=True``.
+    or problems held out of the training pool with ``holdout_val=True``. With
+    ``operand_digits`` set (a string of decimal digits, e.g. ``"123"``), only the operands in
+    range whose decimal digits all belong to it are used (111..333 with ``"123"``: 27 operands).
     """
 
     num_train: int = 4096  # training rows (sampled with replacement from the train pool)
@@ -98,6 +100,7 @@ class ArithTaskConfig:
     max_answer: int | None = None  # e.g. 9: only single-digit results
     ops: tuple[str, ...] = ("+",)
     holdout_val: bool = False  # validation problems never appear in training
+    operand_digits: str | None = None  # e.g. "123": only operands written with these digits
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -112,10 +115,16 @@ class ArithTaskConfig:
                 "operands must satisfy 0 <= min_operand <= max_operand, "
                 f"got min_operand={self.min_operand}, max_operand={self.max_operand}"
             )
+        digits = self.operand_digits
+        if digits is not None and (not digits or not set(digits) <= set("0123456789")):
+            raise ValueError(f"operand_digits must be a non-empty string of decimal digits, got {digits!r}")
         bad = [op for op in self.ops if op not in OPERATORS]
         if not self.ops or bad:
             raise ValueError(f"ops must be a non-empty subset of {OPERATORS}, got {self.ops!r}")
         if self.num_distinct_problems == 0:
+            if self.operand_digits is not None:
+                raise ValueError(f"no operand in [{self.min_operand}, {self.max_operand}] is written only with the "
+                                 f"digits operand_digits={self.operand_digits!r} (or no result <= max_answer)")
             raise ValueError(f"no problem has a result <= max_answer={self.max_answer}")
         if self.holdout_val and self.num_val >= self.num_distinct_problems:
             raise ValueError(
@@ -141,7 +150,8 @@ def arith_answer(a: int, op: str, b: int) -> int:
 
 
 def _all_problems(config: ArithTaskConfig) -> list[tuple[int, str, int]]:
-    operands = range(config.min_operand, config.max_operand + 1)
+    operands = [n for n in range(config.min_operand, config.max_operand + 1)
+                if config.operand_digits is None or set(str(n)) <= set(config.operand_digits)]
     problems = set()
     for op in config.ops:
         for a in operands:

@@ -3,24 +3,25 @@
 The response text is the sampled tokens of every assistant turn, special tokens kept
 (``<tool_call>...</tool_call><eos>132<eos>``: the turns end with ``<eos>``; the observations
 are not part of it). A random policy almost never writes a whole correct call, so the reward
-is graded, each tier above the ones below (reward shaping, Ng et al. 1999, as a curriculum of
-copying: first the operands into the call, then the calculator's answer into the last turn):
+is graded (reward shaping, Ng et al. 1999), each tier above the ones below:
 
-===========================================================================  ========================
-the response                                                                 score
-===========================================================================  ========================
-the first turn is one correct call, the last finished turn is the answer     1
-the first turn is one calculator call with the answer's value                ``0.5 + 0.3 p(final, answer)``
-the first turn is one calculator call (a well-formed call)                   ``0.1 + 0.3 p(expression, "a+b")``
-otherwise                                                                    0
-===========================================================================  ========================
+=======================================================================  ==========================
+the response                                                             score
+=======================================================================  ==========================
+the first turn is one correct call, the last finished turn is the answer  1
+the first turn is one calculator call with the answer's value             ``0.6 + 0.3 h(final, answer)``
+otherwise                                                                 ``0.5 h(first turn, call)``
+=======================================================================  ==========================
 
-``p(x, y)``: the longest common subsequence of ``x`` and ``y`` over the longer one's length
-(so each character copied in order counts and extra characters cost; a call must be the
-turn's only one: several calls, whose observations would crowd the answer out of the
-response, earn nothing). ``a`` and ``b``
-come from the row's ``extra_info`` (the value of a call is checked with the calculator:
-``85+47`` is correct too).
+``h(x, y)``: the Hamming similarity of the token sequences ``x`` and ``y`` (the tokens equal
+at the same position, over the longer one's length; 0 if either is empty). ``call`` is the
+correct call's tokens, ``<call>a+b<end_call>`` with ``a``, ``b`` from the row's
+``extra_info``; the first turn is the text up to its ``<eos>`` (the whole response when it
+has none). The shaping tier is positional on purpose: a policy that repeats one digit, or
+writes an empty call, earns no more than chance there, so the only way up is to copy each
+operand digit into its place (the longest-common-subsequence credit of earlier versions was
+won by such policies, which then stopped exploring). A call must be the turn's only one.
+The value of a call is checked with the calculator (``85+47`` is correct too).
 
 Returned parts: ``score``, ``acc`` (the final answer exact after a correct call),
 ``tool_correct`` (the fraction of trajectories with a correct tool call), ``tool_call``
@@ -28,25 +29,27 @@ Returned parts: ``score``, ``acc`` (the final answer exact after a correct call)
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from megaflow.agent.calculator import evaluate
 from megaflow.agent.parser import parse_tool_calls
 from megaflow.agent.tool import ToolCall, ToolError
-from megaflow.data.tool_arith import EOS_TOKEN
+from megaflow.data.tool_arith import CALL_CLOSE, CALL_OPEN, EOS_TOKEN, build_tool_arith_tokenizer
 
 
-def _similarity(text: str, target: str) -> float:
-    """``LCS(text, target) / max(len(text), len(target))`` (0 for two empty strings)."""
-    if not text or not target:
+@functools.lru_cache(maxsize=1)
+def _tokenizer():
+    return build_tool_arith_tokenizer()
+
+
+def _hamming(text: str, target: str) -> float:
+    """Tokens of ``text`` equal to ``target``'s at the same position, over the longer length (0 if one is empty)."""
+    x, y = (_tokenizer().encode(t, add_special_tokens=False) for t in (text, target))
+    if not x or not y:
         return 0.0
-    previous = [0] * (len(target) + 1)
-    for ch in text:  # the textbook dynamic programme, one row at a time
-        row = [0]
-        for j, other in enumerate(target):
-            row.append(previous[j] + 1 if ch == other else max(previous[j + 1], row[j]))
-        previous = row
-    return previous[-1] / max(len(text), len(target))
+    same = sum(a == b for a, b in zip(x, y, strict=False))  # unequal lengths: the tokens past the shorter differ
+    return same / max(len(x), len(y))
 
 
 def _first_call(turn: str) -> str | None:
@@ -82,11 +85,10 @@ def compute_score(solution_str: str, ground_truth: Any, extra_info: dict | None 
     if acc:
         score = 1.0
     elif correct:
-        score = 0.5 + 0.3 * _similarity(final, answer)
-    elif expression is not None:
-        score = 0.1 + 0.3 * _similarity(expression, f"{info.get('a', '')}{info.get('op', '+')}{info.get('b', '')}")
+        score = 0.6 + 0.3 * _hamming(final, answer)
     else:
-        score = 0.0
+        call = f"{CALL_OPEN}{info.get('a', '')}{info.get('op', '+')}{info.get('b', '')}{CALL_CLOSE}"
+        score = 0.5 * _hamming(turns[0] if turns else solution_str, call)
     return {"score": score, "acc": float(acc), "tool_correct": float(correct),
             "tool_call": float(expression is not None)}
 

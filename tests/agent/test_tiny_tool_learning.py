@@ -1,13 +1,13 @@
 """recipes/tiny_tool_grpo.yaml end to end (rollout.agent.enabled: multi-turn rollouts in the
-generation replicas of the TP=2 actor): a tiny model from random initialisation learns to write
-a well-formed calculator call and starts copying the expression's shape into it; the reward and
-the fraction of trajectories with a single well-formed call rise well above their start, and
-the run logs the agent/* metrics and writes sample trajectories.
+generation replicas of the TP=2 actor): a tiny model from random initialisation learns to call
+the calculator with the problem's operands copied exactly (a correct call); the reward and the
+fraction of trajectories with a correct call rise from 0 to most of them, and the run logs the
+agent/* metrics and writes sample trajectories.
 
-What it does not reach (measured over 128 steps of the recipe on this machine): a correct call
-(the operands copied exactly) - reward/tool_correct/mean stays at most 0.008 while the reward
-rises from 0.009 (mean of steps 1-5) to 0.186 (steps 119-128) and the single-well-formed-call
-fraction from 0.08 to 0.99."""
+Measured on this 2-core machine (the recipe's 200 steps, about 3.5 minutes): correct calls
+0 until step ~110, 0.7 by step 140, 0.95 at step 200 (seed 1; seed 2: 0.70 at step 140); the
+mean reward from 0.015 to 0.6. What it does not reach in 200 steps: copying the calculator's
+answer into the last turn (reward/acc/mean stays 0; the last turn repeats one digit)."""
 from pathlib import Path
 
 import numpy as np
@@ -19,10 +19,10 @@ from megaflow.utils.tracking import read_metrics_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-STEPS = 60
+STEPS = 200
 
 
-def test_tiny_tool_grpo_learns_the_call_format(ray_session, tmp_path: Path):
+def test_tiny_tool_grpo_learns_correct_calls(ray_session, tmp_path: Path):
     cfg = load_run("tiny_tool_grpo", [f"trainer.output_dir={tmp_path}", "trainer.experiment_name=learn",
                                       "trainer.logger=[jsonl]", f"trainer.total_steps={STEPS}",
                                       f"trainer.test_freq={STEPS}"])
@@ -35,10 +35,12 @@ def test_tiny_tool_grpo_learns_the_call_format(ray_session, tmp_path: Path):
     def series(key):
         return np.array([metrics[s][key] for s in range(1, STEPS + 1)])
 
-    reward, calls = series("reward/score/mean"), series("reward/tool_call/mean")
-    assert reward[-10:].mean() > reward[:5].mean() + 0.08, f"reward did not rise: {reward.round(3).tolist()}"
-    assert calls[:5].mean() < 0.2 and calls[-10:].mean() > 0.7, \
-        f"the well-formed-call fraction did not rise: {calls.round(3).tolist()}"
+    reward, correct = series("reward/score/mean"), series("reward/tool_correct/mean")
+    # a random policy writes no correct call; the margins leave ~50 steps of slack on the measured curve
+    assert correct[:10].max() < 0.05 and correct[-10:].mean() > 0.5, \
+        f"the correct-call fraction did not rise: {correct.round(3).tolist()}"
+    assert reward[-10:].mean() > reward[:5].mean() + 0.3, f"reward did not rise: {reward.round(3).tolist()}"
+    assert metrics[STEPS]["val/score/mean"] > 0.45  # greedy validation (32 problems): correct calls there too
     # multi-turn rows: observations in the response, several turns, calls logged per tool
     assert series("agent/turns/mean")[-10:].mean() > 1.5 and series("agent/observation_token_share")[-1] > 0
     assert series("agent/tool_calls/calculator")[-1] > 0

@@ -45,21 +45,23 @@ def test_rows_name_the_calculator():
     check_rows([{"prompt": row["prompt"], "extra_info": row["extra_info"]}])
 
 
-INFO = {"a": 47, "b": 85, "op": "+"}
+INFO = {"a": 123, "b": 312, "op": "+"}
+# The correct call's 9 tokens: <call> 1 2 3 + 3 1 2 <end_call>; the shaping tier is 0.5 x (tokens equal
+# at the same position) / (the longer length), counted by hand below.
 
 
 @pytest.mark.parametrize("text,score,acc,correct,call", [
-    (f"{CALL_OPEN}47+85{CALL_CLOSE}<eos>132<eos>", 1.0, 1, 1, 1),
-    (f"{CALL_OPEN}85+47{CALL_CLOSE}<eos>13<eos>", 0.5 + 0.3 * 2 / 3, 0, 1, 1),  # same value; LCS("13", "132") = 2 of 3
-    (f"{CALL_OPEN}47+85{CALL_CLOSE}<eos>", 0.5, 0, 1, 1),  # the answer turn was cut off
-    (f"{CALL_OPEN}47+8{CALL_CLOSE}<eos>13<eos>", 0.1 + 0.3 * 4 / 5, 0, 0, 1),  # LCS with "47+85": 4 of 5
-    (f"{CALL_OPEN}7+5{CALL_CLOSE}<eos>", 0.1 + 0.3 * 3 / 5, 0, 0, 1),  # in order, not a prefix
-    (f"{CALL_OPEN}47+855{CALL_CLOSE}<eos>", 0.1 + 0.3 * 5 / 6, 0, 0, 1),  # an extra character costs
-    (f"{CALL_OPEN}99{CALL_CLOSE}{CALL_OPEN}99{CALL_CLOSE}<eos>", 0.0, 0, 0, 0),  # two calls in the turn
-    (f"{CALL_OPEN}{CALL_CLOSE}<eos>", 0.1, 0, 0, 1),
-    ("132<eos>", 0.0, 0, 0, 0),  # the answer without the tool
-    (f"{CALL_OPEN}47+85{CALL_CLOSE}", 0.0, 0, 0, 0),  # the turn never ended: the loop ran no call
+    (f"{CALL_OPEN}123+312{CALL_CLOSE}<eos>435<eos>", 1.0, 1, 1, 1),
+    (f"{CALL_OPEN}312+123{CALL_CLOSE}<eos>43<eos>", 0.6 + 0.3 * 2 / 3, 0, 1, 1),  # same value; "43" vs "435": 2 of 3
+    (f"{CALL_OPEN}123+312{CALL_CLOSE}<eos>453<eos>", 0.6 + 0.3 * 1 / 3, 0, 1, 1),  # only the 4 in place
+    (f"{CALL_OPEN}123+312{CALL_CLOSE}<eos>", 0.6, 0, 1, 1),  # the answer turn was cut off
+    (f"{CALL_OPEN}123+31{CALL_CLOSE}<eos>43<eos>", 0.5 * 7 / 9, 0, 0, 1),  # <call>123+31 in place, then 8 vs 9 tokens
+    (f"{CALL_OPEN}111+111{CALL_CLOSE}<eos>", 0.5 * 5 / 9, 0, 0, 1),  # <call>, 1, +, 1, <end_call>: no better than chance
+    (f"{CALL_OPEN}{CALL_CLOSE}<eos>", 0.5 * 1 / 9, 0, 0, 1),  # an empty call: only <call> in place
+    (f"{CALL_OPEN}99{CALL_CLOSE}{CALL_OPEN}99{CALL_CLOSE}<eos>", 0.5 * 1 / 9, 0, 0, 0),  # two calls in the turn
+    ("435<eos>", 0.0, 0, 0, 0),  # the answer without the tool
+    (f"{CALL_OPEN}123+312{CALL_CLOSE}", 0.5, 0, 0, 0),  # the turn never ended: the loop ran no call
 ])
 def test_reward_table_by_hand(text, score, acc, correct, call):
-    got = compute_score(text, "132", INFO)
+    got = compute_score(text, "435", INFO)
     assert got == pytest.approx({"score": score, "acc": acc, "tool_correct": correct, "tool_call": call})

@@ -266,7 +266,7 @@ KEYS: dict[str, Consumed | Refused] = {
     "rollout.agent.enabled": consumed(
         AGENT_HOOK + "test_rollout_agent_enabled_sends_the_rows_messages_and_tools",
         "tests/agent/test_agent_preflight.py::test_a_template_without_a_tool_role_is_refused",
-        "tests/agent/test_tiny_tool_learning.py::test_tiny_tool_grpo_learns_the_call_format"),
+        "tests/agent/test_tiny_tool_learning.py::test_tiny_tool_grpo_learns_correct_calls"),
     "rollout.agent.max_turns": consumed(AGENT_HOOK + "test_rollout_agent_max_turns_ends_a_calling_trajectory"),
     "rollout.agent.tool_time_s": consumed(AGENT_HOOK + "test_rollout_agent_tool_time_s_ends_a_trajectory_after_its_tools"),
     # ------------------------------------------------------------------ ref

@@ -55,7 +55,18 @@ def test_max_answer_limits_results():
     assert max(int(r["reward_model"]["ground_truth"]) for r in rows) <= 9
 
 
+def test_operand_digits_keep_only_operands_written_with_them():
+    cfg = ArithTaskConfig(num_train=300, num_val=5, min_operand=111, max_operand=333, operand_digits="123")
+    operands = [int(f"{x}{y}{z}") for x in "123" for y in "123" for z in "123"]  # 27, by hand
+    assert cfg.num_distinct_problems == len(operands) ** 2 == 729
+    for row in generate_arith_splits(cfg)["train"]:
+        assert row["extra_info"]["a"] in operands and row["extra_info"]["b"] in operands
+
+
 @pytest.mark.parametrize("kwargs,match", [
+    ({"operand_digits": ""}, "operand_digits must be a non-empty string of decimal digits, got ''"),
+    ({"operand_digits": "1a"}, "operand_digits must be a non-empty string of decimal digits, got '1a'"),
+    ({"min_operand": 4, "max_operand": 9, "operand_digits": "123"}, r"no operand in \[4, 9\] is written only with"),
     ({"ops": ("/",)}, "ops must be a non-empty subset"),
     ({"min_operand": 5, "max_operand": 2}, "0 <= min_operand <= max_operand"),
     ({"num_train": 0}, "num_train must be >= 1"),
