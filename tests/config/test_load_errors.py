@@ -1,14 +1,96 @@
-"""Bad input that used to fail with a misleading or multi-line message, refused at load on
-one line naming the key, the file or the override: a recipe or override that is not valid
-YAML, and an error about a command-line override (tagged ``[override K=V]``, not ``[recipe ...]``)."""
+"""Bad input that used to fail late or with a misleading or multi-line message, refused at
+load on one line naming the key, the file or the override: an ``algorithm.filter_groups.metric``
+that no reward of the run gives, a recipe or override that is not valid YAML, and an error
+about a command-line override (tagged ``[override K=V]``, not ``[recipe ...]``)."""
 from __future__ import annotations
+
+from typing import get_args
 
 import pytest
 
 import tests.test_bad_input_table as table
-from megaflow.config import ConfigError
-from megaflow.topology import load_run
+from megaflow.config import ConfigError, config_to_dict
+from megaflow.config.schema import BUILTIN_REWARD_PARTS, TASK_DATA_SOURCES, DataConfig
+from megaflow.topology import load_run, run_from_dict
 from tests.test_bad_input_table import model_dir  # noqa: F401  (the fixture the row runner takes)
+
+FILTER = ["algorithm.filter_groups.enable=true"]
+FILES = ["data.task=null", "data.train_files=[prompts.jsonl]"]  # read only by the pre-start checks
+
+
+# ----------------------------------------------------------------- algorithm.filter_groups.metric
+@pytest.mark.parametrize("source, responses, truth, extra", [
+    ("openai/gsm8k", ["", "#### 72", "#### 5", "The answer is 72."], "72", None),
+    ("gsm8k", ["", "#### 72"], "72", None),
+    ("arith", ["", "3<eos>", "4<eos>", "x<eos>"], "3", None),
+    ("countdown", ["", "<answer>1+2</answer>", "<answer>2*1</answer>", "<answer>1+1+2</answer>"],
+     {"target": 3, "numbers": [1, 2]}, None),
+    ("tool_arith", ["", "1+2<eos>3<eos>", "<tool_call>x</tool_call><eos>3<eos>"], 3, {"a": 1, "b": 2, "op": "+"}),
+])
+def test_the_declared_parts_are_what_each_built_in_scorer_returns(source, responses, truth, extra):
+    from megaflow.rewards import compute_score
+
+    for response in responses:
+        out = compute_score(source, response, truth, extra)
+        assert set(out) == {"score", *BUILTIN_REWARD_PARTS[source]}, (source, response)
+
+
+def test_every_built_in_source_and_task_is_declared():
+    from megaflow.data.arith import ARITH_DATA_SOURCE
+    from megaflow.data.tool_arith import TOOL_ARITH_DATA_SOURCE
+    from megaflow.rewards.registry import RewardTable
+
+    assert set(RewardTable.registered().sources()) >= set(BUILTIN_REWARD_PARTS)
+    assert {s for s in RewardTable.registered().sources() if not s.startswith("test/")} == set(BUILTIN_REWARD_PARTS)
+    assert set(TASK_DATA_SOURCES) == set(_task_choices())
+    assert TASK_DATA_SOURCES == {"arith": ARITH_DATA_SOURCE, "tool_arith": TOOL_ARITH_DATA_SOURCE}
+
+
+def _task_choices() -> tuple[str, ...]:
+    import typing
+
+    hint = typing.get_type_hints(DataConfig)["task"]  # Literal[...] | None
+    return tuple(a for arg in get_args(hint) for a in get_args(arg))
+
+
+@pytest.mark.parametrize("overrides, metric", [
+    ([], "acc"), ([], "format"), ([], "score"),
+    (FILES, "tool_call"), (FILES, "format"),  # prompt files: any built-in source's part
+    (["reward.functions.arith=my.module:score"], "anything"),  # the task's scorer is user code
+    (["reward.format_weight=0.1", "data.task=tool_arith", "rollout.agent.enabled=true",
+      "model.tokenizer=tool_arith"], "format"),  # the format reward adds 'format' to every scorer
+])
+def test_a_metric_some_reward_of_the_run_gives_loads(overrides, metric):
+    cfg = load_run("tiny_arith_grpo", [*FILTER, *overrides, f"algorithm.filter_groups.metric={metric}"])
+    assert cfg.algorithm.filter_groups.metric == metric
+
+
+@pytest.mark.parametrize("overrides, metric, says", [
+    ([], "foo", "'foo' is no value this run's rewards give; they give 'score' (the sequence reward) and, by data "
+                "source (data.task=arith), 'acc' (arith), 'format' (arith) "
+                "[override algorithm.filter_groups.metric=foo]"),
+    ([], "accc", "'accc' is no value this run's rewards give (did you mean 'acc'?)"),
+    ([], "tool_call", "'acc' (arith), 'format' (arith) ["),  # tool_arith's part, not arith's
+    (["reward.format_weight=0.1"], "foo", "'format' (arith, reward.format_weight > 0)"),
+    (FILES, "foo", "by data source (data.train_files: any built-in data source, the files are read after load), "
+                   "'acc' (openai/gsm8k, gsm8k, arith, countdown, tool_arith), 'format' (arith), 'tool_call' "
+                   "(tool_arith), 'tool_correct' (tool_arith) [override algorithm.filter_groups.metric=foo]"),
+    (["reward.functions.countdown=my.module:score"], "foo", "'acc' (arith), 'format' (arith)"),  # not the task's
+])
+def test_a_metric_no_reward_of_the_run_gives_is_refused_at_load(overrides, metric, says):
+    with pytest.raises(ConfigError) as err:
+        load_run("tiny_arith_grpo", [*FILTER, *overrides, f"algorithm.filter_groups.metric={metric}"])
+    assert err.value.key == "algorithm.filter_groups.metric" and says in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_the_metric_of_a_config_tree_is_checked_only_with_dynamic_sampling_on():
+    tree = config_to_dict(load_run("tiny_arith_grpo"))
+    tree["algorithm"]["filter_groups"]["metric"] = "foo"
+    assert run_from_dict(tree).algorithm.filter_groups.metric == "foo"  # off: nothing reads it
+    tree["algorithm"]["filter_groups"]["enable"] = True
+    with pytest.raises(ConfigError, match=r"^algorithm\.filter_groups\.metric: 'foo' is no value"):
+        run_from_dict(tree)  # a checkpoint's config.yaml
 
 
 # ----------------------------------------------------------------- YAML that does not parse
@@ -72,6 +154,8 @@ def test_an_error_names_the_input_that_set_its_key(overrides, tag):
 # ----------------------------------------------------------------- through the command line
 #: The README rows proposed for these refusals (the test runs them as README's table does).
 ROWS = [
+    ("make train algorithm.filter_groups.enable=true algorithm.filter_groups.metric=foo",
+     "algorithm.filter_groups.metric: 'foo' is no value this run's rewards give; they give 'score'"),
     ("make train RECIPE=<recipe with an unclosed [>",
      "unclosed.yaml: invalid YAML at line 48, column 17: expected ',' or ']', but got ':'"),
     ("make train actor.tp=3", "world size must be tp*pp*cp*dp exactly [override actor.tp=3]"),
