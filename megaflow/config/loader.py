@@ -16,18 +16,21 @@ Refused as :class:`ConfigError` naming the key: an override without a value
 (``trainer.total_steps=``, most often a shell variable that expanded to nothing: null is
 written ``=null``, which passes ``make train`` and the shell unchanged) and a key
 given twice in one mapping of a recipe file (the file and both lines are named), since
-YAML would otherwise keep the second silently.
+YAML would otherwise keep the second silently. A file or an override value that is not
+valid YAML is refused on one line naming the file (or the override) and the line and
+column. An error about a key ends with the input that gave it its value
+(:func:`in_inputs`): ``[override K=V]``, ``[recipe <path>]`` or both.
 """
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from megaflow.config.overrides import key_parts, parse_value, split_override
+from megaflow.config.overrides import key_parts, parse_value, split_override, yaml_error_text
 from megaflow.config.schema import Config
 from megaflow.config.typed import ConfigError, build_section
 
@@ -91,17 +94,23 @@ def read_yaml(path: Path) -> dict[str, Any]:
     """A YAML file whose top level is a mapping (an empty file is ``{}``).
 
     Raises:
-        ConfigError: invalid YAML, a key given twice in one mapping (dotted key, file and
-            both lines named) or a top level that is not a mapping (names the file).
+        ConfigError: invalid YAML or text that is not UTF-8 (one line naming the file, the line
+            and the column: :func:`~megaflow.config.overrides.yaml_error_text`), a key given
+            twice in one mapping (dotted key, file and both lines named) or a top level that is
+            not a mapping (names the file).
     """
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError("", f"{path}: not UTF-8 text: byte {err.object[err.start]:#04x} at offset {err.start} "
+                              f"({err.reason})") from None
+    try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         if node is not None:
             _check_unique_keys(node, path)
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise ConfigError("", f"{path}: invalid YAML: {err}") from None
+        raise ConfigError("", f"{path}: invalid YAML at {yaml_error_text(err, text, file=True)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -187,21 +196,79 @@ def load_config(recipe: str | Path, overrides: Iterable[str] = ()) -> Config:
         FileNotFoundError: unknown recipe (lists the shipped ones).
         ConfigError: (a ``ValueError``) unknown key with close matches, wrong type
             (key, expected type, value) or invalid value; the message names the dotted key
-            and the recipe file.
+            and the input that set it, the recipe file or the override (:func:`in_inputs`).
     """
     path = resolve_recipe(recipe)
     tree = merge({"trainer": {"experiment_name": path.stem}}, read_yaml(path))
-    for item in overrides:
-        tree = apply_override(tree, *parse_override(item))
+    overrides = list(overrides)
+    for i, item in enumerate(overrides):
+        key, value = parse_override(item)  # its errors name the override already
+        try:
+            tree = apply_override(tree, key, value)
+        except ConfigError as err:
+            raise in_inputs(err, path, overrides[:i + 1]) from None
     try:
         return config_from_dict(tree)
     except ConfigError as err:
-        raise in_recipe(err, path) from None
+        raise in_inputs(err, path, overrides) from None
 
 
-def in_recipe(err: ConfigError, path: Path) -> ConfigError:
-    """``err`` with the recipe file named at the end of its message."""
-    return type(err)(err.key, f"{err.message} [recipe {path}]", err.related)
+def in_inputs(err: ConfigError, path: Path, overrides: Sequence[str] = ()) -> ConfigError:
+    """``err`` with the inputs that gave its key at the end of its message, so the user knows
+    which one to change: ``[override K=V]`` when command-line overrides (of ``overrides``, in
+    order) replaced the recipe's value of ``err.key`` whole; otherwise ``recipe <path>`` (the
+    recipe's value or the default, an override of a mapping merging into the recipe's)
+    after the overrides that set part of ``err.key`` or one of the keys the message refers
+    to (``err.related``), e.g. ``[override data.train_files=[a.jsonl]; recipe x.yaml]``.
+    """
+    recipe = read_yaml(path) if overrides else {}
+    setters, replaced = _overrides_of(err.key, recipe, overrides) if err.key else ([], False)
+    tags = dict.fromkeys(setters)
+    if not replaced:
+        for key in err.related:
+            tags.update(dict.fromkeys(_overrides_of(key, recipe, overrides)[0] if key else []))
+    where = [f"override {item}" for item in tags] + ([] if replaced else [f"recipe {path}"])
+    return type(err)(err.key, f"{err.message} [{'; '.join(where)}]", err.related)
+
+
+def _overrides_of(key: str, recipe: dict[str, Any], overrides: Sequence[str]) -> tuple[list[str], bool]:
+    """The overrides that give the dotted ``key`` of the ``recipe`` tree its value, in order,
+    and whether one of them replaced the value whole (an override of ``key`` or of a key
+    above it, unless it merged a mapping into a mapping; the overrides before the last such
+    one no longer count). An override of a key inside ``key`` sets part of it."""
+    setters: list[str] = []
+    replaced = False
+    tree = recipe
+    for item in overrides:
+        written, value = parse_override(item)
+        name = ".".join(key_parts(written))
+        found, given = _at({name: value}, key)
+        if found and not (isinstance(given, Mapping) and isinstance(_at(tree, key)[1], Mapping)):
+            setters, replaced = [item], True
+        elif found or name.startswith(key + "."):
+            setters.append(item)
+        try:
+            tree = apply_override(tree, written, value)
+        except ConfigError:  # the override refused (the error being tagged): no later one was applied
+            break
+    return setters, replaced
+
+
+def _at(tree: Any, key: str) -> tuple[bool, Any]:
+    """Whether the nested mappings ``tree`` hold the dotted ``key``, and its value there.
+    Mapping keys may hold dots (``reward.reward_kwargs."my.source"``): a part is matched
+    against the mapping's keys as a whole."""
+    rest, node = key, tree
+    while isinstance(node, Mapping):
+        for part, child in node.items():
+            if rest == str(part):
+                return True, child
+            if rest.startswith(f"{part}."):
+                rest, node = rest[len(str(part)) + 1:], child
+                break
+        else:
+            return False, None
+    return False, None
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:

@@ -72,9 +72,35 @@ def parse_value(key: str, raw: str) -> Any:
         node = yaml.compose(raw, Loader=yaml.SafeLoader)
         value = yaml.safe_load(raw)
     except yaml.YAMLError as err:
-        raise ConfigError(key, f"override value {raw!r} is not valid YAML: {' '.join(str(err).split())}") from None
+        raise ConfigError(key, f"override value {raw!r} is not valid YAML at {yaml_error_text(err, raw)}") from None
     _check_no_empty_entries(key, node)
     return value
+
+
+def yaml_error_text(err: yaml.YAMLError, text: str, *, file: bool = False) -> str:
+    """PyYAML's error about ``text`` on one line: where (1-based; the line too for a ``file``
+    or a ``text`` of several lines) and what, e.g. ``line 4, column 6: expected ',' or ']', but
+    got ':' (while parsing a flow sequence at line 3, column 8)``. PyYAML's own text spans
+    several lines (each mark with a snippet of the input under it)."""
+    with_line = file or "\n" in text.rstrip("\n")
+
+    def where(line: int, column: int) -> str:
+        return f"line {line + 1}, column {column + 1}" if with_line else f"column {column + 1}"
+
+    if isinstance(err, yaml.reader.ReaderError):  # a character YAML does not take: a position, no marks
+        line = text.count("\n", 0, err.position)
+        column = err.position - (text.rfind("\n", 0, err.position) + 1)
+        return f"{where(line, column)}: unacceptable character #x{err.character:04x}: {err.reason}"
+    if not isinstance(err, yaml.MarkedYAMLError):
+        return " ".join(str(err).split())
+    mark = err.problem_mark or err.context_mark
+    problem = err.problem or err.context or type(err).__name__
+    context = err.context if err.problem else None
+    out = f"{where(mark.line, mark.column)}: {problem}" if mark is not None else problem
+    if context:
+        cmark = err.context_mark
+        out += f" ({context} at {where(cmark.line, cmark.column)})" if cmark is not None else f" ({context})"
+    return out
 
 
 def _check_no_empty_entries(key: str, node: yaml.Node | None) -> None:
@@ -91,4 +117,4 @@ def _check_no_empty_entries(key: str, node: yaml.Node | None) -> None:
             _check_no_empty_entries(key, v)
 
 
-__all__ = ["split_override", "key_parts", "parse_value"]
+__all__ = ["split_override", "key_parts", "parse_value", "yaml_error_text"]

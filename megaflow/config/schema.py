@@ -316,6 +316,16 @@ class RolloutCorrectionConfig(Section):
         return self.is_level != "none" or self.rejection != "none" or self.rs is not None
 
 
+#: The per-sample parts besides "score" that each built-in rule reward returns (megaflow.rewards.registry's
+#: data sources), against which algorithm.filter_groups.metric is checked at load (megaflow.topology.validate).
+BUILTIN_REWARD_PARTS: dict[str, tuple[str, ...]] = {
+    "openai/gsm8k": ("acc",), "gsm8k": ("acc",), "arith": ("acc", "format"), "countdown": ("acc",),
+    "tool_arith": ("acc", "tool_correct", "tool_call"),
+}
+#: data.task -> the data_source of the rows it generates (megaflow.data.arith, megaflow.data.tool_arith).
+TASK_DATA_SOURCES: dict[str, str] = {"arith": "arith", "tool_arith": "tool_arith"}
+
+
 @dataclass(frozen=True)
 class FilterGroupsConfig(Section):
     """Dynamic sampling (DAPO, Yu et al. 2025, section 3.2; megaflow.trainer.dynamic_sampling):
@@ -326,7 +336,8 @@ class FilterGroupsConfig(Section):
     """Filter groups (needs a group estimator: grpo, dr_grpo, rloo, reinforce_plus_plus_baseline)."""
     metric: str = "score"
     """Per-sample value whose spread makes a group informative: 'score' (the sequence
-    reward) or a field the reward function returns (e.g. 'acc', 'format')."""
+    reward) or a field the reward function returns (e.g. 'acc', 'format'); a name no
+    built-in reward of the run's data sources returns is refused at load."""
     max_extra_rounds: int = 4
     """Generation rounds after the step's own before the batch is completed with
     uninformative groups (logged as filter_groups/cap_reached, filter_groups/padded_groups)."""
@@ -1184,6 +1195,6 @@ __all__ = [
     "RolloutConfig", "RefConfig",
     "CriticConfig", "RewardModelConfig", "RewardConfig", "TrainerConfig", "PoolConfig", "PlacementConfig",
     "ResourcesConfig", "RayConfig", "ConfigError",
-    "ADV_ESTIMATORS", "GROUP_ESTIMATORS", "KL_ESTIMATORS", "KL_LOSS_TYPES", "LOGGERS", "LOSS_AGG_MODES",
-    "POLICY_LOSSES", "ROLES",
+    "ADV_ESTIMATORS", "BUILTIN_REWARD_PARTS", "GROUP_ESTIMATORS", "KL_ESTIMATORS", "KL_LOSS_TYPES", "LOGGERS",
+    "LOSS_AGG_MODES", "POLICY_LOSSES", "ROLES", "TASK_DATA_SOURCES",
 ]

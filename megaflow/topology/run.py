@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from megaflow.config.loader import config_from_dict, in_recipe, load_config, resolve_recipe
+from megaflow.config.loader import config_from_dict, in_inputs, load_config, resolve_recipe
 from megaflow.config.overrides import split_override
 from megaflow.config.schema import Config
 from megaflow.config.typed import ConfigError
@@ -33,7 +33,9 @@ def load_run(recipe: str | Path, overrides: Iterable[str] = ()) -> Config:
         FileNotFoundError: unknown recipe (lists the shipped ones).
         ConfigError: (a ``ValueError``) unknown key with close matches, wrong type
             (key, expected type, value), invalid value or impossible topology; the
-            message names the dotted key and the recipe file.
+            message names the dotted key and the inputs that set the keys it names: the
+            recipe file, the command-line overrides
+            (:func:`~megaflow.config.loader.in_inputs`).
     """
     path = resolve_recipe(recipe)
     overrides = list(overrides)
@@ -41,7 +43,7 @@ def load_run(recipe: str | Path, overrides: Iterable[str] = ()) -> Config:
     try:
         validate_config(cfg, frozenset(".".join(split_override(item)[1]) for item in overrides))
     except ConfigError as err:
-        raise in_recipe(err, path) from None
+        raise in_inputs(err, path, overrides) from None
     return cfg
 
 

@@ -12,10 +12,11 @@ to change.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from megaflow.config.schema import GROUP_ESTIMATORS, Config
+from megaflow.config.schema import BUILTIN_REWARD_PARTS, GROUP_ESTIMATORS, TASK_DATA_SOURCES, Config
 from megaflow.config.typed import ConfigError, check
 from megaflow.topology.model_spec import ModelSpec
 from megaflow.topology.placement import pack_pools
@@ -77,6 +78,48 @@ def _check_roles(cfg: Config) -> None:
         check(cfg.rollout.n >= 2, "rollout.n",
               f"adv_estimator {algo.adv_estimator!r} compares the samples of a prompt: needs n >= 2, "
               f"got {cfg.rollout.n}")
+
+
+def _check_filter_metric(cfg: Config) -> None:
+    """``algorithm.filter_groups.metric`` (with dynamic sampling on) names a per-sample value
+    the run's rewards give (:func:`megaflow.trainer.dynamic_sampling.group_metric` looks it
+    up in each scored batch): ``score``, or a part the built-in scorer of one of the run's
+    data sources returns (:data:`~megaflow.config.schema.BUILTIN_REWARD_PARTS`), or
+    ``format`` with ``reward.format_weight`` > 0 (the format reward adds it to every scorer).
+    The run's data sources, as far as they are known at load: the one of ``data.task``;
+    with prompt files (read only by the pre-start checks), every built-in one.
+
+    Not checked here (the first step refuses the name, listing the fields of the batch): a
+    run where a scorer of ``reward.functions`` may score (that of ``data.task``'s source, or
+    any with prompt files), since user code is not imported at load and its parts may
+    depend on the response; and a scorer added in-process with
+    :func:`megaflow.rewards.register_reward`, which load does not see (give it through
+    ``reward.functions``, or filter on ``score``).
+
+    Raises:
+        ConfigError: at ``algorithm.filter_groups.metric``, naming the value and the values
+            the run's rewards give (with the data sources that give each).
+    """
+    fg = cfg.algorithm.filter_groups
+    if not fg.enable or fg.metric == "score":
+        return
+    task = cfg.data.task
+    sources = [TASK_DATA_SOURCES[task]] if task is not None else [*BUILTIN_REWARD_PARTS, *cfg.reward.functions]
+    if any(source in cfg.reward.functions for source in sources):
+        return
+    given: dict[str, list[str]] = {}
+    for source in sources:
+        for part in BUILTIN_REWARD_PARTS[source]:
+            given.setdefault(part, []).append(source)
+    if cfg.reward.format_weight > 0:
+        given.setdefault("format", []).append("reward.format_weight > 0")
+    close = difflib.get_close_matches(fg.metric, ["score", *given], n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    parts = ", ".join(f"{part!r} ({', '.join(by)})" for part, by in sorted(given.items()))
+    inputs = f"{{0}}={task}" if task is not None else "{0}: any built-in data source, the files are read after load"
+    check(fg.metric in given, "algorithm.filter_groups.metric",
+          f"{fg.metric!r} is no value this run's rewards give{hint}; they give 'score' (the sequence reward) and, by "
+          f"data source ({inputs}), {parts}", "data.task" if task is not None else "data.train_files")
 
 
 #: Feature sections with an on/off switch: (dotted section or key, the switch's dotted key, whether the
@@ -357,6 +400,7 @@ def validate_config(cfg: Config, overridden: frozenset[str] = frozenset()) -> No
     _check_pools_fit(cfg)
     _check_inputs(cfg)
     _check_roles(cfg)
+    _check_filter_metric(cfg)
     _check_inert_keys(cfg, overridden)
     _check_placement(cfg)
     _check_lora(cfg)  # before the mixture-of-experts refusal: LoRA's own reason comes first

@@ -175,7 +175,8 @@ KEYS: dict[str, Consumed | Refused] = {
         "tests/trainer/test_ppo_trainer_fake.py::test_filter_groups_trains_on_the_informative_groups_of_extra_rounds",
         "tests/trainer/test_dynamic_sampling.py::test_filter_groups_settings_that_cannot_work_are_refused_at_load"),
     "algorithm.filter_groups.metric": consumed(
-        "tests/trainer/test_dynamic_sampling.py::test_split_groups_by_the_score_and_by_a_named_field"),
+        "tests/trainer/test_dynamic_sampling.py::test_split_groups_by_the_score_and_by_a_named_field",
+        "tests/config/test_load_errors.py::test_a_metric_no_reward_of_the_run_gives_is_refused_at_load"),
     "algorithm.filter_groups.max_extra_rounds": consumed(
         "tests/trainer/test_dynamic_sampling.py::test_the_cap_completes_the_batch_with_flat_groups_and_says_so"),
     "algorithm.rollout_correction.is_level": consumed(E2E_RC + "test_cispo_with_tis_and_icepop_learns"),
