@@ -9,7 +9,7 @@ Per sync (:meth:`AdapterSync.sync`, every rank of a generation TP group in locks
    with ``mkdtemp``, mode 0700) on memory-backed storage (``/dev/shm`` where it exists). The version's files are
    removed as soon as vLLM has loaded and the contract check passed (vLLM 0.32 reads them once, in ``add_lora``,
    and keeps the tensors in memory), and also when the load fails, so a crash leaves at most the one adapter being
-   loaded; the run directory goes at :meth:`AdapterSync.close` and at interpreter exit;
+   loaded; the run directory goes at :meth:`AdapterSync.close` (see *Lifetime* below);
 2. vLLM loads it as ``LoRARequest("megaflow-v<version>", version + 1, path)``. A version synced a second time (a
    retried step) is reloaded *in place* under its id (``load_inplace=True``; vLLM 0.32 loads the new tensors first
    and replaces the old ones only when that succeeded). Generation uses a request without ``load_inplace``: vLLM
@@ -26,6 +26,21 @@ Per sync (:meth:`AdapterSync.sync`, every rank of a generation TP group in locks
    ``k + 2``: vLLM 0.32 loads a new adapter before anything is unloaded and, when full, evicts its least recently
    used one on its own, so with ``k + 1`` slots a sync that then fails would already have lost a version still
    inside the bound.
+
+Lifetime of the run directory: it is named ``megaflow-lora-<pid>-<random>`` after the process that made it
+(:func:`megaflow.launch.watchdog.temp_prefix`) and removed on every exit a process can handle:
+
+* :meth:`AdapterSync.close` (or leaving its ``with`` block, normally or by an exception);
+* a Ray worker's shutdown: the worker group calls every role's ``close`` before it kills the rank's process
+  (:meth:`megaflow.single_controller.host.WorkerHost.close_roles`; ``ray.kill`` itself ends the process with
+  ``_exit``, which skips ``atexit``), and the actor's ``close`` closes this object
+  (:meth:`megaflow.workers.weight_sync.ActorWeightSync.close`);
+* interpreter exit (``atexit``), which also covers a SIGTERM to a Ray worker (Ray turns it into ``sys.exit``).
+
+A process killed by SIGKILL (or ended by ``os._exit`` without a close) cannot remove its directory: the next
+:class:`AdapterSync` made on the machine removes the run directories whose owner pid is no longer alive
+(:func:`remove_stale_run_dirs`), never those of a live process, so two concurrent runs never delete each other's
+(as :mod:`megaflow.rollout.vllm_shm`, this assumes the processes sharing ``/dev/shm`` share one pid namespace).
 
 vLLM internals relied on (vLLM 0.32; listed in :mod:`megaflow.rollout.vllm_compat`): ``LoRARequest(lora_name,
 lora_int_id, lora_path, load_inplace)``; ``LLMEngine.add_lora / remove_lora / list_loras``; ``LLM.generate(...,
@@ -47,21 +62,53 @@ from typing import Any
 
 import torch
 
+from megaflow.launch.watchdog import temp_prefix
 from megaflow.models.hf_mapping import ModelSpec
 from megaflow.models.peft_io import PEFT_PREFIX, PeftAdapter, megatron_to_peft, write_peft_adapter
+from megaflow.rollout.vllm_shm import dead_owner_names
 
 _LORA_PARAM = re.compile(r"\.lora_[ab]\.weight$")
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 #: Memory-backed storage for the adapter files (falls back to the temp dir where it does not exist).
 SHM_ROOT = "/dev/shm"
+#: The kind in a run directory's name, ``megaflow-lora-<owner pid>-<random>`` (:func:`temp_prefix`).
+RUN_DIR_KIND = "lora"
+#: ``temp_prefix(RUN_DIR_KIND, pid)`` + mkdtemp's random part (a pid has at most 7 digits: Linux's pid_max <= 2^22).
+_RUN_DIR = re.compile(rf"^megaflow-{RUN_DIR_KIND}-(\d{{1,7}})-.+$")
 
 
 class AdapterSyncError(RuntimeError):
     """vLLM rejected an adapter or holds it differently from what was exported (the module is named)."""
 
 
-def _default_root() -> str:
+def default_root() -> str:
+    """The parent of the run directories: :data:`SHM_ROOT` where it exists and is writable, else the temp dir."""
     return SHM_ROOT if os.path.isdir(SHM_ROOT) and os.access(SHM_ROOT, os.W_OK) else tempfile.gettempdir()
+
+
+def remove_stale_run_dirs(root: str | os.PathLike) -> list[Path]:
+    """Remove the adapter run directories under ``root`` whose owner process is dead (killed by SIGKILL).
+
+    Only directories named ``megaflow-lora-<pid>-<random>`` are considered; those of a live pid (this process, a
+    concurrent run), other users' (permission denied) and any other name are left alone.
+
+    Args:
+        root: the parent of the run directories (``/dev/shm`` by default in :class:`AdapterSync`).
+
+    Returns:
+        The directories removed.
+    """
+    removed: list[Path] = []
+    for name in dead_owner_names(root, _RUN_DIR):
+        path = Path(root) / name
+        if path.is_symlink() or not path.is_dir():
+            continue
+        try:
+            shutil.rmtree(path)
+            removed.append(path)
+        except OSError:  # removed by another run first, another user's: a clean-up never stops a run
+            pass
+    return removed
 
 
 class AdapterSync:
@@ -74,7 +121,8 @@ class AdapterSync:
         alpha: LoRA alpha (scale ``alpha / rank``), the trainer's ``actor.lora.alpha``.
         staleness: versions older than the newest that must stay usable (``k``; ``k + 1`` versions are kept).
         base_model: recorded as ``base_model_name_or_path`` in each ``adapter_config.json``.
-        root: parent of the run directory (default ``/dev/shm``).
+        root: parent of the run directory (default ``/dev/shm``); stale run directories of dead processes there
+            are removed first (:func:`remove_stale_run_dirs`).
 
     Raises:
         ValueError: the engine has no LoRA, or holds fewer than ``staleness + 2`` adapters (both named), or a
@@ -94,7 +142,9 @@ class AdapterSync:
                              f"VLLMRolloutConfig.max_lora_versions={config.max_lora_versions}")
         self.rollout, self.spec, self.alpha, self.staleness = rollout, spec, float(alpha), staleness
         self.base_model = str(base_model)
-        self.directory = Path(tempfile.mkdtemp(prefix="megaflow-lora-", dir=str(root or _default_root())))
+        parent = str(root or default_root())
+        remove_stale_run_dirs(parent)
+        self.directory = Path(tempfile.mkdtemp(prefix=temp_prefix(RUN_DIR_KIND), dir=parent))
         self._requests: dict[int, Any] = {}  # version -> LoRARequest, ascending
         atexit.register(self.close)
 
@@ -179,7 +229,10 @@ class AdapterSync:
         return self._requests[version]
 
     def close(self) -> None:
-        """Remove the run directory (idempotent; also runs at interpreter exit). The engine keeps what it loaded."""
+        """Remove the run directory (idempotent; also runs at interpreter exit). The engine keeps what it loaded.
+
+        A process killed by SIGKILL cannot run this: its directory is removed by the next :class:`AdapterSync` on
+        the machine (:func:`remove_stale_run_dirs`)."""
         shutil.rmtree(self.directory, ignore_errors=True)
         atexit.unregister(self.close)
 
@@ -319,5 +372,6 @@ def check_loaded_adapter(held: Mapping[str, Any], adapter: PeftAdapter, atol: fl
                                        f"lora_B ({tuple(got_b.shape)} vs {tuple(b.shape)}, max difference {diff})")
 
 
-__all__ = ["AdapterSync", "AdapterSyncError", "SHM_ROOT", "check_loaded_adapter", "expected_vllm_slots",
-           "gather_adapter_pieces", "loaded_lora_modules", "local_adapter_tensors"]
+__all__ = ["AdapterSync", "AdapterSyncError", "SHM_ROOT", "check_loaded_adapter", "default_root",
+           "expected_vllm_slots", "gather_adapter_pieces", "loaded_lora_modules", "local_adapter_tensors",
+           "remove_stale_run_dirs"]

@@ -71,6 +71,20 @@ def _pid_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def dead_owner_names(directory: str | os.PathLike, pattern: re.Pattern[str]) -> list[str]:
+    """The entries of ``directory`` that ``pattern`` matches with a dead owner: its first group
+    is the pid of the process that made the entry, and no live process has it (:func:`_pid_alive`).
+
+    Returns:
+        The names, in directory order; none when ``directory`` does not exist.
+    """
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return [name for name in names if (match := pattern.match(name)) is not None and not _pid_alive(int(match[1]))]
+
+
 def remove_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
     """Unlink megaflow's vLLM segments whose owner process is dead.
 
@@ -82,14 +96,7 @@ def remove_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
         denied) and names not made by megaflow are left alone.
     """
     removed: list[str] = []
-    try:
-        names = os.listdir(shm_dir)
-    except FileNotFoundError:
-        return removed
-    for name in names:
-        match = _SEGMENT_RE.match(name)
-        if match is None or _pid_alive(int(match.group(1))):
-            continue
+    for name in dead_owner_names(shm_dir, _SEGMENT_RE):
         try:
             os.unlink(os.path.join(shm_dir, name))
             removed.append(name)
@@ -247,4 +254,5 @@ def prepare_engine_shm(shm_dir: str = SHM_DIR) -> EngineShm:
     return EngineShm(identity)
 
 
-__all__ = ["EngineShm", "prepare_engine_shm", "release_message_queues", "remove_stale_segments", "SHM_DIR"]
+__all__ = ["EngineShm", "dead_owner_names", "prepare_engine_shm", "release_message_queues", "remove_stale_segments",
+           "SHM_DIR"]

@@ -88,6 +88,22 @@ class WorkerHost:
                 err = self._fail(role, f"{spec.cls.__name__}.__init__")
                 raise err from None
 
+    def close_roles(self) -> list[str]:
+        """Run every role's :meth:`~megaflow.single_controller.worker.Worker.close`, the last built
+        first (the worker group calls this before it kills the process). One role's failure does
+        not stop the others.
+
+        Returns:
+            One line per role whose ``close`` raised: its place (role, rank, node, pid) and the error.
+        """
+        failures = []
+        for role in reversed(list(self._roles)):
+            try:
+                self._roles[role].close()
+            except Exception as exc:  # noqa: BLE001 - reported to the controller; the process ends anyway
+                failures.append(f"{self._where(role)}: close failed: {type(exc).__name__}: {exc}")
+        return failures
+
     def end_startup(self) -> None:
         """End the start-up's garbage-collection pause: one collection, a freeze of what
         survives, collection back on (:func:`megaflow.utils.startup_gc.resume`)."""

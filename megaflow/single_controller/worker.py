@@ -154,6 +154,12 @@ class Worker:
                              f"a mesh layout cannot change (the controller caches it)")
         infos[mesh] = info
 
+    def close(self) -> None:
+        """Release what the role holds outside its process's memory (files, directories) before
+        the worker group kills the process (:meth:`~megaflow.single_controller.host.WorkerHost.close_roles`:
+        ``ray.kill`` ends a process without ``atexit``). The base class holds nothing. An
+        override must be idempotent, quick, and safe on a role whose set-up failed half-way."""
+
     @register(Dispatch.ONE_TO_ALL)
     def get_dp_info(self, mesh: str) -> DPInfo:
         """This rank's :class:`DPInfo` for ``mesh`` (the group returns one per rank).

@@ -31,6 +31,7 @@ free port on its node), then all build their role objects with ``MASTER_ADDR``/
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -45,6 +46,10 @@ from megaflow.single_controller.resource_pool import ResourcePool
 from megaflow.single_controller.worker import Worker, WorkerMetadata
 
 _RemoteHost = ray.remote(WorkerHost)
+logger = logging.getLogger(__name__)
+#: Seconds a shutdown waits for the ranks' ``Worker.close`` before it kills them anyway (a rank
+#: still busy in a call, a hung collective say, runs the close only after it).
+CLOSE_TIMEOUT_S = 5.0
 
 
 class ClassWithInitArgs:
@@ -120,7 +125,7 @@ class _GroupCore:
             master_addr, master_port = self.metadata[0].node_ip, reports[0][1]
             get_all([h.init_roles.remote(master_addr, master_port, roles) for h in self.hosts], self.where, "__init__")
         except BaseException:
-            self.shutdown()
+            self.shutdown(close=False)  # nothing to close yet (roles hold resources from init_model on)
             raise
 
     def where_of(self, role: str, rank: int) -> str:
@@ -128,13 +133,39 @@ class _GroupCore:
         return (f"role {role!r} ({self.roles[role].cls.__name__}) rank {rank} "
                 f"(node {meta.node_ip}, pid {meta.pid})")
 
-    def shutdown(self) -> None:
+    def shutdown(self, close: bool = True) -> None:
+        """Close the roles (:func:`close_hosts`, with ``close``), then kill the ranks' processes."""
+        if close and self.hosts:
+            close_hosts(self.hosts)
         for host in self.hosts:
             ray.kill(host, no_restart=True)
         self.hosts = []
         if self._attached:
             self.pool.detach_group()
             self._attached = False
+
+
+def close_hosts(hosts: list[ray.actor.ActorHandle], timeout_s: float = CLOSE_TIMEOUT_S) -> list[str]:
+    """Run :meth:`~megaflow.single_controller.host.WorkerHost.close_roles` on every rank, waiting
+    at most ``timeout_s`` seconds for all of them; ``ray.kill`` ends a process with ``_exit``
+    (no ``atexit``), so this is where a role removes what it keeps outside its memory.
+
+    Returns:
+        The failures the ranks reported (also logged as warnings). A rank that died already, or
+        did not answer in time, reports nothing: what it left is its own clean-up's to remove
+        (the adapter sync's stale directories: :func:`~megaflow.rollout.lora_sync.remove_stale_run_dirs`).
+    """
+    refs: list[ray.ObjectRef] = [host.close_roles.remote() for host in hosts]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    failures: list[str] = []
+    for ref in ready:
+        try:
+            failures.extend(ray.get(ref))
+        except ray.exceptions.RayError:  # the rank is gone already
+            continue
+    for line in failures:
+        logger.warning("%s", line)
+    return failures
 
 
 class RayWorkerGroup:
@@ -320,7 +351,9 @@ class RayWorkerGroup:
         return self._core.hosts[rank].execute.remote(self._require_role(), method, True, *args, **kwargs)
 
     def shutdown(self) -> None:
-        """Kill the group's actors (all roles) and release its share of the resource pool."""
+        """Close every role on every rank (:meth:`~megaflow.single_controller.worker.Worker.close`,
+        at most :data:`CLOSE_TIMEOUT_S` seconds), kill the group's actors (all roles) and release
+        its share of the resource pool."""
         self._core.shutdown()
 
     def __repr__(self) -> str:

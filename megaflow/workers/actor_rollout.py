@@ -83,6 +83,13 @@ class ActorRolloutWorker(MegatronWorker):
                                 eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id)
         sync.use_engine(self.host.engine)  # the engine in this process: the sync loads it in place
 
+    def close(self) -> None:
+        """At shutdown: close the weight sync (:meth:`ActorWeightSync.close`: the adapter route's
+        run directory), if ``init_model`` got that far."""
+        sync: ActorWeightSync | None = getattr(self, "weight_sync", None)
+        if sync is not None:
+            sync.close()
+
     @register(nd_compute("actor"))
     def compute_log_prob(self, data: DataProto) -> DataProto | None:
         """``old_log_probs`` and ``entropys`` ``[B, R]`` at the rollout temperature."""

@@ -140,6 +140,13 @@ class ActorWeightSync:
         ``vllm_shapes`` (this rank's generation TP rank's)."""
         self.transport, self.vllm_shapes = transport, vllm_shapes
 
+    def close(self) -> None:
+        """Release what the sync holds outside this process's memory: on the adapter route the
+        adapters' run directory (:meth:`~megaflow.rollout.lora_sync.AdapterSync.close`). Idempotent;
+        the worker's ``close`` calls it at shutdown."""
+        if self.adapter_sync is not None:
+            self.adapter_sync.close()
+
     def actor_changed(self) -> None:
         """The actor's weights changed (an update, a checkpoint load): the next sync sends them."""
         self.actor_version += 1

@@ -127,6 +127,20 @@ class BrokenWorker(Worker):
             raise ValueError("bad config on rank 1")
 
 
+class CloseWorker(Worker):
+    """Its ``close`` appends a line to ``<marker>.<rank>``, or, with ``fail``, raises."""
+
+    def __init__(self, marker: str, fail: bool = False) -> None:
+        super().__init__()
+        self.marker, self.fail = marker, fail
+
+    def close(self) -> None:
+        if self.fail:
+            raise OSError(f"cannot release on rank {self.rank}")
+        with open(f"{self.marker}.{self.rank}", "a") as f:
+            f.write(f"closed by pid {os.getpid()}\n")
+
+
 class ThreadsWorker(Worker):
     """Reports the intra-op threads its process runs with."""
 

@@ -11,7 +11,7 @@ from megaflow.protocol import DataProto
 from megaflow.single_controller import (ClassWithInitArgs, DataProtoFuture, RayWorkerGroup, ResourcePool, WorkerError,
                                         create_colocated_worker_cls)
 from megaflow.single_controller.futures import get_all
-from single_controller_workers import BrokenWorker, GcWorker, MeshWorker, ScaleWorker, ThreadsWorker
+from single_controller_workers import BrokenWorker, CloseWorker, GcWorker, MeshWorker, ScaleWorker, ThreadsWorker
 
 pytestmark = pytest.mark.slow
 
@@ -180,6 +180,29 @@ def test_worker_errors_name_role_and_rank_without_hanging(sc_ray):
         RayWorkerGroup(pool, ClassWithInitArgs(BrokenWorker), name_prefix="broken")
     assert "bad config on rank 1" in str(info.value)
     pool.remove()
+
+
+def test_shutdown_closes_every_role_before_it_kills_the_processes(sc_ray, tmp_path, caplog):
+    """``ray.kill`` skips a process's ``atexit``: the group runs each role's ``Worker.close`` first, in every rank,
+    the other roles too when one's close fails (that failure is logged, naming role and rank), and only once."""
+    pool = ResourcePool([2], num_cpus_per_process=0.5, name_prefix="sc_close")
+    marker = str(tmp_path / "closed")
+    group = RayWorkerGroup(pool, create_colocated_worker_cls({
+        "kept": ClassWithInitArgs(CloseWorker, marker), "failing": ClassWithInitArgs(CloseWorker, "-", fail=True)}))
+    try:
+        pids = [meta.pid for meta in group.worker_metadata]
+        with caplog.at_level("WARNING", logger="megaflow.single_controller.worker_group"):
+            group.shutdown()
+            group.shutdown()  # a second shutdown has nothing left to close
+    finally:
+        pool.remove()
+    for rank, pid in enumerate(pids):
+        assert (tmp_path / f"closed.{rank}").read_text() == f"closed by pid {pid}\n"
+    failures = sorted(r.getMessage() for r in caplog.records if "close failed" in r.getMessage())
+    assert len(failures) == 2, failures
+    for rank, (line, pid) in enumerate(zip(failures, pids)):
+        assert line.startswith(f"role 'failing' (CloseWorker) rank {rank} (node ") and f"pid {pid})" in line
+        assert line.endswith(f": close failed: OSError: cannot release on rank {rank}")
 
 
 def test_unsatisfiable_pool_fails_within_its_timeout(sc_ray):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -128,3 +129,17 @@ def test_sync_serves_the_adapted_weights(lora_group):
     base = _forward(group, after, "compute_ref_log_prob", "ref_log_probs")
     moved = (after.batch["rollout_log_probs"] - base).abs()[mask.bool()].max()
     assert moved > 1e-3, f"the engine still serves the base weights (max difference {moved:.2g})"
+
+
+def test_shutdown_removes_the_adapter_run_directories(lora_group):
+    """The worker group's shutdown (``ray.kill``: no ``atexit`` in the ranks) closes the adapter sync first, so no
+    ``megaflow-lora-<pid>-*`` directory of a rank's process outlives it (runs last: it ends the module's group)."""
+    from megaflow.launch.watchdog import temp_prefix
+    from megaflow.rollout.lora_sync import default_root
+
+    group, route = lora_group
+    prefixes = tuple(temp_prefix("lora", meta.pid) for meta in group.worker_metadata)
+    dirs = [path for path in Path(default_root()).iterdir() if path.name.startswith(prefixes)]
+    assert len(dirs) == (WORLD if route == "adapter" else 0), dirs  # t_g = 1: one engine, one directory per rank
+    group.shutdown()
+    assert [path for path in dirs if path.exists()] == []
