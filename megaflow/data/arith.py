@@ -106,6 +106,8 @@ class ArithTaskConfig:
     def __post_init__(self) -> None:
         # YAML gives a list (["+"]) or a string ("+-"): store a tuple either way.
         object.__setattr__(self, "ops", tuple(self.ops))
+        if isinstance(self.operand_digits, int) and not isinstance(self.operand_digits, bool):
+            object.__setattr__(self, "operand_digits", str(self.operand_digits))  # YAML reads 123 as a number
         if self.num_train < 1 or self.num_val < 0:
             raise ValueError(
                 f"num_train must be >= 1 and num_val >= 0, got {self.num_train}, {self.num_val}"

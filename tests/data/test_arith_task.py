@@ -61,6 +61,8 @@ def test_operand_digits_keep_only_operands_written_with_them():
     assert cfg.num_distinct_problems == len(operands) ** 2 == 729
     for row in generate_arith_splits(cfg)["train"]:
         assert row["extra_info"]["a"] in operands and row["extra_info"]["b"] in operands
+    # written unquoted in YAML or on the command line (operand_digits=123), the digits arrive as a number
+    assert ArithTaskConfig(min_operand=111, max_operand=333, operand_digits=123).num_distinct_problems == 729
 
 
 @pytest.mark.parametrize("kwargs,match", [
